@@ -1,0 +1,53 @@
+"""gcore: a simple, scalable and balanced RL trainer for LLMs (after G-Core, arXiv 2507.22789).
+
+Public API: the five plugin interfaces, the built-in plugins, the configs, and ``Trainer``/``fit``.
+"""
+
+from gcore.algorithms import GRPO, Algorithm, LossScale
+from gcore.backends import TorchBackend, TrainingBackend
+from gcore.data import DataConfig
+from gcore.engines import Engine, HFEngine
+from gcore.errors import ConfigError, DataError, GcoreError, PluginError, RewardError
+from gcore.model import ModelConfig
+from gcore.placement import DynamicPlacement, PlacementPolicy, StaticPlacement, Telemetry
+from gcore.rewards import CallableReward, RegexReward, RewardModel, RuleReward, TargetCharReward
+from gcore.trainer import FitResult, Trainer, TrainerConfig, fit
+from gcore.types import Generation, Prompt, RolloutBatch, Sample, SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GRPO",
+    "Algorithm",
+    "CallableReward",
+    "ConfigError",
+    "DataConfig",
+    "DataError",
+    "DynamicPlacement",
+    "Engine",
+    "FitResult",
+    "GcoreError",
+    "Generation",
+    "HFEngine",
+    "LossScale",
+    "ModelConfig",
+    "PlacementPolicy",
+    "PluginError",
+    "Prompt",
+    "RegexReward",
+    "RewardError",
+    "RewardModel",
+    "RolloutBatch",
+    "RuleReward",
+    "Sample",
+    "SamplingParams",
+    "StaticPlacement",
+    "TargetCharReward",
+    "Telemetry",
+    "TorchBackend",
+    "Trainer",
+    "TrainerConfig",
+    "TrainingBackend",
+    "fit",
+    "__version__",
+]

@@ -1,0 +1,54 @@
+"""GRPO (DeepSeekMath, arXiv 2402.03300): group-normalised advantages, clipped ratio loss."""
+
+from __future__ import annotations
+
+import torch
+
+from gcore.algorithms.base import (
+    Algorithm,
+    KLEstimator,
+    LossAggregation,
+    clipped_surrogate,
+    group_normalize,
+    token_advantages,
+)
+from gcore.types import RolloutBatch
+
+
+class GRPO(Algorithm):
+    """Group Relative Policy Optimization.
+
+    The advantage of a sample is its reward minus the mean reward of its group (the samples of the
+    same prompt), divided by the group's std when ``scale_rewards``. The loss is PPO's clipped
+    surrogate, plus ``kl_coef`` times a KL estimate to the reference model.
+
+    Args:
+        clip_eps: clip range of the probability ratio (lower side, and upper unless ``clip_eps_high``).
+        clip_eps_high: upper clip range when it differs (DAPO's clip-higher).
+        scale_rewards: divide by the group's std (off: Dr. GRPO's unscaled advantages).
+    """
+
+    def __init__(
+        self,
+        clip_eps: float = 0.2,
+        clip_eps_high: float | None = None,
+        scale_rewards: bool = True,
+        kl_coef: float = 0.0,
+        kl_estimator: KLEstimator = "k3",
+        loss_agg: LossAggregation = "seq_mean_token_mean",
+        epochs: int = 1,
+        mini_batches: int = 1,
+    ) -> None:
+        super().__init__(kl_coef, kl_estimator, loss_agg, epochs, mini_batches)
+        self.clip_eps = clip_eps
+        self.clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+        self.scale_rewards = scale_rewards
+
+    def advantages(self, batch: RolloutBatch) -> torch.Tensor:
+        return group_normalize(batch.rewards, batch.group_ids, self.scale_rewards)
+
+    def policy_loss(self, logprobs: torch.Tensor, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+        adv = token_advantages(batch.advantages, logprobs)
+        loss, clipped, ratio = clipped_surrogate(logprobs, old, adv, self.clip_eps, self.clip_eps_high)
+        return loss, {"clip_frac": clipped, "ratio": ratio.detach()}

@@ -1,0 +1,46 @@
+"""The ``TrainingBackend`` contract: the policy's trainable shards on this rank."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+
+from gcore.algorithms.base import Algorithm
+from gcore.types import RolloutBatch
+
+
+class TrainingBackend(ABC):
+    """Holds the policy (and reference/critic when needed) and trains it.
+
+    Lifecycle: ``strategy`` tells the launcher which Fabric strategy to use; ``setup`` loads the
+    model from an HF checkpoint directory; every step calls ``compute_logprobs`` (PREPARE),
+    ``train`` (TRAIN), then ``named_weights`` to feed the engine (SYNC).
+    """
+
+    def strategy(self, world_size: int, device_type: str) -> str:
+        """The Lightning Fabric strategy this backend trains under."""
+        return "ddp" if world_size > 1 else "auto"
+
+    @abstractmethod
+    def setup(self, fabric, model_path: str, dtype: torch.dtype, trust_remote_code: bool,  # noqa: ANN001
+              algorithm: Algorithm, embedded: bool) -> None:
+        """Load the policy (and reference model if ``algorithm.needs_reference``)."""
+
+    @abstractmethod
+    def compute_logprobs(self, batch: RolloutBatch, role: Literal["policy", "reference"]) -> torch.Tensor:
+        """Per-token log-probabilities ``[B, L-1]`` of the batch's tokens under one model."""
+
+    @abstractmethod
+    def train(self, batch: RolloutBatch, algorithm: Algorithm, max_new_tokens: int) -> dict[str, float]:
+        """Run the algorithm's updates on this step's batch; return metrics (global over ranks)."""
+
+    @abstractmethod
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's full weights with HF names, for the engine."""
+
+    @abstractmethod
+    def save_pretrained(self, path: str) -> None:
+        """Write the policy as an HF checkpoint (called on rank 0)."""

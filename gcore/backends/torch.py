@@ -1,0 +1,209 @@
+"""``torch`` backend: a transformers model trained under Lightning Fabric (DDP on CPU and GPU)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+
+from gcore.algorithms.base import Algorithm, LossScale
+from gcore.backends.base import TrainingBackend
+from gcore.types import RolloutBatch
+
+
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability ``[B, L-1]`` of each next token and the entropy of each next-token distribution."""
+    logits = logits[:, :-1].float()
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return chosen, entropy
+
+
+class TorchBackend(TrainingBackend):
+    """Trains an HF causal LM with AdamW under Fabric.
+
+    Args:
+        lr: learning rate; ``None`` picks 1e-6 for a checkpoint given with ``--model.path`` and
+            5e-3 for the embedded tiny model.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        max_grad_norm: clip the global gradient norm to this (0: no clipping).
+        micro_batch_size: sequences per forward/backward pass (gradients accumulate).
+        warmup_steps: linear learning-rate warm-up, in optimizer steps.
+        gradient_checkpointing: trade compute for memory in the policy's forward pass.
+    """
+
+    def __init__(
+        self,
+        lr: float | None = None,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        max_grad_norm: float = 1.0,
+        micro_batch_size: int = 32,
+        warmup_steps: int = 0,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        if micro_batch_size < 1:
+            raise ValueError("micro_batch_size must be >= 1")
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.betas = tuple(betas)
+        self.max_grad_norm = max_grad_norm
+        self.micro_batch_size = micro_batch_size
+        self.warmup_steps = warmup_steps
+        self.gradient_checkpointing = gradient_checkpointing
+        self.fabric = None
+        self.policy = None  # the Fabric-wrapped module that trains
+        self.hf_model = None  # the same parameters, unwrapped, with HF names
+        self.reference = None
+        self.optimizer = None
+        self.scheduler = None
+
+    def setup(self, fabric, model_path: str, dtype: torch.dtype, trust_remote_code: bool,  # noqa: ANN001
+              algorithm: Algorithm, embedded: bool) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.fabric = fabric
+        load = dict(dtype=dtype, trust_remote_code=trust_remote_code)
+        self.hf_model = AutoModelForCausalLM.from_pretrained(model_path, **load)
+        if self.gradient_checkpointing:
+            self.hf_model.gradient_checkpointing_enable()
+        self.hf_model.train()
+        lr = self.lr if self.lr is not None else (5e-3 if embedded else 1e-6)
+        optimizer = torch.optim.AdamW(
+            self.hf_model.parameters(), lr=lr, betas=self.betas, weight_decay=self.weight_decay
+        )
+        self.policy, self.optimizer = fabric.setup(self.hf_model, optimizer)
+        warmup = self.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        )
+        if algorithm.needs_reference:
+            reference = AutoModelForCausalLM.from_pretrained(model_path, **load)
+            reference.eval().requires_grad_(False)
+            self.reference = fabric.to_device(reference)
+
+    # PREPARE ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RolloutBatch, role: Literal["policy", "reference"]) -> torch.Tensor:
+        model = self.policy if role == "policy" else self.reference
+        if model is None:
+            raise RuntimeError(f"no {role} model: it was not set up")
+        out = torch.zeros_like(batch.response_mask)
+        for rows in torch.arange(len(batch)).split(self.micro_batch_size):
+            micro = batch.select(rows)
+            logits = model(
+                input_ids=self.fabric.to_device(micro.input_ids),
+                attention_mask=self.fabric.to_device(micro.attention_mask),
+            ).logits
+            logprobs, _ = token_logprobs(logits, self.fabric.to_device(micro.input_ids), batch.temperature)
+            out[rows, : logprobs.shape[1]] = logprobs.cpu() * micro.response_mask
+        return out
+
+    # TRAIN -----------------------------------------------------------------------------------
+
+    def _global_sum(self, value: float) -> float:
+        if self.fabric.world_size == 1:
+            return float(value)
+        return float(self.fabric.all_reduce(torch.tensor(float(value)), reduce_op="sum"))
+
+    def _global_max(self, value: int) -> int:
+        if self.fabric.world_size == 1:
+            return int(value)
+        return int(self.fabric.all_reduce(torch.tensor(float(value)), reduce_op="max"))
+
+    def train(self, batch: RolloutBatch, algorithm: Algorithm, max_new_tokens: int) -> dict[str, float]:
+        fabric, world = self.fabric, self.fabric.world_size
+        sums: dict[str, float] = {}
+        optimizer_steps = skipped = 0
+        generator = torch.Generator().manual_seed(int(batch.input_ids.sum()) % (2**31))
+        for epoch in range(algorithm.epochs):
+            order = torch.randperm(len(batch), generator=generator) if epoch > 0 else torch.arange(len(batch))
+            for rows in torch.tensor_split(order, algorithm.mini_batches):
+                stats = self._train_mini_batch(batch, rows, algorithm, max_new_tokens, world)
+                grad_norm = fabric.clip_gradients(
+                    self.policy, self.optimizer, max_norm=self.max_grad_norm or math.inf, error_if_nonfinite=False
+                )
+                grad_norm = float(grad_norm)
+                loss_is_finite = self._global_sum(0.0 if math.isfinite(stats["loss"]) else 1.0) == 0
+                if math.isfinite(grad_norm) and loss_is_finite:
+                    self.optimizer.step()
+                    self.scheduler.step()
+                else:
+                    skipped += 1  # a non-finite loss or gradient skips the update (same on every rank)
+                self.optimizer.zero_grad(set_to_none=True)
+                optimizer_steps += 1
+                stats["grad_norm"] = grad_norm
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0.0) + value
+        metrics = {key: value / optimizer_steps for key, value in sums.items()}
+        metrics["skipped_updates"] = float(skipped)
+        metrics["lr"] = float(self.scheduler.get_last_lr()[0])
+        return metrics
+
+    def _train_mini_batch(
+        self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm, max_new_tokens: int, world: int
+    ) -> dict[str, float]:
+        """Accumulate the gradients of one mini-batch over micro-batches; returns its global metrics."""
+        fabric = self.fabric
+        mask_rows = batch.response_mask[rows]
+        scale = LossScale(
+            tokens=self._global_sum(mask_rows.sum().item()),
+            sequences=self._global_sum(len(rows)),
+            max_length=float(max_new_tokens),
+        )
+        micro_rows = list(rows.split(self.micro_batch_size)) or [torch.tensor([], dtype=torch.long)]
+        n_micro = self._global_max(len(micro_rows))  # every rank runs as many backward passes
+        local: dict[str, float] = {}
+        for i in range(n_micro):
+            real = i < len(micro_rows) and len(micro_rows[i]) > 0
+            micro = batch.select(micro_rows[i] if real else torch.tensor([0]))
+            with fabric.no_backward_sync(self.policy, enabled=i < n_micro - 1):
+                logits = self.policy(
+                    input_ids=fabric.to_device(micro.input_ids),
+                    attention_mask=fabric.to_device(micro.attention_mask),
+                ).logits
+                logprobs, entropy = token_logprobs(logits, fabric.to_device(micro.input_ids), batch.temperature)
+                micro = _to_device(micro, fabric)
+                loss, shares = algorithm.loss(logprobs, micro, scale)
+                if not real:
+                    loss = loss * 0.0  # a rank with fewer micro-batches still joins the gradient all-reduce
+                fabric.backward(loss * world)  # DDP averages over ranks; the loss is already a global sum
+            if real:
+                shares["entropy"] = (entropy.detach() * micro.response_mask).sum() / max(scale.tokens, 1.0)
+                shares["loss"] = loss.detach()
+                for key, value in shares.items():
+                    local[key] = local.get(key, 0.0) + float(value)
+        keys = sorted(set(local) | {"loss", "entropy"})
+        if world > 1:
+            values = fabric.all_reduce(torch.tensor([local.get(k, 0.0) for k in keys]), reduce_op="sum")
+            return dict(zip(keys, values.tolist()))
+        return {k: local.get(k, 0.0) for k in keys}
+
+    # SYNC and SAVE ---------------------------------------------------------------------------
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.hf_model.state_dict().items():
+            yield name, tensor.detach()
+
+    def save_pretrained(self, path: str) -> None:
+        self.hf_model.save_pretrained(path)
+
+
+def _to_device(batch: RolloutBatch, fabric) -> RolloutBatch:  # noqa: ANN001
+    from dataclasses import fields, replace
+
+    moved = {
+        f.name: fabric.to_device(getattr(batch, f.name))
+        for f in fields(batch)
+        if isinstance(getattr(batch, f.name), torch.Tensor)
+    }
+    return replace(batch, **moved)

@@ -1,0 +1,177 @@
+"""One SPMD controller: the step of DESIGN.md section 2 for this rank's shard of prompts.
+
+Every rank runs the same ``Controller.step``. A controller generates, scores and prepares its own
+samples; it meets the other controllers only in collectives (global statistics, the gradient
+all-reduce inside the backend, and the step's telemetry).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from gcore.algorithms.base import Algorithm
+from gcore.backends.base import TrainingBackend
+from gcore.engines.base import Engine
+from gcore.placement.base import PlacementPolicy, Telemetry
+from gcore.rewards.base import RewardModel
+from gcore.types import Prompt, Sample, SamplingParams, collate
+
+STAGES = ("generate", "reward", "swap", "prepare", "train", "sync")
+
+
+class StageTimer:
+    """Wall-clock seconds per stage of one step."""
+
+    def __init__(self, on_stage: Callable[[str], None] | None = None) -> None:
+        self.seconds: dict[str, float] = {}
+        self.on_stage = on_stage
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        if self.on_stage:
+            self.on_stage(stage)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+
+@dataclass
+class Controller:
+    """Runs the stages for one rank; the trainer calls ``step`` once per training step."""
+
+    fabric: object  # lightning.fabric.Fabric
+    engine: Engine
+    reward: RewardModel
+    algorithm: Algorithm
+    backend: TrainingBackend
+    placement: PlacementPolicy
+    tokenizer: object
+    sampling: SamplingParams
+
+    def step(self, step: int, prompts: list[Prompt], on_stage: Callable[[str], None] | None = None) -> dict[str, float]:
+        timer = StageTimer(on_stage)
+        step_start = time.perf_counter()
+
+        # GENERATE: n samples per prompt from the rollout engine
+        with timer("generate"):
+            self.placement.before_generate(self.engine)
+            outputs = self.engine.generate([p.token_ids for p in prompts], self.sampling)
+        samples = [
+            Sample(
+                prompt=prompt,
+                group=group,
+                response_ids=g.token_ids,
+                response_logprobs=g.logprobs,
+                response_text=self.tokenizer.decode(g.token_ids, skip_special_tokens=True),
+                finished=g.finished,
+            )
+            for group, (prompt, generations) in enumerate(zip(prompts, outputs))
+            for g in generations
+        ]
+
+        # REWARD: score every sample, then let the algorithm shape it
+        with timer("reward"):
+            raw = self.reward.score(samples)
+            for sample, value in zip(samples, raw):
+                sample.reward_info["raw"] = value
+                sample.reward = value
+                sample.reward = float(self.algorithm.shape_reward(sample))
+        with timer("swap"):
+            self.placement.after_generate(self.engine)
+
+        # FILTER: the algorithm may drop whole groups
+        kept = self._keep_groups(samples)
+
+        # PREPARE: padded batch, log-probabilities the loss needs, advantages
+        with timer("prepare"):
+            batch = collate(kept or samples[:1], self.tokenizer.pad_token_id, self.sampling.temperature)
+            if not kept:
+                batch.response_mask.zero_()  # nothing to learn from: join the collectives with zero weight
+            if self.algorithm.needs_old_logprobs:
+                batch.old_logprobs = self.backend.compute_logprobs(batch, "policy")
+            if self.algorithm.needs_reference:
+                batch.ref_logprobs = self.backend.compute_logprobs(batch, "reference")
+            batch.advantages = self.algorithm.advantages(batch)
+
+        # TRAIN: the algorithm's loss, gradients all-reduced over every rank
+        with timer("train"):
+            train_metrics = self.backend.train(batch, self.algorithm, self.sampling.max_new_tokens)
+
+        # SYNC: the new weights go to the rollout engine
+        with timer("sync"):
+            synced_bytes = self.engine.update_weights(self.backend.named_weights())
+
+        timer.seconds["step"] = time.perf_counter() - step_start
+        metrics = self._global_sample_metrics(samples, len(kept))
+        metrics.update(train_metrics)
+        metrics.update(self._telemetry(step, timer.seconds))
+        metrics["sync/gb_per_s"] = synced_bytes / 1e9 / max(timer.seconds["sync"], 1e-9)
+        metrics["sync/gb"] = synced_bytes / 1e9
+        return metrics
+
+    def _keep_groups(self, samples: list[Sample]) -> list[Sample]:
+        groups: dict[int, list[Sample]] = {}
+        for sample in samples:
+            groups.setdefault(sample.group, []).append(sample)
+        kept = []
+        for members in groups.values():
+            if self.algorithm.keep_group(torch.tensor([s.reward for s in members])):
+                kept.extend(members)
+        return kept
+
+    def _global_sample_metrics(self, samples: list[Sample], kept: int) -> dict[str, float]:
+        """Reward and length statistics over every rank's samples (one all-reduce)."""
+        raw = torch.tensor([s.reward_info["raw"] for s in samples], dtype=torch.float64)
+        lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+        local = torch.tensor([
+            len(samples),
+            raw.sum(),
+            raw.pow(2).sum(),
+            lengths.sum(),
+            sum(not s.finished for s in samples),
+            kept,
+            getattr(self.reward, "last_errors", 0),
+        ], dtype=torch.float64)
+        total = self._all_reduce(local, "sum")
+        count = max(float(total[0]), 1.0)
+        mean = float(total[1]) / count
+        var = max(float(total[2]) / count - mean * mean, 0.0)
+        local_max = torch.tensor([lengths.max() if len(lengths) else 0.0], dtype=torch.float64)
+        return {
+            "reward/mean": mean,
+            "reward/std": var**0.5,
+            "reward/errors": float(total[6]),
+            "response_length/mean": float(total[3]) / count,
+            "response_length/max": float(self._all_reduce(local_max, "max")[0]),
+            "response/truncated_frac": float(total[4]) / count,
+            "samples/total": float(total[0]),
+            "samples/trained": float(total[5]),
+        }
+
+    def _telemetry(self, step: int, seconds: dict[str, float]) -> dict[str, float]:
+        """Every rank's stage times; logged as the slowest rank's, with the imbalance between ranks."""
+        names = (*STAGES, "step")
+        local = torch.tensor([seconds.get(s, 0.0) for s in names], dtype=torch.float64)
+        if self.fabric.world_size > 1:
+            gathered = self.fabric.all_gather(local).reshape(self.fabric.world_size, len(names))
+        else:
+            gathered = local.unsqueeze(0)
+        per_rank = [dict(zip(names, row.tolist())) for row in gathered]
+        updates = self.placement.update(Telemetry(step, per_rank))
+        metrics = {f"time/{name}": float(gathered[:, i].max()) for i, name in enumerate(names)}
+        busy = gathered[:, names.index("step")]
+        metrics["time/imbalance"] = float(busy.max() / busy.mean().clamp(min=1e-9))
+        metrics.update({f"placement/{k}": v for k, v in updates.items()})
+        return metrics
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        if self.fabric.world_size == 1:
+            return tensor
+        return self.fabric.all_reduce(tensor, reduce_op=op)

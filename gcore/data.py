@@ -1,0 +1,152 @@
+"""Prompt datasets: reading jsonl/parquet files, tokenizing once, and each step's shard per rank."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from gcore.errors import DataError
+from gcore.tasks import target_char_rows
+from gcore.types import Prompt
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from and how many each step takes.
+
+    Args:
+        path: a ``.jsonl`` or ``.parquet`` file of prompts. Unset: the embedded synthetic task.
+        prompt_key: the column holding the prompt text.
+        answer_key: the column holding the reference answer (optional per row).
+        prompt_template: a format string applied to each prompt, e.g. ``"Q: {prompt}\\nA:"``.
+        prompts_per_step: prompts per training step over all controllers (each yields ``sampling.n``
+            samples).
+        shuffle: reshuffle the prompts every epoch.
+        num_synthetic_prompts: size of the embedded task's prompt set.
+    """
+
+    path: str | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    prompt_template: str = "{prompt}"
+    prompts_per_step: int = 16
+    shuffle: bool = True
+    num_synthetic_prompts: int = 1000
+
+
+def read_rows(path: str) -> list[tuple[dict, str]]:
+    """Rows of a jsonl or parquet file, each with its source (``file:line``)."""
+    if not os.path.exists(path):
+        raise DataError(f"--data.path {path}: no such file")
+    if os.path.isdir(path):
+        raise DataError(f"--data.path {path}: is a directory; expected a .jsonl or .parquet file")
+    if path.endswith((".jsonl", ".json")):
+        rows = []
+        try:
+            with open(path, encoding="utf-8") as f:
+                for line_no, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as err:
+                        raise DataError(f"{path}:{line_no}: malformed JSON line: {err.msg}") from None
+                    if not isinstance(row, dict):
+                        raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+                    rows.append((row, f"{path}:{line_no}"))
+        except (OSError, UnicodeDecodeError) as err:
+            raise DataError(f"--data.path {path}: cannot read: {err}") from None
+        return rows
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path)
+        except Exception as err:
+            raise DataError(f"--data.path {path}: cannot read parquet: {err}") from None
+        return [(row, f"{path}:row {i + 1}") for i, row in enumerate(table.to_pylist())]
+    raise DataError(f"--data.path {path}: unknown format; expected .jsonl or .parquet")
+
+
+def load_prompts(config: DataConfig, tokenizer, max_new_tokens: int, context: int | None) -> list[Prompt]:  # noqa: ANN001
+    """Read, template and tokenize every prompt; reject rows that cannot be used."""
+    if config.path is None:
+        rows = [(row, f"<embedded>:{i + 1}") for i, row in enumerate(target_char_rows(config.num_synthetic_prompts))]
+    else:
+        rows = read_rows(config.path)
+    if not rows:
+        raise DataError(f"--data.path {config.path or '<embedded>'}: the dataset is empty")
+    prompts = []
+    for index, (row, source) in enumerate(rows):
+        if config.prompt_key not in row:
+            raise DataError(
+                f"{source}: no {config.prompt_key!r} key (keys: {', '.join(map(str, row)) or 'none'}); "
+                "set --data.prompt_key"
+            )
+        raw = row[config.prompt_key]
+        if not isinstance(raw, str) or not raw:
+            raise DataError(f"{source}: {config.prompt_key!r} must be a non-empty string")
+        try:
+            text = config.prompt_template.format(prompt=raw)
+        except (KeyError, IndexError, ValueError) as err:
+            raise DataError(f"--data.prompt_template {config.prompt_template!r}: {err}") from None
+        token_ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+        if not token_ids:
+            raise DataError(f"{source}: the prompt tokenizes to nothing")
+        if context is not None and len(token_ids) + max_new_tokens > context:
+            raise DataError(
+                f"{source}: prompt of {len(token_ids)} tokens + {max_new_tokens} new tokens exceeds the "
+                f"model's context of {context} tokens"
+            )
+        answer = row.get(config.answer_key)
+        prompts.append(Prompt(index, text, token_ids, None if answer is None else str(answer), source))
+    return prompts
+
+
+class PromptSampler:
+    """Each step's prompts for one rank: an epoch-wise shuffled order, dealt out over the ranks.
+
+    Every prompt is used once per epoch; the step's global batch is split so that each prompt goes
+    to exactly one rank. ``state_dict`` holds the position so a resumed run continues where it was.
+    """
+
+    def __init__(self, num_prompts: int, per_step: int, rank: int, world_size: int, seed: int, shuffle: bool) -> None:
+        if per_step < world_size:
+            raise DataError(f"--data.prompts_per_step {per_step} is smaller than the {world_size} controllers")
+        self.num_prompts, self.per_step = num_prompts, per_step
+        self.rank, self.world_size = rank, world_size
+        self.seed, self.shuffle = seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_prompts))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_prompts, generator=generator).tolist()
+
+    def next_global(self) -> list[int]:
+        """The whole step's prompt indices (the same on every rank)."""
+        chosen = []
+        while len(chosen) < self.per_step:
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._epoch_order(self.epoch)
+            take = min(self.per_step - len(chosen), len(self._order) - self.position)
+            chosen.extend(self._order[self.position : self.position + take])
+            self.position += take
+        return chosen
+
+    def shard(self, indices: list[int]) -> list[int]:
+        """This rank's part of a step's indices."""
+        return indices[self.rank :: self.world_size]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._epoch_order(self.epoch)

@@ -1,0 +1,40 @@
+"""The rollout ``Engine`` contract."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from gcore.types import Generation, SamplingParams
+
+
+class Engine(ABC):
+    """Generates ``n`` completions per prompt, with the log-probability of every sampled token.
+
+    Lifecycle: ``setup`` loads the model from an HF checkpoint directory; ``generate`` is called
+    once or more per step; ``update_weights`` receives the trainer's new weights after each
+    optimizer step; ``sleep``/``wake_up`` release and retake device memory when placement asks.
+    """
+
+    @abstractmethod
+    def setup(self, model_path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool) -> None:
+        """Load the model from ``model_path`` onto ``device``."""
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+        """For each prompt (token ids) return ``params.n`` generations."""
+
+    @abstractmethod
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load new weights (HF parameter names); return the number of bytes received."""
+
+    def sleep(self) -> None:
+        """Release device memory until ``wake_up`` (no-op by default)."""
+
+    def wake_up(self) -> None:
+        """Take device memory back after ``sleep`` (no-op by default)."""
+
+    def shutdown(self) -> None:
+        """Free everything; the engine is not used again."""

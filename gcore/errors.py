@@ -1,0 +1,23 @@
+"""User-facing errors: one clear line, no traceback dump, at the CLI."""
+
+from __future__ import annotations
+
+
+class GcoreError(Exception):
+    """An error caused by the user's input or environment, reported as one line by the CLI."""
+
+
+class ConfigError(GcoreError):
+    """A bad option, plugin name or value."""
+
+
+class DataError(GcoreError):
+    """A dataset that cannot be read; the message names the file and line."""
+
+
+class RewardError(GcoreError):
+    """A reward function raised on a sample; the message names the sample."""
+
+
+class PluginError(GcoreError):
+    """A plugin that could not be found or imported."""

@@ -1,0 +1,142 @@
+"""The policy model and tokenizer: a local HF checkpoint, or the embedded tiny default."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from gcore.errors import ConfigError
+
+CHAR_TOKENIZER = Path(__file__).parent / "assets" / "char_tokenizer.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    """The policy model.
+
+    Args:
+        path: a local HF checkpoint directory (model and tokenizer). Unset: build the embedded tiny
+            Qwen2-style model from the fields below, with the shipped character tokenizer.
+        trust_remote_code: allow the checkpoint's own Python code to run.
+        dtype: parameter dtype of the trainer's and engine's copies.
+        hidden_size: embedded model only.
+        num_hidden_layers: embedded model only.
+        num_attention_heads: embedded model only.
+        num_key_value_heads: embedded model only.
+        intermediate_size: embedded model only.
+        max_position_embeddings: embedded model only: its context length.
+    """
+
+    path: str | None = None
+    trust_remote_code: bool = False
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 256
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def embedded(self) -> bool:
+        return self.path is None
+
+
+def char_tokenizer():
+    """The embedded character-level tokenizer (a ``PreTrainedTokenizerFast``)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(CHAR_TOKENIZER),
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def build_tiny_model(config: ModelConfig, tokenizer, seed: int):  # noqa: ANN001
+    """A randomly initialised Qwen2-style causal LM; the same weights for the same seed."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hf_config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        intermediate_size=config.intermediate_size,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = Qwen2ForCausalLM(hf_config)
+    finally:
+        torch.random.set_rng_state(state)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model.to(config.torch_dtype)
+
+
+def load_tokenizer(config: ModelConfig):  # noqa: ANN201
+    """The tokenizer of ``config.path`` (or the embedded one), with a pad token and left padding."""
+    if config.embedded:
+        return char_tokenizer()
+    from transformers import AutoTokenizer
+
+    _check_path(config.path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
+    except Exception as err:
+        raise ConfigError(f"--model.path {config.path}: cannot load a tokenizer: {type(err).__name__}: {err}") from err
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def _check_path(path: str) -> None:
+    if not os.path.isdir(path):
+        raise ConfigError(f"--model.path {path!r} is not a directory (expected a local HF checkpoint)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"--model.path {path!r} has no config.json: not an HF checkpoint directory")
+
+
+def materialize(config: ModelConfig, tokenizer, seed: int, workdir: str) -> str:  # noqa: ANN001
+    """The HF checkpoint directory that trainer and engine load from.
+
+    For the embedded model, builds it with ``seed`` and writes it (with its tokenizer) under
+    ``workdir``, so that every engine loads weights the same way: from a directory.
+    """
+    if not config.embedded:
+        _check_path(config.path)
+        return config.path
+    model = build_tiny_model(config, tokenizer, seed)
+    os.makedirs(workdir, exist_ok=True)
+    model.save_pretrained(workdir)
+    tokenizer.save_pretrained(workdir)
+    return workdir
+
+
+def context_length(model_path: str, trust_remote_code: bool) -> int | None:
+    """The model's maximum sequence length, read from its config."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    return getattr(config, "max_position_embeddings", None)

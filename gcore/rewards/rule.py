@@ -1,0 +1,101 @@
+"""Rule-based rewards: the embedded task's reward, regular expressions, and any Python callable."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from gcore.errors import ConfigError
+from gcore.rewards.base import RuleReward
+from gcore.types import Sample
+
+
+class TargetCharReward(RuleReward):
+    """The embedded task: the share of ``length`` response characters equal to the answer.
+
+    The prompt names a character (``answer``); the reward is ``count / length``, capped at 1, so a
+    response that stops early scores less than one that fills all ``length`` characters.
+    """
+
+    def __init__(self, length: int = 16, on_error: Literal["raise", "zero"] = "raise") -> None:
+        super().__init__(on_error)
+        if length <= 0:
+            raise ValueError("length must be positive")
+        self.length = length
+
+    def score_one(self, sample: Sample) -> float:
+        if not sample.prompt.answer:
+            raise ValueError("target_char needs an 'answer' (the target character) for every prompt")
+        return min(sample.response_text.count(sample.prompt.answer[0]), self.length) / self.length
+
+
+class RegexReward(RuleReward):
+    """``match_score`` when the response matches ``pattern`` (``re.search``), else ``miss_score``.
+
+    A ``{answer}`` placeholder in the pattern is replaced by the escaped reference answer.
+    """
+
+    def __init__(
+        self,
+        pattern: str,
+        match_score: float = 1.0,
+        miss_score: float = 0.0,
+        on_error: Literal["raise", "zero"] = "raise",
+    ) -> None:
+        super().__init__(on_error)
+        try:
+            re.compile(pattern.replace("{answer}", "x"))
+        except re.error as err:
+            raise ConfigError(f"--reward.pattern {pattern!r} is not a valid regular expression: {err}") from err
+        self.pattern, self.match_score, self.miss_score = pattern, match_score, miss_score
+
+    def score_one(self, sample: Sample) -> float:
+        pattern = self.pattern
+        if "{answer}" in pattern:
+            pattern = pattern.replace("{answer}", re.escape(sample.prompt.answer or ""))
+        return self.match_score if re.search(pattern, sample.response_text) else self.miss_score
+
+
+def load_callable(spec: str) -> Callable:
+    """Import ``pkg.module:function`` or ``path/to/file.py:function``."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"--reward.function {spec!r}: expected 'package.module:function' or 'file.py:function'")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise ConfigError(f"--reward.function: file {module_name} does not exist")
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        fn = getattr(module, attr)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(f"--reward.function {spec!r} cannot be loaded: {type(err).__name__}: {err}") from err
+    if not callable(fn):
+        raise ConfigError(f"--reward.function {spec!r} is not callable")
+    return fn
+
+
+class CallableReward(RuleReward):
+    """Any Python function ``fn(prompt: str, response: str, answer: str | None) -> float``.
+
+    Args:
+        function: ``package.module:function`` or ``path/to/file.py:function``.
+    """
+
+    def __init__(self, function: str, on_error: Literal["raise", "zero"] = "raise") -> None:
+        super().__init__(on_error)
+        self.function = function
+        self._fn = load_callable(function)
+
+    def score_one(self, sample: Sample) -> float:
+        return self._fn(sample.prompt.text, sample.response_text, sample.prompt.answer)

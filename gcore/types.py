@@ -1,0 +1,130 @@
+"""The data that flows between the stages of a step (DESIGN.md section 2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Prompt:
+    """One prompt of the dataset, tokenized once at load time."""
+
+    index: int  # row in the dataset (stable across epochs and ranks)
+    text: str
+    token_ids: list[int]
+    answer: str | None = None
+    source: str = ""  # "file:line", for error messages
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SamplingParams:
+    """How an engine samples completions."""
+
+    n: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Generation:
+    """One completion from an engine: sampled tokens and their log-probabilities."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool  # True when it ended on a stop token, False when cut at max_new_tokens
+
+
+@dataclass
+class Sample:
+    """One completion of one prompt as it moves through reward, filtering and training."""
+
+    prompt: Prompt
+    group: int  # samples of the same prompt in the same step share a group id
+    response_ids: list[int]
+    response_logprobs: list[float]
+    response_text: str
+    finished: bool
+    reward: float = 0.0
+    reward_info: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutBatch:
+    """A padded tensor view of a list of samples, ready for the training backend.
+
+    Sequences are prompt + response, right-padded to one length ``L``. Per-token tensors have
+    shape ``[B, L-1]``: position ``t`` holds the prediction of token ``t+1``; ``response_mask`` is 1
+    exactly where that token belongs to the response.
+    """
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    response_mask: torch.Tensor  # [B, L-1] float
+    rewards: torch.Tensor  # [B]
+    group_ids: torch.Tensor  # [B]
+    engine_logprobs: torch.Tensor  # [B, L-1] logprobs reported by the engine (0 off-response)
+    temperature: float = 1.0
+    old_logprobs: torch.Tensor | None = None  # [B, L-1] before this step's updates
+    ref_logprobs: torch.Tensor | None = None  # [B, L-1] under the reference model
+    values: torch.Tensor | None = None  # [B, L-1] critic values (PPO)
+    advantages: torch.Tensor | None = None  # [B] or [B, L-1]
+    returns: torch.Tensor | None = None  # [B, L-1] (PPO)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, index: torch.Tensor | slice) -> RolloutBatch:
+        """Rows ``index`` of every tensor field, trimmed to the longest remaining sequence."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value[index] if isinstance(value, torch.Tensor) else value
+        sub = RolloutBatch(**out)
+        length = int(sub.attention_mask.sum(-1).max().item()) if len(sub) else 1
+        return sub.trim(max(length, 2))
+
+    def trim(self, length: int) -> RolloutBatch:
+        """Drop padding columns beyond ``length`` tokens."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and value.dim() == 2:
+                cut = length if value.shape[1] == self.input_ids.shape[1] else length - 1
+                value = value[:, :cut]
+            out[f.name] = value
+        return RolloutBatch(**out)
+
+
+def collate(samples: list[Sample], pad_id: int, temperature: float) -> RolloutBatch:
+    """Pad samples into a ``RolloutBatch`` (right padding)."""
+    if not samples:
+        raise ValueError("cannot collate an empty list of samples")
+    lengths = [len(s.prompt.token_ids) + len(s.response_ids) for s in samples]
+    length = max(max(lengths), 2)
+    batch = len(samples)
+    input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, length), dtype=torch.long)
+    response_mask = torch.zeros((batch, length - 1))
+    engine_logprobs = torch.zeros((batch, length - 1))
+    for row, s in enumerate(samples):
+        p, r = len(s.prompt.token_ids), len(s.response_ids)
+        input_ids[row, : p + r] = torch.tensor(s.prompt.token_ids + s.response_ids, dtype=torch.long)
+        attention_mask[row, : p + r] = 1
+        response_mask[row, p - 1 : p + r - 1] = 1.0
+        engine_logprobs[row, p - 1 : p + r - 1] = torch.tensor(s.response_logprobs, dtype=torch.float)
+    return RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float),
+        group_ids=torch.tensor([s.group for s in samples], dtype=torch.long),
+        engine_logprobs=engine_logprobs,
+        temperature=temperature,
+    )
