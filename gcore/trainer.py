@@ -190,11 +190,11 @@ class Trainer:
         bar = _progress(c.max_steps, enabled=c.enable_progress_bar and rank == 0)
         for step in range(c.max_steps):
             shard = [prompts[i] for i in sampler.shard(sampler.next_global())]
-            metrics = controller.step(step, shard, on_stage=lambda stage: bar.set_description(stage))
+            metrics = controller.step(step, shard, on_stage=lambda stage: bar.set_description(stage, refresh=False))
             metrics["step"] = float(step)
             fabric.log_dict(metrics, step=step)
             history.append(metrics)
-            bar.set_description("done")
+            bar.set_description("step", refresh=False)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s=f"{metrics['time/step']:.2f}")
             bar.update(1)
         bar.close()

@@ -22,7 +22,16 @@ class Prompt:
 
 @dataclass
 class SamplingParams:
-    """How an engine samples completions."""
+    """How an engine samples completions.
+
+    Args:
+        n: completions per prompt (the group size of GRPO/DAPO).
+        max_new_tokens: the generation budget per completion.
+        temperature: sampling temperature; the trainer's log-probabilities use the same one.
+        top_p: nucleus sampling threshold (1 disables it).
+        top_k: sample among the k likeliest tokens (0 disables it).
+        stop_token_ids: extra token ids that end a completion (the tokenizer's EOS always does).
+    """
 
     n: int = 8
     max_new_tokens: int = 16

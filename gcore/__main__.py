@@ -1,0 +1,5 @@
+import sys
+
+from gcore.cli import main
+
+sys.exit(main())

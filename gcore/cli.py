@@ -1,0 +1,187 @@
+"""``gcore`` command line: ``gcore fit ...`` trains, ``gcore plugins`` lists what is installed.
+
+Built on jsonargparse, as LightningCLI is: ``--config cfg.yaml``, ``--print_config``, dotted
+overrides (``--algorithm.clip_eps 0.3``), and any class path for a plugin. Plugins may also be
+named by their entry-point name (``--algorithm grpo``); names are resolved here, through the
+registry, before jsonargparse sees them.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import yaml
+
+from gcore import registry
+from gcore.errors import GcoreError
+
+#: the default plugin of each family
+DEFAULTS = {"engine": "hf", "reward": "target_char", "algorithm": "grpo", "placement": "static", "backend": "torch"}
+
+USAGE = """usage: gcore <command> [options]
+
+commands:
+  fit       train a policy with RL (gcore fit --help)
+  plugins   list the installed engines, rewards, algorithms, placement policies and backends
+
+`gcore fit` with no options trains the embedded tiny model on the embedded task, on CPU.
+"""
+
+
+def _resolve_value(family: str, value: object) -> object:
+    """Replace a plugin name with its class path, in ``name`` or ``{class_path: name}`` form."""
+    if isinstance(value, str) and "." not in value and not value.startswith(("{", "[")):
+        return registry.resolve(family, value)
+    if isinstance(value, dict) and isinstance(value.get("class_path"), str):
+        return {**value, "class_path": registry.resolve(family, value["class_path"])}
+    return value
+
+
+def resolve_argv(argv: Sequence[str]) -> list[str]:
+    """Rewrite ``--family NAME``/``--family=NAME``/``--family.help NAME`` to class paths."""
+    out, args = [], list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        for family in registry.GROUPS:
+            for flag in (f"--{family}", f"--{family}.help", f"--{family}.class_path"):
+                if arg == flag and i + 1 < len(args) and not args[i + 1].startswith("-"):
+                    out.extend([arg, str(_resolve_value(family, args[i + 1]))])
+                    i += 2
+                    break
+                if arg.startswith(flag + "="):
+                    out.append(f"{flag}={_resolve_value(family, arg.split('=', 1)[1])}")
+                    i += 1
+                    break
+            else:
+                continue
+            break
+        else:
+            out.append(arg)
+            i += 1
+    return out
+
+
+def _load_config_with_names(text: str) -> object:
+    """The YAML loader for config files: plugin names at the top level become class paths."""
+    data = yaml.safe_load(text)
+    if isinstance(data, dict):
+        for family in registry.GROUPS:
+            if family in data:
+                data[family] = _resolve_value(family, data[family])
+    return data
+
+
+def _plugins_epilog() -> str:
+    lines = ["installed plugins (show one's options with `gcore fit --<family>.help <name>`):"]
+    for family in registry.GROUPS:
+        lines.append(f"  --{family}: {', '.join(registry.names(family)) or '(none)'} (default {DEFAULTS[family]})")
+    return "\n".join(lines)
+
+
+def build_fit_parser():  # noqa: ANN201
+    """The jsonargparse parser of ``gcore fit``."""
+    from jsonargparse import ActionConfigFile, ArgumentParser, set_loader
+
+    from gcore.algorithms.base import Algorithm
+    from gcore.backends.base import TrainingBackend
+    from gcore.data import DataConfig
+    from gcore.engines.base import Engine
+    from gcore.model import ModelConfig
+    from gcore.placement.base import PlacementPolicy
+    from gcore.rewards.base import RewardModel
+    from gcore.trainer import TrainerConfig
+    from gcore.types import SamplingParams
+
+    set_loader("gcore_yaml", _load_config_with_names, exceptions=(yaml.YAMLError,))
+    from jsonargparse import DefaultHelpFormatter
+
+    class _Formatter(DefaultHelpFormatter):
+        def _fill_text(self, text, width, indent):  # noqa: ANN001, ANN202 - keep the epilog's lines
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+
+    parser = ArgumentParser(
+        formatter_class=_Formatter,
+        prog="gcore fit",
+        description="Train a policy with RL. Plugins: --engine, --reward, --algorithm, --placement, "
+        "--backend take a name from `gcore plugins` or a class path; `--algorithm.help grpo` shows a "
+        "plugin's own options.",
+        parser_mode="gcore_yaml",
+        epilog=_plugins_epilog(),
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="a YAML config file (may repeat)")
+    parser.add_class_arguments(TrainerConfig, "trainer")
+    parser.add_class_arguments(ModelConfig, "model")
+    parser.add_class_arguments(DataConfig, "data")
+    parser.add_class_arguments(SamplingParams, "sampling")
+    bases = {"engine": Engine, "reward": RewardModel, "algorithm": Algorithm,
+             "placement": PlacementPolicy, "backend": TrainingBackend}
+    for family, base in bases.items():
+        parser.add_subclass_arguments(base, family, required=True, fail_untyped=False)
+        parser.set_defaults({family: {"class_path": registry.resolve(family, DEFAULTS[family])}})
+    return parser
+
+
+def fit_main(argv: Sequence[str]) -> int:
+    """``gcore fit``: parse, build every plugin, train."""
+    from gcore.trainer import Trainer
+
+    parser = build_fit_parser()
+    config = parser.parse_args(resolve_argv(argv))
+    try:
+        init = parser.instantiate_classes(config)
+    except GcoreError:
+        raise
+    except (TypeError, ValueError) as err:  # a plugin's constructor rejected its arguments
+        raise GcoreError(f"invalid configuration: {err}") from None
+    kwargs = {key: init[key] for key in ("trainer", "model", "data", "sampling", *registry.GROUPS)}
+    result = Trainer(**kwargs).fit()
+    if result.run_dir is not None:
+        print(f"metrics and config: {result.run_dir}")
+    if result.final_model_dir is not None:
+        print(f"trained policy (HF checkpoint): {result.final_model_dir}")
+    return 0
+
+
+def plugins_main(argv: Sequence[str]) -> int:
+    """``gcore plugins``: every registered plugin, its class, its package, and import errors."""
+    if argv:
+        raise GcoreError(f"gcore plugins takes no arguments, got {' '.join(argv)}")
+    failed = 0
+    for family in registry.GROUPS:
+        print(f"{family}s ({registry.GROUPS[family]}):")
+        plugins = registry.discover(family)
+        if not plugins:
+            print("  (none)")
+        for p in plugins:
+            status = f"FAILED: {p.error}" if p.error else ""
+            failed += bool(p.error)
+            print(f"  {p.name:<14} {p.class_path:<48} [{p.package}] {status}".rstrip())
+    if failed:
+        print(f"\n{failed} plugin(s) failed to import; the others are usable", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    commands = {"fit": fit_main, "plugins": plugins_main}
+    if command not in commands:
+        print(f"gcore: error: unknown command {command!r}; valid commands: {', '.join(commands)}", file=sys.stderr)
+        return 2
+    try:
+        return commands[command](rest)
+    except GcoreError as err:
+        print(f"gcore: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gcore: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

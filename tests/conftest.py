@@ -1,0 +1,45 @@
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# tiny settings that keep a CLI run to a few seconds
+FAST = [
+    "--trainer.max_steps", "2",
+    "--trainer.enable_progress_bar", "false",
+    "--data.prompts_per_step", "4",
+    "--sampling.n", "2",
+    "--sampling.max_new_tokens", "4",
+    "--model.num_hidden_layers", "1",
+    "--model.hidden_size", "32",
+    "--model.intermediate_size", "64",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def run_gcore(*args: str, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run the CLI as a user would, in a fresh process."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "gcore", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env
+    )
+
+
+@pytest.fixture
+def gcore_cli(tmp_path):
+    def run(*args: str, fast: bool = True, timeout: int = 300):
+        extra = FAST if fast else []
+        return run_gcore("fit", "--trainer.default_root_dir", str(tmp_path / "runs"), *extra, *args,
+                         cwd=tmp_path, timeout=timeout)
+
+    return run

@@ -1,0 +1,86 @@
+import json
+
+import pytest
+import torch
+
+from gcore.data import DataConfig, PromptSampler, load_prompts, read_rows
+from gcore.errors import DataError
+from gcore.model import char_tokenizer
+from gcore.types import Prompt, Sample, collate
+
+
+def test_collate_aligns_response_mask_with_next_token_logprobs():
+    prompt = Prompt(0, "ab", [10, 11])
+    samples = [
+        Sample(prompt, 0, [12, 13, 2], [-0.1, -0.2, -0.3], "cd", True),
+        Sample(prompt, 0, [14], [-0.5], "e", False),
+    ]
+    batch = collate(samples, pad_id=0, temperature=1.0)
+    assert batch.input_ids.tolist() == [[10, 11, 12, 13, 2], [10, 11, 14, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    # position t predicts token t+1: the response starts at t = len(prompt) - 1
+    assert batch.response_mask.tolist() == [[0, 1, 1, 1], [0, 1, 0, 0]]
+    assert batch.engine_logprobs[0].tolist() == pytest.approx([0, -0.1, -0.2, -0.3])
+    trimmed = batch.select(torch.tensor([1]))
+    assert trimmed.input_ids.tolist() == [[10, 11, 14]] and trimmed.response_mask.tolist() == [[0, 1]]
+
+
+def test_sampler_deals_each_prompt_once_per_epoch_across_ranks():
+    seen = []
+    samplers = [PromptSampler(10, per_step=5, rank=r, world_size=2, seed=3, shuffle=True) for r in range(2)]
+    for _ in range(2):  # two steps = one epoch of 10 prompts
+        shards = [s.shard(s.next_global()) for s in samplers]
+        assert len(shards[0]) == 3 and len(shards[1]) == 2  # 5 does not divide by 2
+        seen.extend(shards[0] + shards[1])
+    assert sorted(seen) == list(range(10))
+    state = samplers[0].state_dict()
+    fresh = PromptSampler(10, per_step=5, rank=0, world_size=2, seed=3, shuffle=True)
+    fresh.load_state_dict(state)
+    assert fresh.next_global() == samplers[0].next_global()
+
+
+def test_sampler_rejects_fewer_prompts_than_controllers():
+    with pytest.raises(DataError, match="smaller than the 4 controllers"):
+        PromptSampler(10, per_step=2, rank=0, world_size=4, seed=0, shuffle=False)
+
+
+def test_jsonl_and_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"question": "1+1=", "solution": 2}, {"question": "2+2=", "solution": 4}]
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    parquet = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    config = DataConfig(prompt_key="question", answer_key="solution", prompt_template="Q:{prompt}")
+    for path in (jsonl, parquet):
+        config.path = str(path)
+        prompts = load_prompts(config, char_tokenizer(), max_new_tokens=4, context=64)
+        assert [p.text for p in prompts] == ["Q:1+1=", "Q:2+2="] and [p.answer for p in prompts] == ["2", "4"]
+        assert prompts[1].source.startswith(str(path))
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"prompt": "a"}\n{"prompt": \n', r"d\.jsonl:2: malformed JSON line"),
+        ('{"prompt": "a"}\n[1, 2]\n', r"d\.jsonl:2: expected a JSON object"),
+        ('{"text": "a"}\n', r"d\.jsonl:1: no 'prompt' key \(keys: text\)"),
+        ("", "the dataset is empty"),
+        ('{"prompt": "' + "x" * 100 + '"}\n', r"d\.jsonl:1: prompt of 100 tokens \+ 4 new tokens exceeds"),
+    ],
+)
+def test_bad_rows_name_file_and_line(tmp_path, content, message):
+    path = tmp_path / "d.jsonl"
+    path.write_text(content)
+    with pytest.raises(DataError, match=message):
+        load_prompts(DataConfig(path=str(path)), char_tokenizer(), max_new_tokens=4, context=64)
+
+
+def test_missing_and_unknown_files(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        read_rows(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "d.csv").write_text("a")
+    with pytest.raises(DataError, match="unknown format"):
+        read_rows(str(tmp_path / "d.csv"))
