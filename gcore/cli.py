@@ -124,6 +124,24 @@ def build_fit_parser():  # noqa: ANN201
     return parser
 
 
+def _explain_plugin_error(config) -> None:  # noqa: ANN001 - a jsonargparse Namespace
+    """jsonargparse wraps a constructor's error in a long message; rebuild each plugin to name it."""
+    import importlib
+
+    for family in registry.GROUPS:
+        spec = config.get(family)
+        if spec is None or not getattr(spec, "class_path", None):
+            continue
+        module, _, name = spec.class_path.rpartition(".")
+        init_args = spec.init_args.as_dict() if getattr(spec, "init_args", None) is not None else {}
+        try:
+            getattr(importlib.import_module(module), name)(**init_args)
+        except GcoreError:
+            raise
+        except Exception as err:  # the constructor's own error, named with its plugin
+            raise GcoreError(f"--{family} {spec.class_path}: {type(err).__name__}: {err}") from None
+
+
 def fit_main(argv: Sequence[str]) -> int:
     """``gcore fit``: parse, build every plugin, train."""
     from gcore.trainer import Trainer
@@ -135,7 +153,8 @@ def fit_main(argv: Sequence[str]) -> int:
     except GcoreError:
         raise
     except (TypeError, ValueError) as err:  # a plugin's constructor rejected its arguments
-        raise GcoreError(f"invalid configuration: {err}") from None
+        _explain_plugin_error(config)
+        raise GcoreError(f"invalid configuration: {str(err).splitlines()[0]}") from None
     kwargs = {key: init[key] for key in ("trainer", "model", "data", "sampling", *registry.GROUPS)}
     result = Trainer(**kwargs).fit()
     if result.run_dir is not None:
