@@ -6,6 +6,7 @@ Layout of one checkpoint, ``<root>/step_00000010/``:
   ``torch.distributed.checkpoint`` (DCP), which reshards on load to any rank count;
 - ``trainer_state.json``: step, data position, algorithm and placement state (rank 0);
 - ``rank_<r>.pt``: per-rank state (random-number generators);
+- ``hf/``: the model's HF config and tokenizer (rank 0), so ``gcore export`` needs nothing else;
 - ``manifest.json``: written last, with every file's size and SHA-256.
 
 A save writes into ``step_00000010.tmp`` and runs in the background (``dcp.async_save``); the
@@ -38,6 +39,7 @@ from gcore.errors import GcoreError
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
+HF_FILES = "hf"  # the model's config and tokenizer, for export
 
 
 class CheckpointError(GcoreError):
@@ -131,8 +133,11 @@ class CheckpointManager:
     # saving ------------------------------------------------------------------------------
 
     def save(self, step: int, backend_state: dict[str, Any], trainer_state: dict[str, Any],
-             rank_state: dict[str, Any], asynchronous: bool = True) -> float:
-        """Start writing a checkpoint of ``step``; returns the seconds the caller was stalled."""
+             rank_state: dict[str, Any], asynchronous: bool = True, hf_files: str | None = None) -> float:
+        """Start writing a checkpoint of ``step``; returns the seconds the caller was stalled.
+
+        ``hf_files``: a folder whose config and tokenizer files are copied into ``hf/`` (rank 0).
+        """
         import torch.distributed.checkpoint as dcp
 
         start = time.perf_counter()
@@ -146,6 +151,11 @@ class CheckpointManager:
                     shutil.rmtree(os.path.join(self.root, stale), ignore_errors=True)
             with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
                 json.dump(trainer_state, f)
+            if hf_files is not None:
+                os.makedirs(os.path.join(tmp, HF_FILES))
+                for name in os.listdir(hf_files):
+                    if name.endswith((".json", ".txt", ".model", ".jinja")):  # configs and tokenizer, no weights
+                        shutil.copy(os.path.join(hf_files, name), os.path.join(tmp, HF_FILES, name))
         self.barrier()
         torch.save(rank_state, os.path.join(tmp, f"rank_{self.rank}.pt"))
         with _single_process_is_fine():
@@ -187,10 +197,14 @@ class CheckpointManager:
         present = set(os.listdir(pending.tmp))
         if not expected <= present:
             raise CheckpointError(f"{pending.tmp}: missing {sorted(expected - present)}")
+        names = sorted(
+            os.path.relpath(os.path.join(folder, f), pending.tmp)
+            for folder, _, filenames in os.walk(pending.tmp) for f in filenames
+        )
         files = {
             name: {"bytes": os.path.getsize(os.path.join(pending.tmp, name)),
                    "sha256": _sha256(os.path.join(pending.tmp, name))}
-            for name in sorted(present)
+            for name in names
         }
         manifest = {"step": pending.step, "world_size": self.world_size, "files": files,
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -272,3 +286,45 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def export_hf(checkpoint: str, out_dir: str) -> str:
+    """Write the policy of a checkpoint as a plain HF checkpoint (``save_pretrained``).
+
+    The checkpoint's ``hf/`` folder (config and tokenizer, saved with it) describes the model;
+    the weights come from the DCP ``model`` state, whatever rank count wrote it.
+    """
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    verify(checkpoint)
+    hf_dir = os.path.join(checkpoint, HF_FILES)
+    if not os.path.isdir(hf_dir):
+        raise CheckpointError(f"{checkpoint}: no {HF_FILES}/ folder with the model's config")
+    config = AutoConfig.from_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_config(config)
+    state = {"model": model.state_dict()}
+    with _single_process_is_fine():
+        dcp.load(state, checkpoint_id=checkpoint)
+    model.load_state_dict(state["model"])
+    model.save_pretrained(out_dir)
+    try:
+        AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out_dir)
+    except Exception:  # a checkpoint saved without a tokenizer still exports its weights
+        pass
+    return out_dir
+
+
+def export_main(argv) -> int:  # noqa: ANN001
+    """``gcore export CHECKPOINT --to hf DIR``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="gcore export", description="Export a checkpoint's policy.")
+    parser.add_argument("checkpoint", help="a checkpoint folder (e.g. .../checkpoints/step_00000010)")
+    parser.add_argument("--to", nargs=2, metavar=("FORMAT", "DIR"), required=True, help="hf DIR")
+    args = parser.parse_args(list(argv))
+    fmt, out_dir = args.to
+    if fmt != "hf":
+        raise GcoreError(f"gcore export --to {fmt}: valid formats: hf")
+    print(f"wrote {export_hf(args.checkpoint.rstrip('/'), out_dir)}")
+    return 0

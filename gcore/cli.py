@@ -25,6 +25,7 @@ commands:
   fit       train a policy with RL (gcore fit --help)
   plugins   list the installed engines, rewards, algorithms, placement policies and backends
   report    plot a run's metrics to PNG files and summarise it (gcore report RUN_DIR)
+  export    write a checkpoint's policy as an HF checkpoint (gcore export CKPT --to hf DIR)
 
 `gcore fit` with no options trains the embedded tiny model on the embedded task, on CPU.
 """
@@ -189,9 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE)
         return 0 if args else 2
     command, rest = args[0], args[1:]
+    from gcore.checkpoint import export_main
     from gcore.report import report_main
 
-    commands = {"fit": fit_main, "plugins": plugins_main, "report": report_main}
+    commands = {"fit": fit_main, "plugins": plugins_main, "report": report_main, "export": export_main}
     if command not in commands:
         print(f"gcore: error: unknown command {command!r}; valid commands: {', '.join(commands)}", file=sys.stderr)
         return 2
