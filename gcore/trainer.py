@@ -23,6 +23,31 @@ from gcore.rewards.base import RewardModel
 from gcore.types import SamplingParams
 
 
+LoggerName = Literal["csv", "tensorboard", "wandb", "mlflow"]
+
+
+def make_logger(name: str, root: str, run_name: str):  # noqa: ANN201
+    """A Lightning logger by name; Weights & Biases and MLflow through Lightning's own loggers."""
+    from lightning.fabric.loggers import TensorBoardLogger
+
+    if name == "csv":
+        return CSVLogger(root, name=run_name, flush_logs_every_n_steps=1)
+    if name == "tensorboard":
+        return TensorBoardLogger(root, name=run_name, default_hp_metric=False)
+    if name in ("wandb", "mlflow"):
+        package = {"wandb": "wandb", "mlflow": "mlflow"}[name]
+        import importlib.util
+
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(f"--trainer.logger {name} needs the {package} package: pip install {package}")
+        from lightning.pytorch import loggers
+
+        if name == "wandb":
+            return loggers.WandbLogger(name=run_name, save_dir=root)
+        return loggers.MLFlowLogger(experiment_name=run_name, save_dir=os.path.join(root, "mlruns"))
+    raise ConfigError(f"--trainer.logger {name!r}: valid choices: csv, tensorboard, wandb, mlflow")
+
+
 @dataclass
 class TrainerConfig:
     """Run-level options, named as in Lightning where they mean the same.
@@ -36,7 +61,8 @@ class TrainerConfig:
         seed: seeds model initialisation, data order and sampling.
         default_root_dir: where runs are written (``<root>/<name>/version_N``).
         name: the run's folder name under ``default_root_dir``.
-        logger: ``csv``, ``tensorboard``, or both as a list.
+        logger: ``csv``, ``tensorboard``, ``wandb``, ``mlflow``, or several as a list (the last two
+            when their packages are installed).
         enable_progress_bar: show a progress bar with the live reward.
         save_final: save the trained policy as an HF checkpoint at the end.
     """
@@ -49,7 +75,7 @@ class TrainerConfig:
     seed: int = 42
     default_root_dir: str = "gcore_runs"
     name: str = "gcore"
-    logger: Literal["csv", "tensorboard"] | list[Literal["csv", "tensorboard"]] = "csv"
+    logger: LoggerName | list[LoggerName] = "csv"
     enable_progress_bar: bool = True
     save_final: bool = True
 
@@ -115,7 +141,6 @@ class Trainer:
 
     def _fabric(self):  # noqa: ANN202
         from lightning.fabric import Fabric
-        from lightning.fabric.loggers import TensorBoardLogger
 
         c = self.config
         accelerator = c.accelerator
@@ -126,14 +151,7 @@ class Trainer:
         device_type = "cuda" if accelerator in ("cuda", "gpu") else "cpu"
         world = c.devices * c.num_nodes
         names = [c.logger] if isinstance(c.logger, str) else list(c.logger)
-        loggers = []
-        for name in names:
-            if name == "csv":
-                loggers.append(CSVLogger(c.default_root_dir, name=c.name, flush_logs_every_n_steps=1))
-            elif name == "tensorboard":
-                loggers.append(TensorBoardLogger(c.default_root_dir, name=c.name, default_hp_metric=False))
-            else:
-                raise ConfigError(f"--trainer.logger {name!r}: valid choices: csv, tensorboard")
+        loggers = [make_logger(name, c.default_root_dir, c.name) for name in names]
         return Fabric(
             accelerator=accelerator,
             devices=c.devices,

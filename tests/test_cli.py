@@ -125,3 +125,12 @@ def test_vllm_engine_without_vllm_names_the_extra(gcore_cli):
     result = gcore_cli("--engine", "vllm")
     assert result.returncode == 2
     assert "--engine vllm needs vLLM" in result.stderr and "gcore[vllm]" in result.stderr
+
+
+def test_wandb_logger_without_wandb_says_what_to_install(gcore_cli):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    result = gcore_cli("--trainer.logger", "wandb")
+    assert result.returncode == 2 and "--trainer.logger wandb needs the wandb package" in result.stderr
