@@ -54,6 +54,7 @@ class Controller:
     placement: PlacementPolicy
     tokenizer: object
     sampling: SamplingParams
+    last_samples: list[Sample] | None = None  # the last step's samples (the trainer learns lengths from them)
 
     def step(self, step: int, prompts: list[Prompt], on_stage: Callable[[str], None] | None = None) -> dict[str, float]:
         timer = StageTimer(on_stage)
@@ -110,6 +111,7 @@ class Controller:
         with timer("sync"):
             synced_bytes = self.engine.update_weights(self.backend.named_weights())
 
+        self.last_samples = samples
         timer.seconds["step"] = time.perf_counter() - step_start
         metrics = self._global_sample_metrics(samples, len(kept))
         metrics.update(train_metrics)

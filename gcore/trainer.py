@@ -15,9 +15,9 @@ from gcore.algorithms.base import Algorithm
 from gcore.backends.base import TrainingBackend
 from gcore.checkpoint import CheckpointManager, resolve_resume, rng_state, set_rng_state
 from gcore.controller import Controller
-from gcore.data import DataConfig, PromptSampler, load_prompts
+from gcore.data import CostBalancer, DataConfig, PromptSampler, load_prompts
 from gcore.engines.base import Engine
-from gcore.errors import ConfigError
+from gcore.errors import ConfigError, GcoreError
 from gcore.model import ModelConfig, context_length, load_tokenizer, materialize
 from gcore.placement.base import PlacementPolicy
 from gcore.rewards.base import RewardModel
@@ -71,6 +71,8 @@ class TrainerConfig:
         keep_checkpoints: how many complete checkpoints to keep.
         async_checkpoint: write checkpoints in the background while training goes on.
         resume: ``auto`` (the latest complete checkpoint, if any) or a checkpoint folder.
+        collective_timeout: seconds a collective may wait for the other controllers before the run
+            fails (instead of hanging when one of them died).
     """
 
     max_steps: int = 30
@@ -88,6 +90,7 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     async_checkpoint: bool = True
     resume: str | None = None
+    collective_timeout: float = 600.0
 
 
 @dataclass
@@ -162,11 +165,18 @@ class Trainer:
         world = c.devices * c.num_nodes
         names = [c.logger] if isinstance(c.logger, str) else list(c.logger)
         loggers = [make_logger(name, c.default_root_dir, c.name) for name in names]
+        strategy = self.backend.strategy(world, device_type)
+        if strategy == "ddp":
+            from datetime import timedelta
+
+            from lightning.fabric.strategies import DDPStrategy
+
+            strategy = DDPStrategy(timeout=timedelta(seconds=c.collective_timeout))
         return Fabric(
             accelerator=accelerator,
             devices=c.devices,
             num_nodes=c.num_nodes,
-            strategy=self.backend.strategy(world, device_type),
+            strategy=strategy,
             precision=c.precision,
             loggers=loggers,
         ), device_type
@@ -175,18 +185,25 @@ class Trainer:
         """Launch the controllers and train for ``max_steps``; returns the run's results on rank 0."""
         _quiet_dependencies()
         fabric, device_type = self._fabric()
-        fabric.launch()
         workdir = tempfile.mkdtemp(prefix="gcore-model-")
         try:
-            return self._fit(fabric, device_type, workdir)
+            # before the process group exists: transformers saves only on rank 0 once it does, and
+            # every controller builds (and loads) its own copy of the embedded model
+            tokenizer = load_tokenizer(self.model_config)
+            model_path = materialize(self.model_config, tokenizer, self.config.seed, workdir)
+            fabric.launch()
+            try:
+                return self._fit(fabric, device_type, tokenizer, model_path)
+            except Exception as err:
+                if fabric.world_size == 1:
+                    raise
+                _report_rank_failure(fabric.global_rank, err)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             self.engine.shutdown()
 
-    def _fit(self, fabric, device_type: str, workdir: str) -> FitResult:  # noqa: ANN001
+    def _fit(self, fabric, device_type: str, tokenizer, model_path: str) -> FitResult:  # noqa: ANN001
         c, rank = self.config, fabric.global_rank
-        tokenizer = load_tokenizer(self.model_config)
-        model_path = materialize(self.model_config, tokenizer, c.seed, workdir)
         trust = self.model_config.trust_remote_code
         prompts = load_prompts(
             self.data_config, tokenizer, self.sampling.max_new_tokens, context_length(model_path, trust)
@@ -200,8 +217,9 @@ class Trainer:
                            embedded=self.model_config.embedded)
         self.engine.setup(model_path, fabric.device, self.model_config.torch_dtype, trust)
         self.reward.setup(fabric.device)
+        balancer = CostBalancer(prompts, self.sampling.n, self.sampling.max_new_tokens) if self.data_config.balance else None
         sampler = PromptSampler(len(prompts), self.data_config.prompts_per_step, rank, fabric.world_size,
-                                c.seed, self.data_config.shuffle)
+                                c.seed, self.data_config.shuffle, balancer)
         controller = Controller(fabric, self.engine, self.reward, self.algorithm, self.backend,
                                 self.placement, tokenizer, self.sampling)
         checkpoints = self._checkpoint_manager(fabric)
@@ -224,6 +242,9 @@ class Trainer:
             shard = [prompts[i] for i in sampler.shard(sampler.next_global())]
             metrics = controller.step(step, shard, on_stage=lambda stage: bar.set_description(stage, refresh=False))
             metrics["step"] = float(step)
+            metrics["balance/predicted_imbalance"] = sampler.last_imbalance
+            if balancer is not None:
+                _learn_lengths(fabric, balancer, controller.last_samples, self.data_config.prompts_per_step)
             if stall is not None:  # the previous step's checkpoint save
                 metrics["checkpoint/stall_s"], stall = stall, None
             fabric.log_dict(metrics, step=step)
@@ -313,12 +334,47 @@ class Trainer:
         }
 
 
+def _report_rank_failure(rank: int, err: Exception) -> None:
+    """Say which controller failed and why; a controller that only lost its peers says so."""
+    import sys
+
+    message = str(err).splitlines()[0] if str(err) else type(err).__name__
+    lost = any(s in message for s in ("Connection closed by peer", "Connection reset", "timed out", "Timed out",
+                                      "Broken pipe", "connection", "Connection refused"))
+    if lost and not isinstance(err, GcoreError):
+        raise GcoreError(
+            f"controller {rank}: lost contact with another controller ({message}); that controller's own "
+            "error is reported above"
+        ) from err
+    print(f"gcore: controller {rank} failed: {type(err).__name__}: {message}", file=sys.stderr, flush=True)
+    raise err
+
+
+def _learn_lengths(fabric, balancer: CostBalancer, samples, per_step: int) -> None:  # noqa: ANN001
+    """Every rank learns the same response lengths: one all-gather of (prompt, mean length) rows."""
+    import torch
+
+    by_prompt: dict[int, list[int]] = {}
+    for sample in samples:
+        by_prompt.setdefault(sample.prompt.index, []).append(len(sample.response_ids))
+    rows = torch.full((per_step, 2), -1.0, dtype=torch.float64)
+    for row, (index, lengths) in enumerate(sorted(by_prompt.items())[:per_step]):
+        rows[row, 0], rows[row, 1] = index, sum(lengths) / len(lengths)
+    gathered = fabric.all_gather(rows).reshape(-1, 2) if fabric.world_size > 1 else rows
+    for index, length in gathered.tolist():
+        if index >= 0:
+            balancer.observe(int(index), length)
+
+
 def _quiet_dependencies() -> None:
     """Keep the console for gcore's own progress: no per-load bars or notices from dependencies."""
     import logging
 
     import transformers
 
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*all_gather is deprecated")  # inside Fabric's all_gather
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     for name in ("lightning.fabric", "lightning_fabric"):

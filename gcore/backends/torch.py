@@ -10,6 +10,7 @@ import torch
 
 from gcore.algorithms.base import Algorithm, LossScale
 from gcore.backends.base import TrainingBackend
+from gcore.balance import micro_batches_by_length, padding_fraction
 from gcore.types import RolloutBatch
 
 
@@ -160,7 +161,9 @@ class TorchBackend(TrainingBackend):
             sequences=self._global_sum(len(rows)),
             max_length=float(max_new_tokens),
         )
-        micro_rows = list(rows.split(self.micro_batch_size)) or [torch.tensor([], dtype=torch.long)]
+        lengths = batch.attention_mask[rows].sum(-1).tolist()
+        groups = micro_batches_by_length(lengths, self.micro_batch_size)  # similar lengths: less padding
+        micro_rows = [rows[torch.tensor(g, dtype=torch.long)] for g in groups] or [torch.tensor([], dtype=torch.long)]
         n_micro = self._global_max(len(micro_rows))  # every rank runs as many backward passes
         local: dict[str, float] = {}
         for i in range(n_micro):
@@ -182,6 +185,7 @@ class TorchBackend(TrainingBackend):
                 shares["loss"] = loss.detach()
                 for key, value in shares.items():
                     local[key] = local.get(key, 0.0) + float(value)
+        local["padding_frac"] = padding_fraction(lengths, groups) / world  # mean over ranks after the sum
         keys = sorted(set(local) | {"loss", "entropy"})
         if world > 1:
             values = fabric.all_reduce(torch.tensor([local.get(k, 0.0) for k in keys]), reduce_op="sum")
