@@ -109,6 +109,9 @@ class Trainer:
             (s.temperature > 0, f"--sampling.temperature must be > 0 for RL sampling, got {s.temperature}"),
             (0 < s.top_p <= 1, f"--sampling.top_p must be in (0, 1], got {s.top_p}"),
         ]
+        if self.algorithm.needs_critic and not self.backend.supports_critic:
+            checks.append((False, f"--algorithm {type(self.algorithm).__name__} needs a critic, which backend "
+                                  f"{type(self.backend).__name__} does not provide (use --backend torch)"))
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
@@ -174,8 +177,11 @@ class Trainer:
         self.reward.setup(fabric.device)
         sampler = PromptSampler(len(prompts), self.data_config.prompts_per_step, rank, fabric.world_size,
                                 c.seed, self.data_config.shuffle)
+        # dynamic sampling draws extra prompts from a stream of this rank's own (no other rank waits)
+        extra = PromptSampler(len(prompts), 1, 0, 1, c.seed + 7919 * (rank + 1), self.data_config.shuffle)
         controller = Controller(fabric, self.engine, self.reward, self.algorithm, self.backend,
-                                self.placement, tokenizer, self.sampling)
+                                self.placement, tokenizer, self.sampling,
+                                draw_prompts=lambda k: [prompts[extra.next_global()[0]] for _ in range(k)])
 
         run_dir = None
         if rank == 0 and fabric.loggers:
