@@ -50,7 +50,8 @@ class PPO(Algorithm):
         clip_eps: policy ratio clip range (lower, and upper unless ``clip_eps_high``).
         clip_eps_high: upper clip range when it differs.
         value_clip: clip range of the value update around the old values; ``None`` disables it.
-        kl_coef: weight of the KL penalty to the frozen reference (0: no reference model).
+        kl_coef: weight of the KL penalty to the frozen reference (0, the default: no reference
+            model is built; typical values 0.001-0.05).
         kl_estimator: ``k1`` (the usual reward-term estimator), ``k2`` or ``k3``.
         kl_penalty: ``reward`` (a per-token reward term) or ``loss`` (a loss term).
         whiten_advantages: normalise advantages to mean 0, std 1 over this controller's batch.
@@ -67,7 +68,7 @@ class PPO(Algorithm):
         clip_eps: float = 0.2,
         clip_eps_high: float | None = None,
         value_clip: float | None = 0.2,
-        kl_coef: float = 0.05,
+        kl_coef: float = 0.0,
         kl_estimator: KLEstimator = "k1",
         kl_penalty: KLPenalty = "reward",
         whiten_advantages: bool = True,
