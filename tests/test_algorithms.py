@@ -328,3 +328,18 @@ def test_bad_options_fail_with_one_line(build, message):
 def test_dapo_buffer_must_fit_the_budget():
     with pytest.raises(ConfigError, match="overlong_buffer 16 must be < --sampling.max_new_tokens 16"):
         DAPO(overlong_buffer=16).setup(16)
+
+
+def test_cli_choice_of_algorithm_gets_its_own_defaults():
+    # jsonargparse would carry the default class's values (GRPO's kl_coef 0.04) over to another class
+    from gcore import cli
+
+    parser = cli.build_fit_parser()
+    for argv, expected in [
+        (["--algorithm", "ppo"], ("PPO", 0.0, 2)),
+        (["--algorithm.kl_coef", "0.2", "--algorithm", "ppo"], ("PPO", 0.2, 2)),
+        (["--algorithm.epochs", "3"], ("GRPO", 0.04, 3)),
+    ]:
+        config = parser.parse_args(cli.with_default_plugins(cli.resolve_argv(argv)))
+        init = parser.instantiate_classes(config)["algorithm"]
+        assert (type(init).__name__, init.kl_coef, init.epochs) == expected, argv
