@@ -148,6 +148,9 @@ class Trainer:
             (s.temperature > 0, f"--sampling.temperature must be > 0 for RL sampling, got {s.temperature}"),
             (0 < s.top_p <= 1, f"--sampling.top_p must be in (0, 1], got {s.top_p}"),
         ]
+        if self.algorithm.needs_critic and not self.backend.supports_critic:
+            checks.append((False, f"--algorithm {type(self.algorithm).__name__} needs a critic, which backend "
+                                  f"{type(self.backend).__name__} does not provide (use --backend torch)"))
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
@@ -220,10 +223,13 @@ class Trainer:
         balancer = CostBalancer(prompts, self.sampling.n, self.sampling.max_new_tokens) if self.data_config.balance else None
         sampler = PromptSampler(len(prompts), self.data_config.prompts_per_step, rank, fabric.world_size,
                                 c.seed, self.data_config.shuffle, balancer)
+        # dynamic sampling draws extra prompts from a stream of this rank's own (no other rank waits)
+        extra = PromptSampler(len(prompts), 1, 0, 1, c.seed + 7919 * (rank + 1), self.data_config.shuffle)
         controller = Controller(fabric, self.engine, self.reward, self.algorithm, self.backend,
-                                self.placement, tokenizer, self.sampling)
+                                self.placement, tokenizer, self.sampling,
+                                draw_prompts=lambda k: [prompts[extra.next_global()[0]] for _ in range(k)])
         checkpoints = self._checkpoint_manager(fabric)
-        start_step = self._resume(fabric, checkpoints, sampler)
+        start_step = self._resume(fabric, checkpoints, sampler, extra)
 
         run_dir = None
         if rank == 0 and fabric.loggers:
@@ -255,7 +261,7 @@ class Trainer:
             checkpoints.poll()
             if c.checkpoint_every and ((step + 1) % c.checkpoint_every == 0 or step == c.max_steps - 1):
                 stall = checkpoints.save(step, self.backend.state_dict(), self._trainer_state(step, sampler),
-                                         {"rng": rng_state()}, asynchronous=c.async_checkpoint, hf_files=model_path)
+                                         {"rng": rng_state(), "extra_sampler": extra.state_dict()}, asynchronous=c.async_checkpoint, hf_files=model_path)
         checkpoints.wait()
         bar.close()
         for logger in fabric.loggers:
@@ -289,7 +295,8 @@ class Trainer:
                 state[name] = plugin.state_dict()
         return state
 
-    def _resume(self, fabric, checkpoints: CheckpointManager, sampler: PromptSampler) -> int:  # noqa: ANN001
+    def _resume(self, fabric, checkpoints: CheckpointManager, sampler: PromptSampler,  # noqa: ANN001
+                extra: PromptSampler) -> int:
         """Restore the latest (or given) checkpoint; returns the first step to run."""
         c, rank = self.config, fabric.global_rank
         path = resolve_resume(c.resume, checkpoints.root)
@@ -301,6 +308,8 @@ class Trainer:
         trainer_state, rank_state = checkpoints.load(path, state)
         self.backend.load_state_dict(state)
         sampler.load_state_dict(trainer_state["sampler"])
+        if rank_state is not None and "extra_sampler" in rank_state:  # a per-rank stream: same rank count only
+            extra.load_state_dict(rank_state["extra_sampler"])
         for name, plugin in (("algorithm", self.algorithm), ("placement", self.placement)):
             if name in trainer_state and callable(getattr(plugin, "load_state_dict", None)):
                 plugin.load_state_dict(trainer_state[name])
