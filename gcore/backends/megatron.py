@@ -25,6 +25,7 @@ from gcore.backends.base import TrainingBackend
 from gcore.backends.megatron_convert import (
     Layout,
     hf_state_to_megatron,
+    is_tensor_parallel,
     layout_from_hf,
     megatron_shards_to_hf,
 )
@@ -75,6 +76,7 @@ class MegatronBackend(TrainingBackend):
         warmup_steps: int = 0,
         transformer_engine: Literal["auto", "true", "false"] = "auto",
     ) -> None:
+        _require_megatron()
         if tensor_parallel_size < 1:
             raise ConfigError(f"--backend.tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         if pipeline_parallel_size != 1:
@@ -114,7 +116,6 @@ class MegatronBackend(TrainingBackend):
 
     def setup(self, fabric, model_path: str, dtype: torch.dtype, trust_remote_code: bool,  # noqa: ANN001
               algorithm: Algorithm, embedded: bool) -> None:
-        _require_megatron()
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.fabric = fabric
@@ -415,7 +416,8 @@ class MegatronBackend(TrainingBackend):
 
     def _reduce_and_clip_gradients(self) -> float:
         """Sum gradients over data-parallel ranks, then clip by the global norm; returns the norm."""
-        params = [p for p in self.policy.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         if self.dp_size > 1:
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -428,8 +430,8 @@ class MegatronBackend(TrainingBackend):
             p.grad = g
         # squares of tensor-parallel shards add up over the group; replicated tensors count once
         square = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p, g in zip(params, grads):
-            if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0:
+        for (name, _), g in zip(named, grads):
+            if is_tensor_parallel(name) or self.tp_rank == 0:
                 square += g.double().pow(2).sum()
         norm = float(self._all_reduce(square.unsqueeze(0), group=self.tp_group)[0].sqrt())
         if self.max_grad_norm and math.isfinite(norm):
@@ -441,22 +443,20 @@ class MegatronBackend(TrainingBackend):
 
     # SYNC and SAVE ---------------------------------------------------------------------------
 
-    def _gather_shards(self, tensor: torch.Tensor, param) -> list[torch.Tensor]:  # noqa: ANN001
+    def _gather_shards(self, name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every tensor-parallel rank's shard of parameter ``name`` (copies of a replicated one)."""
         if self.tensor_parallel_size == 1:
             return [tensor.detach()]
-        if not getattr(param, "tensor_model_parallel", False):
-            return [tensor.detach()]
+        if not is_tensor_parallel(name):
+            return [tensor.detach()] * self.tensor_parallel_size
         shards = [torch.empty_like(tensor) for _ in range(self.tensor_parallel_size)]
         dist.all_gather(shards, tensor.detach().contiguous(), group=self.tp_group)
         return shards
 
     def _hf_tensors(self, per_param: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-layout full tensors of a megatron tensor per parameter (weights or optimizer moments)."""
-        params = dict(self.policy.named_parameters())
         for name, tensor in per_param.items():
-            shards = self._gather_shards(tensor, params[name])
-            if not getattr(params[name], "tensor_model_parallel", False):
-                shards = shards * self.tensor_parallel_size
+            shards = self._gather_shards(name, tensor)
             yield from megatron_shards_to_hf(name, shards, self.layout).items()
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -116,6 +116,15 @@ def _unfuse_qkv(qkv: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
+def is_tensor_parallel(name: str) -> bool:
+    """Whether megatron parameter ``name`` is split over tensor-parallel ranks (all but the norms).
+
+    (megatron-core marks this with a ``tensor_model_parallel`` attribute, but only for weights it
+    initialises itself; weights loaded with ``perform_initialization=False`` lack it.)
+    """
+    return not (name.endswith("layernorm.weight") or name.endswith("layer_norm_weight"))
+
+
 def megatron_name_to_hf(name: str, layout: Layout) -> list[str]:
     """The HF tensor names that one megatron parameter is made of."""
     if name == "embedding.word_embeddings.weight":
