@@ -286,3 +286,37 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1(tmp_path):
             assert torch.equal(reloaded[key][name], tensor), (key, name)
     assert float(reloaded["step"]) == 1.0
     backend.train(_rank_batch(0), GRPO(), max_new_tokens=8)  # training goes on from there
+
+
+@pytest.mark.slow
+def test_grpo_reward_rises_with_the_megatron_backend(tmp_path):
+    backend_class = _megatron()
+    from gcore import Trainer, TrainerConfig
+
+    result = Trainer(
+        trainer=TrainerConfig(max_steps=30, default_root_dir=str(tmp_path), enable_progress_bar=False, save_final=False),
+        model=ModelConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128),
+        backend=backend_class(),
+    ).fit()
+    rewards = [m["reward/mean"] for m in result.history]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > 3 * first and last - first > 0.1, rewards
+
+
+@pytest.mark.slow
+def test_cli_fit_at_tensor_parallel_2_saves_an_hf_model(gcore_cli, tmp_path):
+    _megatron()
+    from transformers import AutoModelForCausalLM
+
+    run = gcore_cli("--backend", "megatron", "--backend.tensor_parallel_size", "2", "--trainer.devices", "2",
+                    "--trainer.accelerator", "cpu")
+    assert run.returncode == 0, run.stderr[-3000:]
+    final = next((tmp_path / "runs").rglob("final"))
+    AutoModelForCausalLM.from_pretrained(final)  # the gathered weights load as an HF checkpoint
+
+
+def test_cli_rejects_a_tensor_parallel_size_that_does_not_divide_the_ranks(gcore_cli):
+    _megatron()
+    run = gcore_cli("--backend", "megatron", "--backend.tensor_parallel_size", "2", "--trainer.accelerator", "cpu")
+    assert run.returncode != 0
+    assert "tensor_parallel_size 2 does not divide the number of ranks (1)" in run.stderr
