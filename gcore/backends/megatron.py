@@ -271,7 +271,8 @@ class MegatronBackend(TrainingBackend):
         length = input_ids.shape[1]
         positions = torch.arange(length, device=self.device).unsqueeze(0).expand_as(input_ids)
         causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=self.device), diagonal=1)
-        logits = model(input_ids, positions, causal.view(1, 1, length, length))  # [B, L, V/tp]
+        with self.fabric.autocast():  # --trainer.precision bf16-mixed etc., as the torch backend gets from Fabric
+            logits = model(input_ids, positions, causal.view(1, 1, length, length))  # [B, L, V/tp]
         if self.tensor_parallel_size == 1:
             logits = logits[..., : self.layout.vocab_size]
             return token_logprobs(logits, input_ids, temperature)
