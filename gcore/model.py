@@ -127,10 +127,15 @@ def materialize(config: ModelConfig, tokenizer, seed: int, workdir: str) -> str:
     if not config.embedded:
         _check_path(config.path)
         return config.path
+    from safetensors.torch import save_model
+
     model = build_tiny_model(config, tokenizer, seed)
     os.makedirs(workdir, exist_ok=True)
-    # every controller writes its own copy: tell transformers this process is the one that saves
-    model.save_pretrained(workdir, is_main_process=True)
+    # not model.save_pretrained: under torch.distributed it writes on global rank 0 only, and every
+    # rank needs its own copy here (no shared file system)
+    model.config.save_pretrained(workdir)
+    model.generation_config.save_pretrained(workdir)
+    save_model(model, os.path.join(workdir, "model.safetensors"))
     tokenizer.save_pretrained(workdir)
     if not os.path.isfile(os.path.join(workdir, "config.json")):
         raise GcoreError(f"could not write the embedded model to {workdir}")

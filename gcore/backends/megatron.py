@@ -1,0 +1,585 @@
+"""``megatron`` backend: megatron-core's GPT model with tensor and data parallelism.
+
+One launcher: Lightning Fabric starts the processes and the default process group; ``setup``
+calls ``parallel_state.initialize_model_parallel`` on top of it. The ranks of one tensor-parallel
+group are separate controllers with separate samples; they train on the union of their batches
+(gathered before each forward pass), and each gets back its own rows' log-probabilities. Gradients
+are summed over the data-parallel group only; the loss follows ``Algorithm.loss`` and
+``LossScale`` exactly as in the torch backend, so both backends compute the same update.
+
+What is supported and what is not: ``docs/megatron.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import fields
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from gcore.algorithms.base import Algorithm, LossScale
+from gcore.backends.base import TrainingBackend
+from gcore.backends.megatron_convert import (
+    Layout,
+    hf_state_to_megatron,
+    is_tensor_parallel,
+    layout_from_hf,
+    megatron_shards_to_hf,
+)
+from gcore.backends.torch import token_logprobs
+from gcore.errors import ConfigError
+from gcore.types import RolloutBatch
+
+INSTALL_HINT = "--backend megatron needs megatron-core: pip install 'gcore[megatron]'"
+_MASKED_LOGIT = -1e30  # logits of vocabulary padding rows: exp() underflows to exactly 0
+
+
+def _require_megatron() -> None:
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(f"{INSTALL_HINT} ({err})") from None
+
+
+class MegatronBackend(TrainingBackend):
+    """Trains the policy as a megatron-core ``GPTModel`` (Llama/Qwen2 families) with AdamW.
+
+    Args:
+        tensor_parallel_size: ranks that split every layer (must divide the world size, the
+            attention heads, the key/value heads and the MLP width).
+        pipeline_parallel_size: only 1 is supported.
+        context_parallel_size: only 1 is supported (megatron-core's context parallelism needs
+            Transformer Engine's attention).
+        lr: learning rate; ``None`` picks 1e-6 for a checkpoint given with ``--model.path`` and
+            5e-3 for the embedded tiny model.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        max_grad_norm: clip the global gradient norm to this (0: no clipping).
+        micro_batch_size: sequences per forward/backward pass of a tensor-parallel group.
+        warmup_steps: linear learning-rate warm-up, in optimizer steps.
+        transformer_engine: use the Transformer Engine layer spec (``auto``: on GPU when importable).
+    """
+
+    def __init__(
+        self,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        lr: float | None = None,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        max_grad_norm: float = 1.0,
+        micro_batch_size: int = 32,
+        warmup_steps: int = 0,
+        transformer_engine: Literal["auto", "true", "false"] = "auto",
+    ) -> None:
+        _require_megatron()
+        if tensor_parallel_size < 1:
+            raise ConfigError(f"--backend.tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if pipeline_parallel_size != 1:
+            raise ConfigError(f"--backend.pipeline_parallel_size {pipeline_parallel_size}: only 1 is supported")
+        if context_parallel_size != 1:
+            raise ConfigError(
+                f"--backend.context_parallel_size {context_parallel_size}: only 1 is supported "
+                "(megatron-core's context parallelism needs Transformer Engine attention; not wired up)"
+            )
+        if micro_batch_size < 1:
+            raise ConfigError(f"--backend.micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.tensor_parallel_size = tensor_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.context_parallel_size = context_parallel_size
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.betas = tuple(betas)
+        self.max_grad_norm = max_grad_norm
+        self.micro_batch_size = micro_batch_size
+        self.warmup_steps = warmup_steps
+        self.transformer_engine = transformer_engine
+        self.fabric = None
+        self.policy = None
+        self.reference = None
+        self.optimizer = None
+        self.scheduler = None
+        self.hf_config = None
+        self.layout: Layout | None = None
+        self._updates = 0  # optimizer steps taken; tells save_pretrained whether the last sync is current
+        self._synced: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def strategy(self, world_size: int, device_type: str) -> str:
+        # Fabric only launches the processes and the process group; megatron does the parallelism
+        return "ddp" if world_size > 1 else "auto"
+
+    # SETUP -----------------------------------------------------------------------------------
+
+    def setup(self, fabric, model_path: str, dtype: torch.dtype, trust_remote_code: bool,  # noqa: ANN001
+              algorithm: Algorithm, embedded: bool) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.fabric = fabric
+        self.device = fabric.device
+        world, tp = fabric.world_size, self.tensor_parallel_size
+        if world % tp:
+            raise ConfigError(f"--backend.tensor_parallel_size {tp} does not divide the number of ranks ({world})")
+        self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.layout = layout_from_hf(self.hf_config, tp)
+        self._init_parallel_state(fabric)
+        hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        hf_state = hf.state_dict()
+        del hf
+        self.policy = self._build_model(dtype)
+        self._load_hf_state(self.policy, hf_state)
+        self.policy.train()
+        lr = self.lr if self.lr is not None else (5e-3 if embedded else 1e-6)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=lr, betas=self.betas,
+                                           weight_decay=self.weight_decay)
+        warmup = self.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        )
+        if algorithm.needs_reference:
+            self.reference = self._build_model(dtype)
+            self._load_hf_state(self.reference, hf_state)
+            self.reference.eval().requires_grad_(False)
+
+    def _init_parallel_state(self, fabric) -> None:  # noqa: ANN001
+        from megatron.core import parallel_state
+
+        if not dist.is_initialized():  # one process: a group of one, so megatron's collectives work
+            import os
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(port))
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", rank=0, world_size=1)
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=self.tensor_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_parallel_size,
+            context_parallel_size=self.context_parallel_size,
+            create_gloo_process_groups=False,
+        )
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        if self.device.type == "cpu":
+            from gcore.backends.megatron_cpu import install_cpu_adaptations
+
+            install_cpu_adaptations(seed=1234)
+        else:
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(1234)
+
+    def _use_transformer_engine(self) -> bool:
+        if self.transformer_engine == "false" or self.device.type != "cuda":
+            if self.transformer_engine == "true":
+                raise ConfigError("--backend.transformer_engine true needs a CUDA device")
+            return False
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            if self.transformer_engine == "true":
+                raise ConfigError("--backend.transformer_engine true: transformer_engine is not installed") from None
+            return False
+        return True
+
+    def _build_model(self, dtype: torch.dtype):  # noqa: ANN202
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_local_spec,
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        c, lay = self.hf_config, self.layout
+        on_cpu = self.device.type == "cpu"
+        config = TransformerConfig(
+            num_layers=lay.num_layers,
+            hidden_size=lay.hidden_size,
+            num_attention_heads=lay.num_heads,
+            num_query_groups=lay.num_kv_heads,
+            kv_channels=lay.head_dim,
+            ffn_hidden_size=lay.ffn_size,
+            normalization="RMSNorm",
+            layernorm_epsilon=c.rms_norm_eps,
+            gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu,
+            add_bias_linear=False,
+            add_qkv_bias=lay.qkv_bias,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            tensor_model_parallel_size=self.tensor_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_parallel_size,
+            context_parallel_size=self.context_parallel_size,
+            params_dtype=dtype,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            use_cpu_initialization=on_cpu,
+            perform_initialization=False,  # every weight is loaded from the HF checkpoint
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            persist_layer_norm=False,
+            apply_rope_fusion=False,
+            gradient_accumulation_fusion=False,
+            attention_softmax_in_fp32=True,
+        )
+        spec = (get_gpt_layer_with_transformer_engine_spec() if self._use_transformer_engine()
+                else get_gpt_layer_local_spec(normalization="RMSNorm"))
+        rope = _rope(c)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=lay.padded_vocab_size,
+            max_sequence_length=c.max_position_embeddings,
+            parallel_output=True,
+            share_embeddings_and_output_weights=lay.tied_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(rope["theta"]),
+            rope_scaling=rope["llama3"],
+            rope_scaling_factor=rope["factor"],
+        )
+        if on_cpu:
+            from gcore.backends.megatron_cpu import keep_rotary_on_cpu
+
+            keep_rotary_on_cpu(model)
+        return model.to(self.device)
+
+    @torch.no_grad()
+    def _load_hf_state(self, model, hf_state: dict[str, torch.Tensor]) -> None:  # noqa: ANN001
+        params = dict(model.named_parameters())
+        shards = hf_state_to_megatron(hf_state, list(params), self.layout, self.tensor_parallel_size, self.tp_rank)
+        for name, param in params.items():
+            if tuple(shards[name].shape) != tuple(param.shape):
+                raise RuntimeError(f"{name}: converted shape {tuple(shards[name].shape)} != {tuple(param.shape)}")
+            param.copy_(shards[name])
+
+    # FORWARD ---------------------------------------------------------------------------------
+
+    def _forward_logprobs(self, model, input_ids: torch.Tensor, temperature: float  # noqa: ANN001
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probabilities and entropies ``[B, L-1]`` (entropies without gradient)."""
+        input_ids = input_ids.to(self.device)
+        length = input_ids.shape[1]
+        positions = torch.arange(length, device=self.device).unsqueeze(0).expand_as(input_ids)
+        causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=self.device), diagonal=1)
+        with self.fabric.autocast():  # --trainer.precision bf16-mixed etc., as the torch backend gets from Fabric
+            logits = model(input_ids, positions, causal.view(1, 1, length, length))  # [B, L, V/tp]
+        if self.tensor_parallel_size == 1:
+            logits = logits[..., : self.layout.vocab_size]
+            return token_logprobs(logits, input_ids, temperature)
+        return self._vocab_parallel_logprobs(logits, input_ids, temperature)
+
+    def _vocab_parallel_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor, temperature: float
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``token_logprobs`` on vocabulary shards: megatron's vocab-parallel cross-entropy."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        logits = logits[:, :-1].float()
+        if temperature not in (0.0, 1.0):
+            logits = logits / temperature
+        shard = logits.shape[-1]
+        start = self.tp_rank * shard
+        if start + shard > self.layout.vocab_size:  # vocabulary padding on the last ranks
+            padding = torch.arange(start, start + shard, device=logits.device) >= self.layout.vocab_size
+            logits = logits.masked_fill(padding, _MASKED_LOGIT)
+        targets = input_ids[:, 1:]
+        with torch.no_grad():
+            entropy = self._vocab_parallel_entropy(logits.detach())
+        # the cross-entropy works on its input in place: give it its own copy
+        chosen = -vocab_parallel_cross_entropy(logits.clone(), targets)
+        return chosen, entropy
+
+    def _vocab_parallel_entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        top = logits.max(-1, keepdim=True).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.tp_group)
+        shifted = logits - top
+        exp = shifted.exp()
+        sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1)])
+        dist.all_reduce(sums, group=self.tp_group)
+        return sums[0].log() - sums[1] / sums[0]
+
+    # batches across the tensor-parallel group -------------------------------------------------
+
+    def _tp_union(self, batch: RolloutBatch) -> tuple[RolloutBatch, int]:
+        """The concatenation of every tensor-parallel peer's batch, and where this rank's rows start."""
+        if self.tensor_parallel_size == 1:
+            return batch, 0
+        parts: list[RolloutBatch | None] = [None] * self.tensor_parallel_size
+        dist.all_gather_object(parts, _to_cpu(batch), group=self.tp_group)
+        offset = sum(len(p) for p in parts[: self.tp_rank])
+        return _concat_batches(parts), offset
+
+    # PREPARE ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RolloutBatch, role: Literal["policy", "reference"]) -> torch.Tensor:
+        model = self.policy if role == "policy" else self.reference
+        if model is None:
+            raise RuntimeError(f"no {role} model: it was not set up")
+        was_training = model.training
+        model.eval()
+        union, offset = self._tp_union(batch)
+        out = torch.zeros(len(union), union.input_ids.shape[1] - 1)
+        for rows in torch.arange(len(union)).split(self.micro_batch_size):
+            micro = union.select(rows)
+            logprobs, _ = self._forward_logprobs(model, micro.input_ids, union.temperature)
+            out[rows, : logprobs.shape[1]] = logprobs.cpu() * micro.response_mask
+        model.train(was_training)
+        own = out[offset: offset + len(batch)]
+        width = batch.response_mask.shape[1]
+        result = torch.zeros_like(batch.response_mask)
+        result[:, : min(width, own.shape[1])] = own[:, :width]
+        return result
+
+    # TRAIN -----------------------------------------------------------------------------------
+
+    def _all_reduce(self, values: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:  # noqa: ANN001
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            values = values.to(self.device)
+            dist.all_reduce(values, op=op, group=group)
+        return values.cpu()
+
+    def train(self, batch: RolloutBatch, algorithm: Algorithm, max_new_tokens: int) -> dict[str, float]:
+        sums: dict[str, float] = {}
+        optimizer_steps = skipped = 0
+        generator = torch.Generator().manual_seed(int(batch.input_ids.sum()) % (2**31))
+        for epoch in range(algorithm.epochs):
+            order = torch.randperm(len(batch), generator=generator) if epoch > 0 else torch.arange(len(batch))
+            for rows in torch.tensor_split(order, algorithm.mini_batches):
+                stats = self._train_mini_batch(batch, rows, algorithm, max_new_tokens)
+                grad_norm = self._reduce_and_clip_gradients()
+                loss_finite = math.isfinite(stats["loss"])
+                if math.isfinite(grad_norm) and loss_finite:
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self._updates += 1
+                else:
+                    skipped += 1  # a non-finite loss or gradient skips the update (same on every rank)
+                self.optimizer.zero_grad(set_to_none=True)
+                optimizer_steps += 1
+                stats["grad_norm"] = grad_norm
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0.0) + value
+        metrics = {key: value / optimizer_steps for key, value in sums.items()}
+        metrics["skipped_updates"] = float(skipped)
+        metrics["lr"] = float(self.scheduler.get_last_lr()[0])
+        return metrics
+
+    def _train_mini_batch(self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm,
+                          max_new_tokens: int) -> dict[str, float]:
+        """Accumulate this mini-batch's gradients (local to the rank); returns its global metrics."""
+        own = batch.select(rows) if len(rows) else None
+        counts = self._all_reduce(torch.tensor([
+            float(batch.response_mask[rows].sum()), float(len(rows))], dtype=torch.float64))
+        scale = LossScale(tokens=float(counts[0]), sequences=float(counts[1]), max_length=float(max_new_tokens))
+        if self.tensor_parallel_size > 1:
+            parts: list[RolloutBatch | None] = [None] * self.tensor_parallel_size
+            dist.all_gather_object(parts, _to_cpu(own) if own is not None else None, group=self.tp_group)
+            parts = [p for p in parts if p is not None]
+            union = _concat_batches(parts) if parts else None
+        else:
+            union = own
+        local: dict[str, float] = {}
+        if union is not None:
+            for micro_rows in torch.arange(len(union)).split(self.micro_batch_size):
+                micro = union.select(micro_rows)
+                logprobs, entropy = self._forward_logprobs(self.policy, micro.input_ids, batch.temperature)
+                micro = _to_device(micro, self.device)
+                loss, shares = algorithm.loss(logprobs, micro, scale)
+                loss.backward()
+                shares["entropy"] = (entropy.detach() * micro.response_mask).sum() / max(scale.tokens, 1.0)
+                shares["loss"] = loss.detach()
+                for key, value in shares.items():
+                    local[key] = local.get(key, 0.0) + float(value)
+        # every tensor-parallel peer computed the same union's metrics: sum over data-parallel ranks only
+        keys = sorted(set(local) | {"loss", "entropy"})
+        keys = self._agree_on_keys(keys)
+        values = self._all_reduce(torch.tensor([local.get(k, 0.0) for k in keys], dtype=torch.float64),
+                                  group=self.dp_group)
+        return dict(zip(keys, values.tolist()))
+
+    def _agree_on_keys(self, keys: list[str]) -> list[str]:
+        """Metric names present on any rank (a rank without rows has none of the algorithm's)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return keys
+        everyone: list[list[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, keys)
+        return sorted({k for ks in everyone for k in ks})
+
+    def _reduce_and_clip_gradients(self) -> float:
+        """Sum gradients over data-parallel ranks, then clip by the global norm; returns the norm."""
+        named = [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if self.dp_size > 1:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.dp_group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                offset += g.numel()
+        for p, g in zip(params, grads):
+            p.grad = g
+        # squares of tensor-parallel shards add up over the group; replicated tensors count once
+        square = torch.zeros((), dtype=torch.float64, device=self.device)
+        for (name, _), g in zip(named, grads):
+            if is_tensor_parallel(name) or self.tp_rank == 0:
+                square += g.double().pow(2).sum()
+        norm = float(self._all_reduce(square.unsqueeze(0), group=self.tp_group)[0].sqrt())
+        if self.max_grad_norm and math.isfinite(norm):
+            coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        return norm
+
+    # SYNC and SAVE ---------------------------------------------------------------------------
+
+    def _gather_shards(self, name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every tensor-parallel rank's shard of parameter ``name`` (copies of a replicated one)."""
+        if self.tensor_parallel_size == 1:
+            return [tensor.detach()]
+        if not is_tensor_parallel(name):
+            return [tensor.detach()] * self.tensor_parallel_size
+        shards = [torch.empty_like(tensor) for _ in range(self.tensor_parallel_size)]
+        dist.all_gather(shards, tensor.detach().contiguous(), group=self.tp_group)
+        return shards
+
+    def _hf_tensors(self, per_param: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-layout full tensors of a megatron tensor per parameter (weights or optimizer moments)."""
+        for name, tensor in per_param.items():
+            shards = self._gather_shards(name, tensor)
+            yield from megatron_shards_to_hf(name, shards, self.layout).items()
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-layout weights, gathered over the tensor-parallel group (a collective: every rank calls it)."""
+        weights = dict(self._hf_tensors({n: p.data for n, p in self.policy.named_parameters()}))
+        if self.layout.tied_embeddings:
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        self._synced = (self._updates, weights)
+        yield from weights.items()
+
+    def save_pretrained(self, path: str) -> None:
+        """Write an HF checkpoint (rank 0 alone: uses the weights of the last ``named_weights`` call)."""
+        from transformers import AutoModelForCausalLM
+
+        if self._synced is not None and self._synced[0] == self._updates:
+            weights = self._synced[1]
+        elif self.tensor_parallel_size == 1:
+            weights = dict(self.named_weights())
+        else:
+            raise RuntimeError("save_pretrained at tensor_parallel_size > 1 needs a named_weights() call "
+                               "on every rank after the last update")
+        model = AutoModelForCausalLM.from_config(self.hf_config)
+        model.load_state_dict({k: v.cpu() for k, v in weights.items()}, strict=False)
+        model.save_pretrained(path)
+
+    # CHECKPOINT ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Weights and AdamW moments as full HF-layout tensors: loads at any tensor-parallel size.
+
+        Every rank holds the same full tensors (DCP writes replicated tensors once). This is a
+        collective over the tensor-parallel group.
+        """
+        weights = {n: p.data for n, p in self.policy.named_parameters()}
+        model = dict(self._hf_tensors(weights))
+        optim: dict[str, object] = {}
+        step = 0.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            moments = {}
+            for n, p in self.policy.named_parameters():
+                state = self.optimizer.state.get(p, {})
+                moments[n] = state[key] if key in state else torch.zeros_like(p)
+                if "step" in state:
+                    step = float(state["step"])
+            optim[key] = dict(self._hf_tensors(moments))
+        optim["step"] = torch.tensor(step)
+        return {"model": model, "optim": optim, "scheduler": self.scheduler.state_dict(),
+                "updates": torch.tensor(float(self._updates))}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        tp, rank = self.tensor_parallel_size, self.tp_rank
+        model = dict(state["model"])
+        names = [n for n, _ in self.policy.named_parameters()]
+        self._load_hf_state(self.policy, model)
+        step = float(state["optim"]["step"])
+        moments = {key: hf_state_to_megatron(dict(state["optim"][key]), names, self.layout, tp, rank)
+                   for key in ("exp_avg", "exp_avg_sq")}
+        self.optimizer.state.clear()
+        if step > 0:
+            for n, p in self.policy.named_parameters():
+                self.optimizer.state[p] = {
+                    "step": torch.tensor(step),
+                    "exp_avg": moments["exp_avg"][n].to(p.device, p.dtype).clone(),
+                    "exp_avg_sq": moments["exp_avg_sq"][n].to(p.device, p.dtype).clone(),
+                }
+        self.scheduler.load_state_dict(state["scheduler"])
+        self._updates = int(float(state["updates"]))
+        self._synced = None
+
+
+def _rope(config) -> dict:  # noqa: ANN001
+    """RoPE base and Llama-3 scaling from an HF config (old ``rope_theta`` or new ``rope_parameters``)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise ConfigError(f"--backend megatron: rope type {kind!r} is not supported (default, llama3)")
+    if kind == "llama3":
+        expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        for key, value in expected.items():
+            if float(params.get(key, value)) != float(value):
+                raise ConfigError(f"--backend megatron: llama3 rope {key}={params[key]} is not supported ({value} is)")
+    return {"theta": theta, "llama3": kind == "llama3", "factor": float(params.get("factor", 8.0))}
+
+
+def _to_cpu(batch: RolloutBatch) -> RolloutBatch:
+    from dataclasses import replace
+
+    return replace(batch, **{f.name: getattr(batch, f.name).cpu() for f in fields(batch)
+                             if isinstance(getattr(batch, f.name), torch.Tensor)})
+
+
+def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
+    from dataclasses import replace
+
+    return replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in fields(batch)
+                             if isinstance(getattr(batch, f.name), torch.Tensor)})
+
+
+def _concat_batches(parts: list[RolloutBatch]) -> RolloutBatch:
+    """Stack batches of different lengths (right-padded with zeros to the longest)."""
+    if len(parts) == 1:
+        return parts[0]
+    length = max(p.input_ids.shape[1] for p in parts)
+    out = {}
+    for f in fields(RolloutBatch):
+        values = [getattr(p, f.name) for p in parts]
+        if not isinstance(values[0], torch.Tensor):
+            out[f.name] = values[0]
+            continue
+        if any(v is None for v in values):
+            raise ValueError(f"cannot stack batches where only some have {f.name}")
+        padded = []
+        for p, v in zip(parts, values):
+            if v.dim() == 2:
+                width = length if v.shape[1] == p.input_ids.shape[1] else length - 1
+                v = torch.nn.functional.pad(v, (0, width - v.shape[1]))
+            padded.append(v)
+        if len({v.dim() for v in padded}) > 1:  # advantages: [B] on some ranks, [B, L-1] on others
+            raise ValueError(f"cannot stack batches whose {f.name} have different ranks")
+        out[f.name] = torch.cat(padded)
+    return RolloutBatch(**out)

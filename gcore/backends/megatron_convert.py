@@ -1,0 +1,205 @@
+"""HF <-> megatron-core weight layout for Llama- and Qwen2-family models (pure tensor functions).
+
+Megatron's layout differs from HF's in three ways:
+
+- ``linear_qkv`` fuses q, k and v, interleaved per query group: for each of the ``G`` key/value
+  heads, the rows of its ``heads/G`` query heads, then its key head, then its value head. Tensor
+  parallelism splits whole groups, so the full tensor is the concatenation of the ranks' shards.
+- ``linear_fc1`` fuses SwiGLU's gate and up projections *per tensor-parallel rank*: rank ``r``
+  holds ``[gate_r; up_r]``, so the full tensor depends on the tensor-parallel size.
+- The vocabulary is padded to a multiple of the tensor-parallel size (padding rows are zero and
+  their logits are masked); HF tensors keep the true vocabulary size.
+
+Names follow megatron-core's local layer spec (``input_layernorm``, ``pre_mlp_layernorm``) and its
+Transformer Engine spec (layer norms fused into ``linear_qkv``/``linear_fc1`` as ``layer_norm_weight``).
+Functions here never import megatron-core, so they run (and are tested) without it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from gcore.errors import ConfigError
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The shapes the conversion needs, read from an HF config."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_size: int
+    vocab_size: int
+    padded_vocab_size: int
+    tied_embeddings: bool
+    qkv_bias: bool
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def layout_from_hf(config, tensor_parallel_size: int) -> Layout:  # noqa: ANN001
+    """Read a Llama/Qwen2 HF config; a one-line ``ConfigError`` for what megatron cannot hold."""
+    model_type = getattr(config, "model_type", "?")
+    if model_type not in ("llama", "qwen2", "mistral"):
+        raise ConfigError(f"--backend megatron supports Llama and Qwen2 models, not model_type {model_type!r}")
+    if getattr(config, "mlp_bias", False):
+        raise ConfigError("--backend megatron: MLP biases (mlp_bias=true) are not supported")
+    qkv_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+    if model_type != "qwen2" and getattr(config, "attention_bias", False):
+        raise ConfigError("--backend megatron: attention_bias=true puts a bias on o_proj too, which is not supported")
+    if getattr(config, "use_sliding_window", False) or (model_type == "mistral" and getattr(config, "sliding_window", None)):
+        raise ConfigError("--backend megatron: sliding-window attention is not supported")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ConfigError(f"--backend megatron: hidden_act {config.hidden_act!r} is not supported (only silu/SwiGLU)")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    tp = tensor_parallel_size
+    for what, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+                        ("intermediate_size", config.intermediate_size)):
+        if count % tp:
+            raise ConfigError(f"--backend.tensor_parallel_size {tp} does not divide the model's {what} ({count})")
+    vocab = config.vocab_size
+    return Layout(
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn_size=config.intermediate_size,
+        vocab_size=vocab,
+        padded_vocab_size=-(-vocab // tp) * tp,
+        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+    )
+
+
+# one megatron tensor <- HF tensors -------------------------------------------------------------
+
+
+def _split(tensor: torch.Tensor, dim: int, tp: int, rank: int) -> torch.Tensor:
+    return tensor.chunk(tp, dim=dim)[rank].clone()
+
+
+def _pad_vocab(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+    extra = layout.padded_vocab_size - tensor.shape[0]
+    if extra == 0:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros(extra, *tensor.shape[1:])])
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Full ``linear_qkv`` weight (or bias) from HF's q/k/v, interleaved per query group."""
+    g, d = layout.num_kv_heads, layout.head_dim
+    rest = q.shape[1:]
+    q = q.reshape(g, layout.heads_per_group * d, *rest)
+    k = k.reshape(g, d, *rest)
+    v = v.reshape(g, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def _unfuse_qkv(qkv: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, d, hpg = layout.num_kv_heads, layout.head_dim, layout.heads_per_group
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(g, (hpg + 2) * d, *rest)
+    q, k, v = grouped.split([hpg * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def is_tensor_parallel(name: str) -> bool:
+    """Whether megatron parameter ``name`` is split over tensor-parallel ranks (all but the norms).
+
+    (megatron-core marks this with a ``tensor_model_parallel`` attribute, but only for weights it
+    initialises itself; weights loaded with ``perform_initialization=False`` lack it.)
+    """
+    return not (name.endswith("layernorm.weight") or name.endswith("layer_norm_weight"))
+
+
+def megatron_name_to_hf(name: str, layout: Layout) -> list[str]:
+    """The HF tensor names that one megatron parameter is made of."""
+    if name == "embedding.word_embeddings.weight":
+        return ["model.embed_tokens.weight"]
+    if name == "output_layer.weight":
+        return ["lm_head.weight"]
+    if name == "decoder.final_layernorm.weight":
+        return ["model.norm.weight"]
+    match = _LAYER.match(name)
+    if not match:
+        raise KeyError(f"unknown megatron parameter {name!r}")
+    i, rest = match.groups()
+    hf = f"model.layers.{i}."
+    names = {
+        "input_layernorm.weight": ["input_layernorm.weight"],
+        "self_attention.linear_qkv.layer_norm_weight": ["input_layernorm.weight"],
+        "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
+        "mlp.linear_fc1.layer_norm_weight": ["post_attention_layernorm.weight"],
+        "self_attention.linear_qkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+        "self_attention.linear_qkv.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
+        "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
+        "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+        "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
+    }
+    if rest not in names:
+        raise KeyError(f"unknown megatron parameter {name!r}")
+    return [hf + n for n in names[rest]]
+
+
+def hf_to_megatron_shard(name: str, hf: dict[str, torch.Tensor], layout: Layout, tp: int, rank: int) -> torch.Tensor:
+    """This tensor-parallel rank's shard of megatron parameter ``name``, from HF tensors ``hf``."""
+    parts = [hf[n] for n in megatron_name_to_hf(name, layout)]
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return _split(_pad_vocab(parts[0], layout), 0, tp, rank)
+    if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
+        return _split(_fuse_qkv(*parts, layout), 0, tp, rank)
+    if name.endswith("linear_fc1.weight"):
+        gate, up = parts
+        return torch.cat([_split(gate, 0, tp, rank), _split(up, 0, tp, rank)])
+    if name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
+        return _split(parts[0], 1, tp, rank)
+    return parts[0].clone()  # norms: replicated
+
+
+def megatron_shards_to_hf(name: str, shards: list[torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
+    """HF tensors of megatron parameter ``name`` from all tensor-parallel ranks' shards (rank order)."""
+    hf_names = megatron_name_to_hf(name, layout)
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return {hf_names[0]: torch.cat(shards)[: layout.vocab_size]}
+    if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
+        return dict(zip(hf_names, _unfuse_qkv(torch.cat(shards), layout)))
+    if name.endswith("linear_fc1.weight"):
+        halves = [shard.chunk(2, dim=0) for shard in shards]
+        gate = torch.cat([h[0] for h in halves])
+        up = torch.cat([h[1] for h in halves])
+        return {hf_names[0]: gate, hf_names[1]: up}
+    if name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
+        return {hf_names[0]: torch.cat(shards, dim=1)}
+    return {hf_names[0]: shards[0]}
+
+
+def hf_state_to_megatron(hf: dict[str, torch.Tensor], names: list[str], layout: Layout, tp: int,
+                         rank: int) -> dict[str, torch.Tensor]:
+    """Every megatron parameter in ``names`` for one tensor-parallel rank."""
+    missing = [n for name in names for n in megatron_name_to_hf(name, layout) if n not in hf]
+    if missing:
+        raise KeyError(f"HF state lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    return {name: hf_to_megatron_shard(name, hf, layout, tp, rank) for name in names}
+
+
+def megatron_states_to_hf(per_rank: list[dict[str, torch.Tensor]], layout: Layout) -> dict[str, torch.Tensor]:
+    """The HF state dict from every tensor-parallel rank's megatron state (a list in rank order)."""
+    out: dict[str, torch.Tensor] = {}
+    for name in per_rank[0]:
+        out.update(megatron_shards_to_hf(name, [state[name] for state in per_rank], layout))
+    if layout.tied_embeddings and "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out

@@ -1,0 +1,118 @@
+"""The places where megatron-core 0.16.1 assumes CUDA, made to work on a CPU (gloo) run.
+
+Everything else of megatron-core's local (no Transformer Engine) GPT model runs on CPU as is.
+These adaptations are only installed when the run is on CPU (``install_cpu_adaptations`` after
+``initialize_model_parallel``, ``keep_rotary_on_cpu`` on each model built):
+
+1. ``parallel_state``'s global memory buffer (scratch space for the attention scores of the
+   local ``DotProductAttention``) allocates on ``torch.cuda.current_device()``. It is replaced
+   by a buffer that allocates on the CPU.
+2. The tensor-parallel RNG tracker (``tensor_parallel.get_cuda_rng_tracker``) saves and restores
+   the CUDA generator around dropout. It is replaced by a tracker with the same interface that
+   forks the CPU generator.
+3. ``RotaryEmbedding.get_emb`` moves its inverse frequencies to the current CUDA device on the
+   first forward pass. The model's instance gets a ``get_emb`` that computes the same embedding
+   where the frequencies are (non-interleaved RoPE, as Llama and Qwen2 use).
+
+A fourth spot, the default causal mask (``get_default_causal_mask`` builds it on ``"cuda"``), needs
+no patch: the backend always passes its own causal mask. ``tests/test_megatron.py`` checks each
+adaptation against the pinned version (``MEGATRON_CORE_VERSION``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Iterator
+from functools import reduce
+
+import torch
+
+MEGATRON_CORE_VERSION = "0.16.1"
+
+
+class CPUMemoryBuffer:
+    """Drop-in for ``megatron.core.utils.GlobalMemoryBuffer`` that allocates on the CPU."""
+
+    def __init__(self) -> None:
+        self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):  # noqa: ANN001, ANN201
+        required = reduce(operator.mul, tensor_shape, 1)
+        held = self.buffer.get((name, dtype))
+        if held is None or held.numel() < required:
+            held = self.buffer[(name, dtype)] = torch.empty(required, dtype=dtype)
+        return held[:required].view(*tensor_shape)
+
+
+class CPURNGStatesTracker:
+    """Named CPU random-generator states, with the interface of megatron's CUDA RNG tracker.
+
+    ``fork(name)`` runs its block with the named state and keeps where it left off, so dropout in
+    tensor-parallel regions draws from a stream of its own, as on GPU.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return bool(self.states_)
+
+    def reset(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise ValueError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise ValueError(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise ValueError(f"rng state {name} is not added")
+        outside = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outside)
+
+
+def install_cpu_adaptations(seed: int) -> None:
+    """Point megatron-core's memory buffer and RNG tracker at the CPU (after ``initialize_model_parallel``)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as tp_random
+
+    parallel_state._GLOBAL_MEMORY_BUFFER = CPUMemoryBuffer()
+    tracker = CPURNGStatesTracker()
+    # the same stream names and seed offsets as megatron's model_parallel_cuda_manual_seed
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tracker.add(tp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(tp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(tp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + tp_rank)
+    tp_random._CUDA_RNG_STATE_TRACKER = tracker
+    tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def keep_rotary_on_cpu(model) -> None:  # noqa: ANN001
+    """Give ``model.rotary_pos_emb`` a ``get_emb`` that leaves its frequencies on the CPU."""
+    rotary = model.rotary_pos_emb
+    if rotary.rotary_interleaved:
+        raise NotImplementedError("interleaved RoPE is not adapted to CPU")
+
+    def get_emb(max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        freqs = rotary.get_freqs_non_repeated(max_seq_len, offset)  # [seq, dim/2] on inv_freq's device
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+    rotary.get_emb = get_emb

@@ -1,0 +1,322 @@
+"""The megatron backend: weight conversion, logits vs HF, and a train step vs the torch backend.
+
+Tolerances (float32, CPU): log-probabilities within 1e-5 of the HF model's; after one AdamW step
+(lr 1e-2) on the same batch, loss within 1e-5 and every weight within 1e-4 of the torch backend's
+(the update of a weight is about lr = 1e-2, so 1e-4 is 1 % of one step), at TP=1 and TP=2.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+
+from gcore import GRPO, ModelConfig, TorchBackend
+from gcore.backends.megatron_convert import (
+    hf_state_to_megatron,
+    layout_from_hf,
+    megatron_states_to_hf,
+)
+from gcore.errors import ConfigError
+from gcore.model import char_tokenizer, materialize
+from gcore.testing import make_batch
+
+LOGPROB_TOL = 1e-5
+LOSS_TOL = 1e-5
+WEIGHT_TOL = 1e-4
+
+
+def _hf_configs():
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=64, max_position_embeddings=64)
+    return {
+        "qwen2-tied-odd-vocab": Qwen2Config(vocab_size=101, tie_word_embeddings=True, **common),
+        "llama-untied": LlamaConfig(vocab_size=100, tie_word_embeddings=False, **common),
+    }
+
+
+def _megatron_names(layout):
+    names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight"]
+    if not layout.tied_embeddings:
+        names.append("output_layer.weight")
+    for i in range(layout.num_layers):
+        names += [f"decoder.layers.{i}.{n}" for n in (
+            "input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
+            "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")]
+        if layout.qkv_bias:
+            names.append(f"decoder.layers.{i}.self_attention.linear_qkv.bias")
+    return names
+
+
+@pytest.mark.parametrize("name", ["qwen2-tied-odd-vocab", "llama-untied"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_conversion_round_trips_exactly(name, tp):
+    from transformers import AutoModelForCausalLM
+
+    config = _hf_configs()[name]
+    torch.manual_seed(0)
+    hf = {k: torch.randn_like(v) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+    layout = layout_from_hf(config, tp)
+    names = _megatron_names(layout)
+    shards = [hf_state_to_megatron(hf, names, layout, tp, rank) for rank in range(tp)]
+    assert shards[0]["embedding.word_embeddings.weight"].shape[0] == -(-config.vocab_size // tp)
+    back = megatron_states_to_hf(shards, layout)
+    assert sorted(back) == sorted(hf)
+    for key, value in hf.items():
+        assert torch.equal(back[key], value), key
+
+
+def test_qkv_interleaving_puts_each_group_together():
+    config = _hf_configs()["llama-untied"]
+    layout = layout_from_hf(config, 1)
+    d = layout.head_dim
+    hf = {"model.layers.0.self_attn.q_proj.weight": torch.arange(4 * d).float().repeat_interleave(1).view(-1, 1).expand(-1, 32),
+          "model.layers.0.self_attn.k_proj.weight": 1000 + torch.arange(2 * d).float().view(-1, 1).expand(-1, 32),
+          "model.layers.0.self_attn.v_proj.weight": 2000 + torch.arange(2 * d).float().view(-1, 1).expand(-1, 32)}
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    fused = hf_state_to_megatron(hf, [name], layout, 1, 0)[name][:, 0]
+    # group 0: query heads 0 and 1, key head 0, value head 0; then group 1
+    expected = torch.cat([torch.arange(2 * d), 1000 + torch.arange(d), 2000 + torch.arange(d),
+                          2 * d + torch.arange(2 * d), 1000 + d + torch.arange(d), 2000 + d + torch.arange(d)]).float()
+    assert torch.equal(fused, expected)
+
+
+def test_bad_tensor_parallel_size_is_one_line():
+    with pytest.raises(ConfigError, match="tensor_parallel_size 3 does not divide the model's num_attention_heads"):
+        layout_from_hf(_hf_configs()["llama-untied"], 3)
+
+
+def test_missing_megatron_core_names_the_extra(monkeypatch):
+    from gcore.backends import megatron
+
+    monkeypatch.setitem(sys.modules, "megatron.core", None)
+    with pytest.raises(ConfigError, match=r"pip install 'gcore\[megatron\]'"):
+        megatron.MegatronBackend()
+
+
+# with megatron-core ---------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _fresh_port(monkeypatch):
+    for key in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def _megatron():
+    pytest.importorskip("megatron.core")
+    from gcore.backends.megatron import MegatronBackend
+
+    return MegatronBackend
+
+
+def test_cpu_adaptations_match_the_pinned_version():
+    _megatron()
+    import megatron.core
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.tensor_parallel import random as tp_random
+
+    from gcore.backends.megatron_cpu import MEGATRON_CORE_VERSION, CPUMemoryBuffer, CPURNGStatesTracker
+
+    assert megatron.core.__version__ == MEGATRON_CORE_VERSION
+    # the names the adaptations replace still exist in the pinned version
+    assert hasattr(parallel_state, "_GLOBAL_MEMORY_BUFFER") and hasattr(tp_random, "_CUDA_RNG_STATE_TRACKER")
+    assert hasattr(RotaryEmbedding, "get_freqs_non_repeated")
+    buffer = CPUMemoryBuffer().get_tensor((2, 3), torch.float32, "mpu")
+    assert buffer.shape == (2, 3) and buffer.device.type == "cpu"
+    tracker = CPURNGStatesTracker()
+    tracker.add("model-parallel-rng", 7)
+    before = torch.get_rng_state()
+    with tracker.fork("model-parallel-rng"):
+        first = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), before)  # the outside stream is untouched
+    with tracker.fork("model-parallel-rng"):
+        second = torch.rand(3)
+    assert not torch.equal(first, second)  # the forked stream moves on
+    assert torch.equal(first, torch.rand(3, generator=torch.Generator().manual_seed(7)))
+
+
+def _model_dir(root, **config):
+    return materialize(ModelConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, **config),
+                       char_tokenizer(), 0, os.path.join(root, "model"))
+
+
+def test_logprobs_match_the_hf_model(tmp_path):
+    backend_class = _megatron()
+    from transformers import AutoModelForCausalLM
+
+    from gcore.backends.torch import token_logprobs
+
+    model_dir = _model_dir(str(tmp_path))
+    backend = backend_class()
+    backend.setup(Fabric(accelerator="cpu", devices=1), model_dir, torch.float32, False, GRPO(), embedded=True)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = torch.randint(4, 100, (3, 12), generator=torch.Generator().manual_seed(0))
+    for temperature in (1.0, 0.7):
+        ours, our_entropy = backend._forward_logprobs(backend.policy, ids, temperature)
+        theirs, their_entropy = token_logprobs(hf(input_ids=ids).logits, ids, temperature)
+        assert (ours - theirs).abs().max() < LOGPROB_TOL
+        assert (our_entropy - their_entropy).abs().max() < LOGPROB_TOL
+    weights = dict(backend.named_weights())
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(weights[name], tensor), name
+
+
+def _rank_batch(rank):
+    """A different batch on each rank, of different lengths (the TP group stacks them)."""
+    length = 7 + rank
+    batch = make_batch([1.0, 0.0, 0.3, 0.9][: 4 - rank], [0, 0, 1, 1][: 4 - rank], length=length)
+    batch.input_ids = torch.randint(4, 100, batch.input_ids.shape, generator=torch.Generator().manual_seed(rank))
+    batch.response_mask[:, :2] = 0
+    batch.advantages = GRPO().advantages(batch)
+    return batch
+
+
+def _compare_with_torch(fabric, model_dir, tp, out):
+    torch_backend = TorchBackend(lr=1e-2, micro_batch_size=2)
+    torch_backend.setup(fabric, model_dir, torch.float32, False, GRPO(), embedded=True)
+    batch = _rank_batch(fabric.global_rank)
+    torch_logprobs = torch_backend.compute_logprobs(batch, "policy")
+    torch_metrics = torch_backend.train(batch, GRPO(), max_new_tokens=8)
+    torch_weights = dict(torch_backend.named_weights())
+
+    from gcore.backends.megatron import MegatronBackend
+
+    backend = MegatronBackend(tensor_parallel_size=tp, lr=1e-2, micro_batch_size=3)
+    backend.setup(fabric, model_dir, torch.float32, False, GRPO(), embedded=True)
+    logprobs = backend.compute_logprobs(batch, "policy")
+    metrics = backend.train(batch, GRPO(), max_new_tokens=8)
+    weights = dict(backend.named_weights())
+    result = {
+        "logprobs": float((logprobs - torch_logprobs).abs().max()),
+        "loss": abs(metrics["loss"] - torch_metrics["loss"]),
+        "grad_norm": abs(metrics["grad_norm"] - torch_metrics["grad_norm"]),
+        "weights": max(float((weights[k] - v).abs().max()) for k, v in torch_weights.items()),
+        "moved": max(float((weights[k] - torch.load(os.path.join(model_dir, "..", "initial.pt"))[k]).abs().max())
+                     for k in torch_weights),
+        "names": sorted(weights) == sorted(torch_weights),
+    }
+    torch.save(result, f"{out}.{fabric.global_rank}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_train_step_matches_the_torch_backend(tmp_path, tp):
+    _megatron()
+    from transformers import AutoModelForCausalLM
+
+    model_dir = _model_dir(str(tmp_path))
+    torch.save(AutoModelForCausalLM.from_pretrained(model_dir).state_dict(), tmp_path / "initial.pt")
+    out = str(tmp_path / "result")
+    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_compare_with_torch, model_dir, tp, out)
+    for rank in range(2):
+        result = torch.load(f"{out}.{rank}")
+        assert result["names"]
+        assert result["logprobs"] < LOGPROB_TOL, result
+        assert result["loss"] < LOSS_TOL, result
+        assert result["grad_norm"] < 1e-4, result
+        assert result["moved"] > 1e-3, result  # the step did change the weights
+        assert result["weights"] < WEIGHT_TOL, result
+
+
+def test_unsupported_parallel_sizes_are_one_line():
+    backend_class = _megatron()
+    with pytest.raises(ConfigError, match="pipeline_parallel_size 2: only 1 is supported"):
+        backend_class(pipeline_parallel_size=2)
+    with pytest.raises(ConfigError, match="context_parallel_size 2: only 1 is supported"):
+        backend_class(context_parallel_size=2)
+
+
+def _checkpoint_manager(fabric, root):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from gcore.checkpoint import CheckpointManager
+
+    # a dedicated gloo group with a timeout: a save that cannot complete fails instead of hanging
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120)) if fabric.world_size > 1 else None
+    return CheckpointManager(root, rank=fabric.global_rank, world_size=fabric.world_size,
+                             barrier=fabric.barrier, process_group=group)
+
+
+def _save_at_tp2(fabric, model_dir, root):
+    from gcore.backends.megatron import MegatronBackend
+
+    backend = MegatronBackend(tensor_parallel_size=2, lr=1e-2)
+    backend.setup(fabric, model_dir, torch.float32, False, GRPO(), embedded=True)
+    backend.train(_rank_batch(fabric.global_rank), GRPO(), max_new_tokens=8)
+    manager = _checkpoint_manager(fabric, root)
+    manager.save(1, backend.state_dict(), {"step": 1}, {"rank": fabric.global_rank})
+    manager.wait()
+    weights = dict(backend.named_weights())
+    moments = backend.state_dict()["optim"]
+    if fabric.global_rank == 0:
+        torch.save({"weights": weights, "moments": moments}, os.path.join(root, "expected.pt"))
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_tp2_loads_at_tp1(tmp_path):
+    backend_class = _megatron()
+    from gcore.checkpoint import latest_checkpoint
+
+    model_dir = _model_dir(str(tmp_path))
+    root = str(tmp_path / "ckpt")
+    os.makedirs(root)
+    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_save_at_tp2, model_dir, root)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    backend = backend_class(tensor_parallel_size=1, lr=1e-2)
+    backend.setup(fabric, model_dir, torch.float32, False, GRPO(), embedded=True)
+    state = backend.state_dict()
+    trainer_state, _ = _checkpoint_manager(fabric, root).load(latest_checkpoint(root), state)
+    backend.load_state_dict(state)
+    expected = torch.load(os.path.join(root, "expected.pt"))
+    assert trainer_state["step"] == 1
+    for name, tensor in backend.named_weights():
+        assert torch.equal(tensor, expected["weights"][name]), name
+    reloaded = backend.state_dict()["optim"]
+    for key in ("exp_avg", "exp_avg_sq"):
+        for name, tensor in expected["moments"][key].items():
+            assert torch.equal(reloaded[key][name], tensor), (key, name)
+    assert float(reloaded["step"]) == 1.0
+    backend.train(_rank_batch(0), GRPO(), max_new_tokens=8)  # training goes on from there
+
+
+@pytest.mark.slow
+def test_grpo_reward_rises_with_the_megatron_backend(tmp_path):
+    backend_class = _megatron()
+    from gcore import Trainer, TrainerConfig
+
+    result = Trainer(
+        trainer=TrainerConfig(max_steps=30, default_root_dir=str(tmp_path), enable_progress_bar=False, save_final=False),
+        model=ModelConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128),
+        backend=backend_class(),
+    ).fit()
+    rewards = [m["reward/mean"] for m in result.history]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > 3 * first and last - first > 0.1, rewards
+
+
+@pytest.mark.slow
+def test_cli_fit_at_tensor_parallel_2_saves_an_hf_model(gcore_cli, tmp_path):
+    _megatron()
+    from transformers import AutoModelForCausalLM
+
+    run = gcore_cli("--backend", "megatron", "--backend.tensor_parallel_size", "2", "--trainer.devices", "2",
+                    "--trainer.accelerator", "cpu")
+    assert run.returncode == 0, run.stderr[-3000:]
+    final = next((tmp_path / "runs").rglob("final"))
+    AutoModelForCausalLM.from_pretrained(final)  # the gathered weights load as an HF checkpoint
+
+
+def test_cli_rejects_a_tensor_parallel_size_that_does_not_divide_the_ranks(gcore_cli):
+    _megatron()
+    run = gcore_cli("--backend", "megatron", "--backend.tensor_parallel_size", "2", "--trainer.accelerator", "cpu")
+    assert run.returncode != 0
+    assert "tensor_parallel_size 2 does not divide the number of ranks (1)" in run.stderr
