@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 
+VARIANTS = ("gcore", "gcore-generate", "trl")
 STAGES = ("generate", "reward", "swap", "prepare", "train", "sync")
 
 
@@ -45,7 +46,9 @@ def target_char_reward(completion: str, answer: str, length: int) -> float:
 
 
 def run_gcore(args: argparse.Namespace) -> dict:
-    from gcore import DataConfig, SamplingParams, TorchBackend, Trainer, TrainerConfig
+    """gcore in-process (``Trainer.fit``); ``gcore-generate`` samples with ``model.generate`` instead of the
+    hf engine's own loop (the engine before this benchmark's optimisation)."""
+    from gcore import DataConfig, HFEngine, SamplingParams, TorchBackend, Trainer, TrainerConfig
     from gcore.controller import Controller
 
     ends: list[float] = []
@@ -65,6 +68,7 @@ def run_gcore(args: argparse.Namespace) -> dict:
             data=DataConfig(prompts_per_step=args.prompts_per_step),
             sampling=SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0),
             backend=TorchBackend(lr=args.lr, micro_batch_size=args.micro_batch_size),
+            engine=HFEngine(use_generate=args.worker == "gcore-generate"),
         )
         result = trainer.fit()
     total = time.perf_counter() - start
@@ -206,7 +210,11 @@ def summarize(name: str, runs: list[dict], warmup: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--worker", choices=["gcore", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--variants", default="gcore,trl",
+                        help=f"comma-separated trainers to run, alternating (from {', '.join(VARIANTS)})")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads in every run (0: torch's default, one per core)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each trainer (alternating)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=2, help="steps per run left out of the step-time figures")
@@ -217,24 +225,33 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--micro-batch-size", type=int, default=32)
     parser.add_argument("--num-prompts", type=int, default=1000)
-    parser.add_argument("--only", choices=["gcore", "trl"], help="run one trainer only (no ratios)")
     parser.add_argument("--json", help="write every run's raw figures here")
     args = parser.parse_args()
 
     if args.worker:
-        out = run_gcore(args) if args.worker == "gcore" else run_trl(args)
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        out = run_trl(args) if args.worker == "trl" else run_gcore(args)
         print("BENCH-RESULT " + json.dumps(out), flush=True)
         return
 
-    names = [args.only] if args.only else ["gcore", "trl"]
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = set(names) - set(VARIANTS)
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(sorted(unknown))}; valid: {', '.join(VARIANTS)}")
     runs: dict[str, list[dict]] = {name: [] for name in names}
     forwarded = _clean(sys.argv[1:])
     for repeat in range(args.repeats):
-        order = names if repeat % 2 == 0 else names[::-1]  # A B B A A B ...: neither always goes first
+        order = names  # A B A B ...: contention from other processes hits every trainer alike
         for name in order:
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, *forwarded]
+            env = dict(os.environ)
+            if args.threads:
+                env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
             t0 = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH-RESULT ")]
             if proc.returncode != 0 or not lines:
                 sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
@@ -249,7 +266,7 @@ def main() -> None:
     print()
     print(f"settings: {args.prompts_per_step} prompts x {args.n} generations, {args.max_new_tokens} new tokens, "
           f"lr {args.lr}, {args.steps} steps, {args.repeats} runs each, first {args.warmup} steps of each run "
-          f"left out of step times; torch threads {_threads()}")
+          f"left out of step times; torch threads {args.threads or _threads()}")
     for s in summaries.values():
         print(f"\n== {s['name']}")
         print(f"  step time: {spread(s['times'])}; per-run medians {', '.join(f'{t:.3f}' for t in s['run_medians'])}")
@@ -257,10 +274,10 @@ def main() -> None:
         print(f"  peak RSS: {s['peak_rss_mb']:.0f} MB; whole run (incl. start-up): {s['total_s']:.1f} s")
         print(f"  reward (mean over runs) first 5 steps {s['first5']:.3f} -> last 5 steps {s['last5']:.3f}")
         print("  reward curve: " + " ".join(f"{r:.2f}" for r in s["curve"]))
-    if "gcore" in runs:
-        print("\n== gcore per-stage breakdown (median over steps after warm-up, seconds)")
-        rows = [st for r in runs["gcore"] for st in r["stages"][args.warmup :]]
-        intervals = [t for r in runs["gcore"] for t in step_times(r, args.warmup)]
+    for name in (n for n in names if n != "trl"):
+        print(f"\n== {name} per-stage breakdown (median over steps after warm-up, seconds)")
+        rows = [st for r in runs[name] for st in r["stages"][args.warmup :]]
+        intervals = [t for r in runs[name] for t in step_times(r, args.warmup)]
         med = {k: statistics.median(row[k] for row in rows) for k in (*STAGES, "step")}
         loop = statistics.median(intervals)
         for k in STAGES:
@@ -270,17 +287,24 @@ def main() -> None:
         print(f"  {'loop':9s} {loop - med['step']:.4f}  ({100 * (loop - med['step']) / loop:4.1f}%)  "
               "(trainer loop between steps: logging, data)")
         print(f"  {'step':9s} {loop:.4f}")
-    if len(summaries) == 2:
-        g, t = summaries["gcore"], summaries["trl"]
-        print("\n== gcore / TRL")
-        print(f"  median step time: {g['median_step_s'] / t['median_step_s']:.2f}x  (goal <= 0.67x)")
+    for name in (n for n in names if n != "trl" and "trl" in summaries):
+        g, t = summaries[name], summaries["trl"]
+        print(f"\n== {name} / TRL")
+        print(f"  median step time: {g['median_step_s'] / t['median_step_s']:.2f}x  (goal <= 0.67x); "
+              f"per-repeat ratios {', '.join(f'{a / b:.2f}' for a, b in zip(g['run_medians'], t['run_medians']))}")
         print(f"  completion tokens/s: {g['tokens_per_s'] / t['tokens_per_s']:.2f}x")
         print(f"  peak RSS: {g['peak_rss_mb'] / t['peak_rss_mb']:.2f}x")
-        print(f"  last-5-step reward: gcore {g['last5']:.3f} vs TRL {t['last5']:.3f}")
-        print(f"  TRL version {runs['trl'][0].get('trl_version')}")
+        print(f"  reward last 5 steps: {name} {g['last5']:.3f} vs TRL {t['last5']:.3f}; "
+              f"first step reaching 0.2 (mean curve): {name} {_reach(g['curve'], 0.2)} vs TRL {_reach(t['curve'], 0.2)}")
+    if "trl" in runs:
+        print(f"\nTRL version {runs['trl'][0].get('trl_version')}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": runs}, f)
+
+
+def _reach(curve: list[float], level: float) -> str:
+    return next((str(i) for i, r in enumerate(curve) if r >= level), "never")
 
 
 def _clean(argv: list[str]) -> list[str]:
@@ -289,9 +313,9 @@ def _clean(argv: list[str]) -> list[str]:
         if skip:
             skip = False
             continue
-        if a.startswith(("--json=", "--only=")):
+        if a.startswith(("--json=", "--variants=")):
             continue
-        if a in ("--json", "--only"):
+        if a in ("--json", "--variants"):
             skip = True
             continue
         out.append(a)
