@@ -52,7 +52,7 @@ class HFEngine(Engine):
         pad = generation.pad_token_id if generation.pad_token_id is not None else config.pad_token_id
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
         if self.model is None:
             raise RuntimeError("HFEngine.generate called before setup")
