@@ -7,13 +7,13 @@ hyper-parameters: 16 prompts x 8 generations per optimizer step, 16 new tokens, 
 AdamW lr 5e-3 constant (no warm-up, no decay), grad-norm clip 1, clip epsilon 0.2, group-scaled
 advantages, no reference model (beta 0), per-sequence token mean then sequence mean
 (gcore ``seq_mean_token_mean`` = TRL ``loss_type="grpo"``), one gradient step per batch of
-generations, micro-batches of 32 sequences, float32, seed 42.
+generations, micro-batches of 32 sequences, float32, the same seed (model initialisation and sampling).
 
 Every run is a fresh subprocess (so peak RSS is per run and no state leaks between runs); runs
 alternate A B A B so that load from other processes on the machine hits both alike.
 
     pip install -e ".[bench]"
-    python benchmarks/vs_trl.py --repeats 3 --steps 30
+    python benchmarks/vs_trl.py --repeats 3 --seeds 1,2,3 --threads 1
 
 Prints, per trainer: median step time (with spread), completion tokens per second, peak RSS,
 the mean reward curve; then the ratios gcore/TRL and gcore's per-stage breakdown.
@@ -204,6 +204,7 @@ def summarize(name: str, runs: list[dict], warmup: int) -> dict:
         "curve": curve,
         "first5": first,
         "last5": last,
+        "last5_runs": [statistics.mean(r["reward"][-5:]) for r in runs],
         "total_s": statistics.median(r["total_s"] for r in runs),
     }
 
@@ -218,7 +219,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each trainer (alternating)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=2, help="steps per run left out of the step-time figures")
-    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--seed", type=int, default=42, help=argparse.SUPPRESS)
+    parser.add_argument("--seeds", default="42",
+                        help="comma-separated seeds; repeat i uses seed i mod len (the same for every trainer)")
     parser.add_argument("--prompts-per-step", type=int, default=16)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=16)
@@ -243,10 +246,12 @@ def main() -> None:
         parser.error(f"--variants: unknown {', '.join(sorted(unknown))}; valid: {', '.join(VARIANTS)}")
     runs: dict[str, list[dict]] = {name: [] for name in names}
     forwarded = _clean(sys.argv[1:])
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     for repeat in range(args.repeats):
         order = names  # A B A B ...: contention from other processes hits every trainer alike
         for name in order:
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, *forwarded]
+            seed = seeds[repeat % len(seeds)]
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, *forwarded, "--seed", str(seed)]
             env = dict(os.environ)
             if args.threads:
                 env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
@@ -258,20 +263,21 @@ def main() -> None:
                 raise SystemExit(f"{name} run {repeat + 1} failed (exit {proc.returncode})")
             run = json.loads(lines[-1][len("BENCH-RESULT ") :])
             runs[name].append(run)
-            print(f"[{repeat + 1}/{args.repeats}] {name:5s} {time.perf_counter() - t0:6.1f} s wall, "
+            print(f"[{repeat + 1}/{args.repeats}] seed {seed} {name:5s} {time.perf_counter() - t0:6.1f} s wall, "
                   f"median step {statistics.median(step_times(run, args.warmup)):.3f} s, "
                   f"last-5 reward {statistics.mean(run['reward'][-5:]):.3f}", flush=True)
 
     summaries = {name: summarize(name, runs[name], args.warmup) for name in names}
     print()
     print(f"settings: {args.prompts_per_step} prompts x {args.n} generations, {args.max_new_tokens} new tokens, "
-          f"lr {args.lr}, {args.steps} steps, {args.repeats} runs each, first {args.warmup} steps of each run "
+          f"lr {args.lr}, {args.steps} steps, {args.repeats} runs each (seeds {args.seeds}), first {args.warmup} steps of each run "
           f"left out of step times; torch threads {args.threads or _threads()}")
     for s in summaries.values():
         print(f"\n== {s['name']}")
         print(f"  step time: {spread(s['times'])}; per-run medians {', '.join(f'{t:.3f}' for t in s['run_medians'])}")
         print(f"  completion tokens/s: {s['tokens_per_s']:.0f}")
         print(f"  peak RSS: {s['peak_rss_mb']:.0f} MB; whole run (incl. start-up): {s['total_s']:.1f} s")
+        print("  last-5-step reward per run: " + ", ".join(f"{x:.3f}" for x in s["last5_runs"]))
         print(f"  reward (mean over runs) first 5 steps {s['first5']:.3f} -> last 5 steps {s['last5']:.3f}")
         print("  reward curve: " + " ".join(f"{r:.2f}" for r in s["curve"]))
     for name in (n for n in names if n != "trl"):
@@ -313,9 +319,9 @@ def _clean(argv: list[str]) -> list[str]:
         if skip:
             skip = False
             continue
-        if a.startswith(("--json=", "--variants=")):
+        if a.startswith(("--json=", "--variants=", "--seeds=")):
             continue
-        if a in ("--json", "--variants"):
+        if a in ("--json", "--variants", "--seeds"):
             skip = True
             continue
         out.append(a)
