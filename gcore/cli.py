@@ -24,6 +24,8 @@ USAGE = """usage: gcore <command> [options]
 commands:
   fit       train a policy with RL (gcore fit --help)
   plugins   list the installed engines, rewards, algorithms, placement policies and backends
+  report    plot a run's metrics to PNG files and summarise it (gcore report RUN_DIR)
+  export    write a checkpoint's policy as an HF checkpoint (gcore export CKPT --to hf DIR)
 
 `gcore fit` with no options trains the embedded tiny model on the embedded task, on CPU.
 """
@@ -123,6 +125,24 @@ def build_fit_parser():  # noqa: ANN201
     return parser
 
 
+def _explain_plugin_error(config) -> None:  # noqa: ANN001 - a jsonargparse Namespace
+    """jsonargparse wraps a constructor's error in a long message; rebuild each plugin to name it."""
+    import importlib
+
+    for family in registry.GROUPS:
+        spec = config.get(family)
+        if spec is None or not getattr(spec, "class_path", None):
+            continue
+        module, _, name = spec.class_path.rpartition(".")
+        init_args = spec.init_args.as_dict() if getattr(spec, "init_args", None) is not None else {}
+        try:
+            getattr(importlib.import_module(module), name)(**init_args)
+        except GcoreError:
+            raise
+        except Exception as err:  # the constructor's own error, named with its plugin
+            raise GcoreError(f"--{family} {spec.class_path}: {type(err).__name__}: {err}") from None
+
+
 def fit_main(argv: Sequence[str]) -> int:
     """``gcore fit``: parse, build every plugin, train."""
     from gcore.trainer import Trainer
@@ -134,7 +154,8 @@ def fit_main(argv: Sequence[str]) -> int:
     except GcoreError:
         raise
     except (TypeError, ValueError) as err:  # a plugin's constructor rejected its arguments
-        raise GcoreError(f"invalid configuration: {err}") from None
+        _explain_plugin_error(config)
+        raise GcoreError(f"invalid configuration: {str(err).splitlines()[0]}") from None
     kwargs = {key: init[key] for key in ("trainer", "model", "data", "sampling", *registry.GROUPS)}
     result = Trainer(**kwargs).fit()
     if result.run_dir is not None:
@@ -169,7 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE)
         return 0 if args else 2
     command, rest = args[0], args[1:]
-    commands = {"fit": fit_main, "plugins": plugins_main}
+    from gcore.checkpoint import export_main
+    from gcore.report import report_main
+
+    commands = {"fit": fit_main, "plugins": plugins_main, "report": report_main, "export": export_main}
     if command not in commands:
         print(f"gcore: error: unknown command {command!r}; valid commands: {', '.join(commands)}", file=sys.stderr)
         return 2

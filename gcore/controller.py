@@ -105,6 +105,8 @@ class Controller:
             train_metrics = self.backend.train(batch, self.algorithm, self.sampling.max_new_tokens)
 
         # SYNC: the new weights go to the rollout engine
+        with timer("swap"):
+            self.placement.before_sync(self.engine)
         with timer("sync"):
             synced_bytes = self.engine.update_weights(self.backend.named_weights())
 

@@ -13,6 +13,7 @@ from lightning.fabric.loggers import CSVLogger
 
 from gcore.algorithms.base import Algorithm
 from gcore.backends.base import TrainingBackend
+from gcore.checkpoint import CheckpointManager, resolve_resume, rng_state, set_rng_state
 from gcore.controller import Controller
 from gcore.data import DataConfig, PromptSampler, load_prompts
 from gcore.engines.base import Engine
@@ -21,6 +22,31 @@ from gcore.model import ModelConfig, context_length, load_tokenizer, materialize
 from gcore.placement.base import PlacementPolicy
 from gcore.rewards.base import RewardModel
 from gcore.types import SamplingParams
+
+
+LoggerName = Literal["csv", "tensorboard", "wandb", "mlflow"]
+
+
+def make_logger(name: str, root: str, run_name: str):  # noqa: ANN201
+    """A Lightning logger by name; Weights & Biases and MLflow through Lightning's own loggers."""
+    from lightning.fabric.loggers import TensorBoardLogger
+
+    if name == "csv":
+        return CSVLogger(root, name=run_name, flush_logs_every_n_steps=1)
+    if name == "tensorboard":
+        return TensorBoardLogger(root, name=run_name, default_hp_metric=False)
+    if name in ("wandb", "mlflow"):
+        package = {"wandb": "wandb", "mlflow": "mlflow"}[name]
+        import importlib.util
+
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(f"--trainer.logger {name} needs the {package} package: pip install {package}")
+        from lightning.pytorch import loggers
+
+        if name == "wandb":
+            return loggers.WandbLogger(name=run_name, save_dir=root)
+        return loggers.MLFlowLogger(experiment_name=run_name, save_dir=os.path.join(root, "mlruns"))
+    raise ConfigError(f"--trainer.logger {name!r}: valid choices: csv, tensorboard, wandb, mlflow")
 
 
 @dataclass
@@ -36,9 +62,15 @@ class TrainerConfig:
         seed: seeds model initialisation, data order and sampling.
         default_root_dir: where runs are written (``<root>/<name>/version_N``).
         name: the run's folder name under ``default_root_dir``.
-        logger: ``csv``, ``tensorboard``, or both as a list.
+        logger: ``csv``, ``tensorboard``, ``wandb``, ``mlflow``, or several as a list (the last two
+            when their packages are installed).
         enable_progress_bar: show a progress bar with the live reward.
         save_final: save the trained policy as an HF checkpoint at the end.
+        checkpoint_every: save a resumable checkpoint every N steps (0: never) under
+            ``<default_root_dir>/<name>/checkpoints``.
+        keep_checkpoints: how many complete checkpoints to keep.
+        async_checkpoint: write checkpoints in the background while training goes on.
+        resume: ``auto`` (the latest complete checkpoint, if any) or a checkpoint folder.
     """
 
     max_steps: int = 30
@@ -49,9 +81,13 @@ class TrainerConfig:
     seed: int = 42
     default_root_dir: str = "gcore_runs"
     name: str = "gcore"
-    logger: Literal["csv", "tensorboard"] | list[Literal["csv", "tensorboard"]] = "csv"
+    logger: LoggerName | list[LoggerName] = "csv"
     enable_progress_bar: bool = True
     save_final: bool = True
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    async_checkpoint: bool = True
+    resume: str | None = None
 
 
 @dataclass
@@ -115,7 +151,6 @@ class Trainer:
 
     def _fabric(self):  # noqa: ANN202
         from lightning.fabric import Fabric
-        from lightning.fabric.loggers import TensorBoardLogger
 
         c = self.config
         accelerator = c.accelerator
@@ -126,14 +161,7 @@ class Trainer:
         device_type = "cuda" if accelerator in ("cuda", "gpu") else "cpu"
         world = c.devices * c.num_nodes
         names = [c.logger] if isinstance(c.logger, str) else list(c.logger)
-        loggers = []
-        for name in names:
-            if name == "csv":
-                loggers.append(CSVLogger(c.default_root_dir, name=c.name, flush_logs_every_n_steps=1))
-            elif name == "tensorboard":
-                loggers.append(TensorBoardLogger(c.default_root_dir, name=c.name, default_hp_metric=False))
-            else:
-                raise ConfigError(f"--trainer.logger {name!r}: valid choices: csv, tensorboard")
+        loggers = [make_logger(name, c.default_root_dir, c.name) for name in names]
         return Fabric(
             accelerator=accelerator,
             devices=c.devices,
@@ -176,6 +204,8 @@ class Trainer:
                                 c.seed, self.data_config.shuffle)
         controller = Controller(fabric, self.engine, self.reward, self.algorithm, self.backend,
                                 self.placement, tokenizer, self.sampling)
+        checkpoints = self._checkpoint_manager(fabric)
+        start_step = self._resume(fabric, checkpoints, sampler)
 
         run_dir = None
         if rank == 0 and fabric.loggers:
@@ -188,15 +218,24 @@ class Trainer:
                     logger.log_hyperparams(self.hyperparameters())
         history: list[dict[str, float]] = []
         bar = _progress(c.max_steps, enabled=c.enable_progress_bar and rank == 0)
-        for step in range(c.max_steps):
+        bar.update(start_step)
+        stall = None
+        for step in range(start_step, c.max_steps):
             shard = [prompts[i] for i in sampler.shard(sampler.next_global())]
             metrics = controller.step(step, shard, on_stage=lambda stage: bar.set_description(stage, refresh=False))
             metrics["step"] = float(step)
+            if stall is not None:  # the previous step's checkpoint save
+                metrics["checkpoint/stall_s"], stall = stall, None
             fabric.log_dict(metrics, step=step)
             history.append(metrics)
             bar.set_description("step", refresh=False)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s=f"{metrics['time/step']:.2f}")
             bar.update(1)
+            checkpoints.poll()
+            if c.checkpoint_every and ((step + 1) % c.checkpoint_every == 0 or step == c.max_steps - 1):
+                stall = checkpoints.save(step, self.backend.state_dict(), self._trainer_state(step, sampler),
+                                         {"rng": rng_state()}, asynchronous=c.async_checkpoint, hf_files=model_path)
+        checkpoints.wait()
         bar.close()
         for logger in fabric.loggers:
             logger.finalize("success")
@@ -210,6 +249,49 @@ class Trainer:
         if rank == 0:
             return FitResult(run_dir, final_dir, history)
         return FitResult(None, None, history)
+
+    def _checkpoint_manager(self, fabric) -> CheckpointManager:  # noqa: ANN001
+        c = self.config
+        group = None
+        if fabric.world_size > 1 and (c.checkpoint_every or c.resume):
+            import torch.distributed as dist
+
+            group = dist.new_group(backend="gloo")  # DCP's background collectives stay off the training group
+        root = os.path.join(c.default_root_dir, c.name, "checkpoints")
+        return CheckpointManager(root, c.keep_checkpoints, fabric.global_rank, fabric.world_size,
+                                 barrier=fabric.barrier, process_group=group)
+
+    def _trainer_state(self, step: int, sampler: PromptSampler) -> dict:
+        state = {"step": step, "sampler": sampler.state_dict(), "seed": self.config.seed}
+        for name, plugin in (("algorithm", self.algorithm), ("placement", self.placement)):
+            if callable(getattr(plugin, "state_dict", None)):
+                state[name] = plugin.state_dict()
+        return state
+
+    def _resume(self, fabric, checkpoints: CheckpointManager, sampler: PromptSampler) -> int:  # noqa: ANN001
+        """Restore the latest (or given) checkpoint; returns the first step to run."""
+        c, rank = self.config, fabric.global_rank
+        path = resolve_resume(c.resume, checkpoints.root)
+        if path is None:
+            if c.resume == "auto" and rank == 0:
+                print(f"no checkpoint under {checkpoints.root}: starting from step 0")
+            return 0
+        state = self.backend.state_dict()
+        trainer_state, rank_state = checkpoints.load(path, state)
+        self.backend.load_state_dict(state)
+        sampler.load_state_dict(trainer_state["sampler"])
+        for name, plugin in (("algorithm", self.algorithm), ("placement", self.placement)):
+            if name in trainer_state and callable(getattr(plugin, "load_state_dict", None)):
+                plugin.load_state_dict(trainer_state[name])
+        start = int(trainer_state["step"]) + 1
+        if rank_state is not None:
+            set_rng_state(rank_state["rng"])  # same rank count: continue exactly
+        else:
+            fabric.seed_everything(c.seed + rank + 100_003 * start, verbose=False)  # resharded: reseed
+        self.engine.update_weights(self.backend.named_weights())
+        if rank == 0:
+            print(f"resumed from {path} at step {start}")
+        return start
 
     def hyperparameters(self) -> dict:
         """The run's configuration as plain values, for loggers."""

@@ -115,3 +115,22 @@ def test_reward_that_raises_stops_naming_the_sample_unless_told_to_score_zero(gc
     result = gcore_cli(*common, "--reward.on_error", "zero")
     assert result.returncode == 0, result.stderr
     assert float(_metrics(tmp_path)[-1]["reward/errors"]) == 2.0  # n=2 samples of prompt '3=' per step
+
+
+def test_vllm_engine_without_vllm_names_the_extra(gcore_cli):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    result = gcore_cli("--engine", "vllm")
+    assert result.returncode == 2
+    assert "--engine vllm needs vLLM" in result.stderr and "gcore[vllm]" in result.stderr
+
+
+def test_wandb_logger_without_wandb_says_what_to_install(gcore_cli):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    result = gcore_cli("--trainer.logger", "wandb")
+    assert result.returncode == 2 and "--trainer.logger wandb needs the wandb package" in result.stderr

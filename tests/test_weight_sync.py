@@ -19,15 +19,16 @@ def _samples(engine, tokenizer, prompts, params):
     ]
 
 
-def test_engine_matches_trainer_after_sync(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_engine_matches_trainer_after_sync(tmp_path, device):
     torch.manual_seed(0)
     tokenizer = char_tokenizer()
     config = ModelConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128)
     path = materialize(config, tokenizer, seed=0, workdir=str(tmp_path / "model"))
-    fabric = Fabric(accelerator="cpu", devices=1)
+    fabric = Fabric(accelerator=device, devices=1)
     backend, engine, algorithm = TorchBackend(lr=1e-2), HFEngine(), GRPO()
     backend.setup(fabric, path, torch.float32, False, algorithm, embedded=True)
-    engine.setup(path, torch.device("cpu"), torch.float32, False)
+    engine.setup(path, fabric.device, torch.float32, False)
     params = SamplingParams(n=4, max_new_tokens=8, temperature=0.9, stop_token_ids=(tokenizer.eos_token_id,))
     prompts = [Prompt(i, f"{i}=", tokenizer(f"{i}=")["input_ids"]) for i in range(3)]
 

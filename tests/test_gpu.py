@@ -1,0 +1,38 @@
+"""GPU-only checks: skipped without CUDA (see conftest.py). Results are recorded in BENCHMARKS.md."""
+
+import pytest
+import torch
+
+from gcore import DataConfig, HFEngine, ModelConfig, SamplingParams, StaticPlacement, Trainer, TrainerConfig
+from gcore.model import char_tokenizer, materialize
+
+pytestmark = pytest.mark.gpu
+
+
+def test_sleep_releases_and_wake_up_retakes_device_memory(tmp_path):
+    config = ModelConfig(num_hidden_layers=8, hidden_size=1024, intermediate_size=4096)
+    path = materialize(config, char_tokenizer(), seed=0, workdir=str(tmp_path / "m"))
+    engine = HFEngine()
+    engine.setup(path, torch.device("cuda"), torch.float32, False)
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    torch.cuda.synchronize()
+    free_awake, _ = torch.cuda.mem_get_info()
+    engine.sleep()
+    torch.cuda.synchronize()
+    free_asleep, _ = torch.cuda.mem_get_info()
+    assert free_asleep - free_awake >= 0.9 * weight_bytes
+    engine.wake_up()
+    out = engine.generate([[5, 6, 7]], SamplingParams(n=2, max_new_tokens=4))
+    assert len(out[0]) == 2 and next(engine.model.parameters()).is_cuda
+
+
+def test_fit_on_gpu_with_offloading_engine(tmp_path):
+    result = Trainer(
+        trainer=TrainerConfig(max_steps=20, accelerator="cuda", default_root_dir=str(tmp_path),
+                              enable_progress_bar=False),
+        data=DataConfig(prompts_per_step=16),
+        placement=StaticPlacement(offload=True),
+    ).fit()
+    rewards = [m["reward/mean"] for m in result.history]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5
+    assert all(m["time/swap"] > 0 for m in result.history)
