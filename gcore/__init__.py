@@ -3,7 +3,7 @@
 Public API: the five plugin interfaces, the built-in plugins, the configs, and ``Trainer``/``fit``.
 """
 
-from gcore.algorithms import GRPO, Algorithm, LossScale
+from gcore.algorithms import DAPO, GRPO, PPO, RLOO, Algorithm, LossScale
 from gcore.backends import TorchBackend, TrainingBackend
 from gcore.data import DataConfig
 from gcore.engines import Engine, HFEngine
@@ -17,7 +17,10 @@ from gcore.types import Generation, Prompt, RolloutBatch, Sample, SamplingParams
 __version__ = "0.1.0"
 
 __all__ = [
+    "DAPO",
     "GRPO",
+    "PPO",
+    "RLOO",
     "Algorithm",
     "CallableReward",
     "ConfigError",

@@ -121,7 +121,6 @@ def build_fit_parser():  # noqa: ANN201
              "placement": PlacementPolicy, "backend": TrainingBackend}
     for family, base in bases.items():
         parser.add_subclass_arguments(base, family, required=True, fail_untyped=False)
-        parser.set_defaults({family: {"class_path": registry.resolve(family, DEFAULTS[family])}})
     return parser
 
 
@@ -143,12 +142,56 @@ def _explain_plugin_error(config) -> None:  # noqa: ANN001 - a jsonargparse Name
             raise GcoreError(f"--{family} {spec.class_path}: {type(err).__name__}: {err}") from None
 
 
+def with_default_plugins(argv: Sequence[str]) -> list[str]:
+    """Prepend ``--family DEFAULT`` for each family that neither argv nor a config file names.
+
+    A parser default would not do: jsonargparse keeps the default class's values for options of the
+    same name when another class is chosen (``--algorithm ppo`` would inherit GRPO's ``kl_coef``).
+    """
+    named: set[str] = set()
+    args, choices, rest = list(argv), [], []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--config" and i + 1 < len(args) or arg.startswith("--config="):
+            named.update(_families_in_config(arg.split("=", 1)[1] if "=" in arg else args[i + 1]))
+        family = next((f for f in registry.GROUPS if arg in (f"--{f}", f"--{f}.class_path")), None)
+        if family is not None and i + 1 < len(args):  # a class choice goes first, before its options
+            named.add(family)
+            choices += [arg, args[i + 1]]
+            i += 2
+            continue
+        family = next((f for f in registry.GROUPS if arg.startswith((f"--{f}=", f"--{f}.class_path="))), None)
+        if family is not None:
+            named.add(family)
+            choices.append(arg)
+        else:
+            rest.append(arg)
+        i += 1
+    defaults = [item for family in registry.GROUPS if family not in named
+                for item in (f"--{family}", registry.resolve(family, DEFAULTS[family]))]
+    return defaults + choices + rest
+
+
+def _families_in_config(path: str) -> set[str]:
+    """The plugin families whose class a YAML config file names."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return set()  # jsonargparse reports the unreadable file itself
+    if not isinstance(data, dict):
+        return set()
+    return {family for family in registry.GROUPS if isinstance(data.get(family), str)
+            or (isinstance(data.get(family), dict) and "class_path" in data[family])}
+
+
 def fit_main(argv: Sequence[str]) -> int:
     """``gcore fit``: parse, build every plugin, train."""
     from gcore.trainer import Trainer
 
     parser = build_fit_parser()
-    config = parser.parse_args(resolve_argv(argv))
+    config = parser.parse_args(with_default_plugins(resolve_argv(argv)))
     try:
         init = parser.instantiate_classes(config)
     except GcoreError:

@@ -7,6 +7,7 @@ all-reduce inside the backend, and the step's telemetry).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,46 +55,32 @@ class Controller:
     placement: PlacementPolicy
     tokenizer: object
     sampling: SamplingParams
+    #: draws ``k`` more prompts for this controller alone (dynamic sampling); ``None``: no re-sampling
+    draw_prompts: Callable[[int], list[Prompt]] | None = None
+    last_samples: list[Sample] | None = None  # the last step's samples (the trainer learns lengths from them)
+
+    def __post_init__(self) -> None:
+        self.algorithm.setup(self.sampling.max_new_tokens)
 
     def step(self, step: int, prompts: list[Prompt], on_stage: Callable[[str], None] | None = None) -> dict[str, float]:
         timer = StageTimer(on_stage)
         step_start = time.perf_counter()
 
-        # GENERATE: n samples per prompt from the rollout engine
-        with timer("generate"):
-            self.placement.before_generate(self.engine)
-            outputs = self.engine.generate([p.token_ids for p in prompts], self.sampling)
-        samples = [
-            Sample(
-                prompt=prompt,
-                group=group,
-                response_ids=g.token_ids,
-                response_logprobs=g.logprobs,
-                response_text=self.tokenizer.decode(g.token_ids, skip_special_tokens=True),
-                finished=g.finished,
-            )
-            for group, (prompt, generations) in enumerate(zip(prompts, outputs))
-            for g in generations
-        ]
+        # GENERATE and REWARD: n samples per prompt from the rollout engine, scored and shaped
+        samples = self._rollout(prompts, timer, first_group=0)
 
-        # REWARD: score every sample, then let the algorithm shape it
-        with timer("reward"):
-            raw = self.reward.score(samples)
-            for sample, value in zip(samples, raw):
-                sample.reward_info["raw"] = value
-                sample.reward = value
-                sample.reward = float(self.algorithm.shape_reward(sample))
-        with timer("swap"):
-            self.placement.after_generate(self.engine)
-
-        # FILTER: the algorithm may drop whole groups
-        kept = self._keep_groups(samples)
+        # FILTER: the algorithm may drop whole groups; with max_rounds > 1 this controller samples
+        # more prompts of its own until its share (len(prompts) groups) is full (dynamic sampling)
+        kept, samples, filter_metrics = self._fill_batch(prompts, samples, timer)
 
         # PREPARE: padded batch, log-probabilities the loss needs, advantages
         with timer("prepare"):
             batch = collate(kept or samples[:1], self.tokenizer.pad_token_id, self.sampling.temperature)
             if not kept:
                 batch.response_mask.zero_()  # nothing to learn from: join the collectives with zero weight
+            batch.response_mask = self.algorithm.loss_mask(batch)
+            if self.algorithm.needs_critic:
+                batch.values = self.backend.compute_values(batch)
             if self.algorithm.needs_old_logprobs:
                 batch.old_logprobs = self.backend.compute_logprobs(batch, "policy")
             if self.algorithm.needs_reference:
@@ -110,13 +97,67 @@ class Controller:
         with timer("sync"):
             synced_bytes = self.engine.update_weights(self.backend.named_weights())
 
+        self.last_samples = samples
         timer.seconds["step"] = time.perf_counter() - step_start
         metrics = self._global_sample_metrics(samples, len(kept))
+        metrics.update(filter_metrics)
         metrics.update(train_metrics)
         metrics.update(self._telemetry(step, timer.seconds))
         metrics["sync/gb_per_s"] = synced_bytes / 1e9 / max(timer.seconds["sync"], 1e-9)
         metrics["sync/gb"] = synced_bytes / 1e9
         return metrics
+
+    def _rollout(self, prompts: list[Prompt], timer: StageTimer, first_group: int) -> list[Sample]:
+        """Generate ``n`` samples per prompt and score them; groups are numbered from ``first_group``."""
+        with timer("generate"):
+            self.placement.before_generate(self.engine)
+            outputs = self.engine.generate([p.token_ids for p in prompts], self.sampling)
+        samples = [
+            Sample(
+                prompt=prompt,
+                group=first_group + group,
+                response_ids=g.token_ids,
+                response_logprobs=g.logprobs,
+                response_text=self.tokenizer.decode(g.token_ids, skip_special_tokens=True),
+                finished=g.finished,
+            )
+            for group, (prompt, generations) in enumerate(zip(prompts, outputs))
+            for g in generations
+        ]
+        with timer("reward"):
+            raw = self.reward.score(samples)
+            for sample, value in zip(samples, raw):
+                sample.reward_info["raw"] = value
+                sample.reward = value
+                sample.reward = float(self.algorithm.shape_reward(sample))
+        with timer("swap"):
+            self.placement.after_generate(self.engine)
+        return samples
+
+    def _fill_batch(
+        self, prompts: list[Prompt], samples: list[Sample], timer: StageTimer
+    ) -> tuple[list[Sample], list[Sample], dict[str, float]]:
+        """Keep the groups the algorithm accepts; re-sample locally until ``len(prompts)`` groups are
+        kept or ``algorithm.max_rounds`` rounds ran. Returns (kept samples, all samples, metrics)."""
+        target, n = len(prompts), self.sampling.n
+        kept, rounds = self._keep_groups(samples), 1
+        while len(kept) < target * n and rounds < self.algorithm.max_rounds and self.draw_prompts is not None:
+            missing = target - len(kept) // n
+            keep_rate = max(len(kept) / len(samples), 1.0 / (len(samples) // n))  # at worst, one group in all
+            extra = self.draw_prompts(min(math.ceil(missing / keep_rate), 4 * target))
+            more = self._rollout(extra, timer, first_group=len(samples) // n)
+            samples, kept, rounds = samples + more, kept + self._keep_groups(more), rounds + 1
+        sampled, accepted = len(samples) // n, len(kept) // n
+        # one all-reduce of counts, after the fact: no controller waits for another while sampling
+        sums = self._all_reduce(torch.tensor([sampled, accepted, min(accepted, target)], dtype=torch.float64), "sum")
+        most_rounds = self._all_reduce(torch.tensor([float(rounds)], dtype=torch.float64), "max")
+        metrics = {
+            "filter/groups_sampled": float(sums[0]),
+            "filter/groups_dropped": float(sums[0] - sums[1]),
+            "filter/groups_trained": float(sums[2]),
+            "filter/rounds_max": float(most_rounds[0]),
+        }
+        return kept[: target * n], samples, metrics
 
     def _keep_groups(self, samples: list[Sample]) -> list[Sample]:
         groups: dict[int, list[Sample]] = {}

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gcore.balance import LengthPredictor, imbalance, karmarkar_karp, round_robin
 from gcore.errors import DataError
 from gcore.tasks import target_char_rows
 from gcore.types import Prompt
@@ -25,6 +26,8 @@ class DataConfig:
         prompts_per_step: prompts per training step over all controllers (each yields ``sampling.n``
             samples).
         shuffle: reshuffle the prompts every epoch.
+        balance: split each step's prompts over the controllers by predicted cost (Karmarkar-Karp
+            on prompt length + learnt response length) instead of round robin.
         num_synthetic_prompts: size of the embedded task's prompt set.
     """
 
@@ -34,6 +37,7 @@ class DataConfig:
     prompt_template: str = "{prompt}"
     prompts_per_step: int = 16
     shuffle: bool = True
+    balance: bool = True
     num_synthetic_prompts: int = 1000
 
 
@@ -110,15 +114,20 @@ class PromptSampler:
     """Each step's prompts for one rank: an epoch-wise shuffled order, dealt out over the ranks.
 
     Every prompt is used once per epoch; the step's global batch is split so that each prompt goes
-    to exactly one rank. ``state_dict`` holds the position so a resumed run continues where it was.
+    to exactly one rank: by predicted cost when a ``balancer`` is given (the same split on every
+    rank), else round robin. ``state_dict`` holds the position (and the learnt lengths) so a
+    resumed run continues where it was.
     """
 
-    def __init__(self, num_prompts: int, per_step: int, rank: int, world_size: int, seed: int, shuffle: bool) -> None:
+    def __init__(self, num_prompts: int, per_step: int, rank: int, world_size: int, seed: int, shuffle: bool,
+                 balancer: CostBalancer | None = None) -> None:
         if per_step < world_size:
             raise DataError(f"--data.prompts_per_step {per_step} is smaller than the {world_size} controllers")
         self.num_prompts, self.per_step = num_prompts, per_step
         self.rank, self.world_size = rank, world_size
         self.seed, self.shuffle = seed, shuffle
+        self.balancer = balancer
+        self.last_imbalance = 1.0  # predicted max/mean cost over ranks of the last shard
         self.epoch, self.position = 0, 0
         self._order = self._epoch_order(0)
 
@@ -142,11 +151,39 @@ class PromptSampler:
 
     def shard(self, indices: list[int]) -> list[int]:
         """This rank's part of a step's indices."""
-        return indices[self.rank :: self.world_size]
+        if self.balancer is None or self.world_size == 1:
+            parts = round_robin(len(indices), self.world_size)
+            costs = [1.0] * len(indices)
+        else:
+            costs = [self.balancer.cost(i) for i in indices]
+            parts = karmarkar_karp(costs, self.world_size)
+        self.last_imbalance = imbalance(costs, parts)
+        return [indices[j] for j in parts[self.rank]]
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+    def state_dict(self) -> dict:
+        state = {"epoch": self.epoch, "position": self.position}
+        if self.balancer is not None:
+            state["lengths"] = self.balancer.predictor.state_dict()
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._epoch_order(self.epoch)
+        if self.balancer is not None and "lengths" in state:
+            self.balancer.predictor.load_state_dict(state["lengths"])
+
+
+class CostBalancer:
+    """Predicted cost of a prompt's group: ``n * (prompt tokens + expected response tokens)``."""
+
+    def __init__(self, prompts: list[Prompt], n: int, max_new_tokens: int) -> None:
+        self.prompt_lengths = [len(p.token_ids) for p in prompts]
+        self.n = n
+        self.predictor = LengthPredictor(default=max_new_tokens / 2)
+
+    def cost(self, index: int) -> float:
+        length = self.prompt_lengths[index]
+        return self.n * (length + self.predictor.expected(index, length))
+
+    def observe(self, index: int, mean_response_length: float) -> None:
+        self.predictor.observe(index, self.prompt_lengths[index], mean_response_length)

@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from gcore.errors import ConfigError
+from gcore.errors import ConfigError, GcoreError
 
 CHAR_TOKENIZER = Path(__file__).parent / "assets" / "char_tokenizer.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -129,8 +129,11 @@ def materialize(config: ModelConfig, tokenizer, seed: int, workdir: str) -> str:
         return config.path
     model = build_tiny_model(config, tokenizer, seed)
     os.makedirs(workdir, exist_ok=True)
-    model.save_pretrained(workdir)
+    # every controller writes its own copy: tell transformers this process is the one that saves
+    model.save_pretrained(workdir, is_main_process=True)
     tokenizer.save_pretrained(workdir)
+    if not os.path.isfile(os.path.join(workdir, "config.json")):
+        raise GcoreError(f"could not write the embedded model to {workdir}")
     return workdir
 
 

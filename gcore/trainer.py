@@ -15,9 +15,9 @@ from gcore.algorithms.base import Algorithm
 from gcore.backends.base import TrainingBackend
 from gcore.checkpoint import CheckpointManager, resolve_resume, rng_state, set_rng_state
 from gcore.controller import Controller
-from gcore.data import DataConfig, PromptSampler, load_prompts
+from gcore.data import CostBalancer, DataConfig, PromptSampler, load_prompts
 from gcore.engines.base import Engine
-from gcore.errors import ConfigError
+from gcore.errors import ConfigError, GcoreError
 from gcore.model import ModelConfig, context_length, load_tokenizer, materialize
 from gcore.placement.base import PlacementPolicy
 from gcore.rewards.base import RewardModel
@@ -71,6 +71,8 @@ class TrainerConfig:
         keep_checkpoints: how many complete checkpoints to keep.
         async_checkpoint: write checkpoints in the background while training goes on.
         resume: ``auto`` (the latest complete checkpoint, if any) or a checkpoint folder.
+        collective_timeout: seconds a collective may wait for the other controllers before the run
+            fails (instead of hanging when one of them died).
     """
 
     max_steps: int = 30
@@ -88,6 +90,7 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     async_checkpoint: bool = True
     resume: str | None = None
+    collective_timeout: float = 600.0
 
 
 @dataclass
@@ -145,6 +148,9 @@ class Trainer:
             (s.temperature > 0, f"--sampling.temperature must be > 0 for RL sampling, got {s.temperature}"),
             (0 < s.top_p <= 1, f"--sampling.top_p must be in (0, 1], got {s.top_p}"),
         ]
+        if self.algorithm.needs_critic and not self.backend.supports_critic:
+            checks.append((False, f"--algorithm {type(self.algorithm).__name__} needs a critic, which backend "
+                                  f"{type(self.backend).__name__} does not provide (use --backend torch)"))
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
@@ -162,11 +168,18 @@ class Trainer:
         world = c.devices * c.num_nodes
         names = [c.logger] if isinstance(c.logger, str) else list(c.logger)
         loggers = [make_logger(name, c.default_root_dir, c.name) for name in names]
+        strategy = self.backend.strategy(world, device_type)
+        if strategy == "ddp":
+            from datetime import timedelta
+
+            from lightning.fabric.strategies import DDPStrategy
+
+            strategy = DDPStrategy(timeout=timedelta(seconds=c.collective_timeout))
         return Fabric(
             accelerator=accelerator,
             devices=c.devices,
             num_nodes=c.num_nodes,
-            strategy=self.backend.strategy(world, device_type),
+            strategy=strategy,
             precision=c.precision,
             loggers=loggers,
         ), device_type
@@ -175,18 +188,25 @@ class Trainer:
         """Launch the controllers and train for ``max_steps``; returns the run's results on rank 0."""
         _quiet_dependencies()
         fabric, device_type = self._fabric()
-        fabric.launch()
         workdir = tempfile.mkdtemp(prefix="gcore-model-")
         try:
-            return self._fit(fabric, device_type, workdir)
+            # before the process group exists: transformers saves only on rank 0 once it does, and
+            # every controller builds (and loads) its own copy of the embedded model
+            tokenizer = load_tokenizer(self.model_config)
+            model_path = materialize(self.model_config, tokenizer, self.config.seed, workdir)
+            fabric.launch()
+            try:
+                return self._fit(fabric, device_type, tokenizer, model_path)
+            except Exception as err:
+                if fabric.world_size == 1:
+                    raise
+                _report_rank_failure(fabric.global_rank, err)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             self.engine.shutdown()
 
-    def _fit(self, fabric, device_type: str, workdir: str) -> FitResult:  # noqa: ANN001
+    def _fit(self, fabric, device_type: str, tokenizer, model_path: str) -> FitResult:  # noqa: ANN001
         c, rank = self.config, fabric.global_rank
-        tokenizer = load_tokenizer(self.model_config)
-        model_path = materialize(self.model_config, tokenizer, c.seed, workdir)
         trust = self.model_config.trust_remote_code
         prompts = load_prompts(
             self.data_config, tokenizer, self.sampling.max_new_tokens, context_length(model_path, trust)
@@ -200,12 +220,16 @@ class Trainer:
                            embedded=self.model_config.embedded)
         self.engine.setup(model_path, fabric.device, self.model_config.torch_dtype, trust)
         self.reward.setup(fabric.device)
+        balancer = CostBalancer(prompts, self.sampling.n, self.sampling.max_new_tokens) if self.data_config.balance else None
         sampler = PromptSampler(len(prompts), self.data_config.prompts_per_step, rank, fabric.world_size,
-                                c.seed, self.data_config.shuffle)
+                                c.seed, self.data_config.shuffle, balancer)
+        # dynamic sampling draws extra prompts from a stream of this rank's own (no other rank waits)
+        extra = PromptSampler(len(prompts), 1, 0, 1, c.seed + 7919 * (rank + 1), self.data_config.shuffle)
         controller = Controller(fabric, self.engine, self.reward, self.algorithm, self.backend,
-                                self.placement, tokenizer, self.sampling)
+                                self.placement, tokenizer, self.sampling,
+                                draw_prompts=lambda k: [prompts[extra.next_global()[0]] for _ in range(k)])
         checkpoints = self._checkpoint_manager(fabric)
-        start_step = self._resume(fabric, checkpoints, sampler)
+        start_step = self._resume(fabric, checkpoints, sampler, extra)
 
         run_dir = None
         if rank == 0 and fabric.loggers:
@@ -224,6 +248,9 @@ class Trainer:
             shard = [prompts[i] for i in sampler.shard(sampler.next_global())]
             metrics = controller.step(step, shard, on_stage=lambda stage: bar.set_description(stage, refresh=False))
             metrics["step"] = float(step)
+            metrics["balance/predicted_imbalance"] = sampler.last_imbalance
+            if balancer is not None:
+                _learn_lengths(fabric, balancer, controller.last_samples, self.data_config.prompts_per_step)
             if stall is not None:  # the previous step's checkpoint save
                 metrics["checkpoint/stall_s"], stall = stall, None
             fabric.log_dict(metrics, step=step)
@@ -234,7 +261,7 @@ class Trainer:
             checkpoints.poll()
             if c.checkpoint_every and ((step + 1) % c.checkpoint_every == 0 or step == c.max_steps - 1):
                 stall = checkpoints.save(step, self.backend.state_dict(), self._trainer_state(step, sampler),
-                                         {"rng": rng_state()}, asynchronous=c.async_checkpoint, hf_files=model_path)
+                                         {"rng": rng_state(), "extra_sampler": extra.state_dict()}, asynchronous=c.async_checkpoint, hf_files=model_path)
         checkpoints.wait()
         bar.close()
         for logger in fabric.loggers:
@@ -268,7 +295,8 @@ class Trainer:
                 state[name] = plugin.state_dict()
         return state
 
-    def _resume(self, fabric, checkpoints: CheckpointManager, sampler: PromptSampler) -> int:  # noqa: ANN001
+    def _resume(self, fabric, checkpoints: CheckpointManager, sampler: PromptSampler,  # noqa: ANN001
+                extra: PromptSampler) -> int:
         """Restore the latest (or given) checkpoint; returns the first step to run."""
         c, rank = self.config, fabric.global_rank
         path = resolve_resume(c.resume, checkpoints.root)
@@ -280,6 +308,8 @@ class Trainer:
         trainer_state, rank_state = checkpoints.load(path, state)
         self.backend.load_state_dict(state)
         sampler.load_state_dict(trainer_state["sampler"])
+        if rank_state is not None and "extra_sampler" in rank_state:  # a per-rank stream: same rank count only
+            extra.load_state_dict(rank_state["extra_sampler"])
         for name, plugin in (("algorithm", self.algorithm), ("placement", self.placement)):
             if name in trainer_state and callable(getattr(plugin, "load_state_dict", None)):
                 plugin.load_state_dict(trainer_state[name])
@@ -313,12 +343,47 @@ class Trainer:
         }
 
 
+def _report_rank_failure(rank: int, err: Exception) -> None:
+    """Say which controller failed and why; a controller that only lost its peers says so."""
+    import sys
+
+    message = str(err).splitlines()[0] if str(err) else type(err).__name__
+    lost = any(s in message for s in ("Connection closed by peer", "Connection reset", "timed out", "Timed out",
+                                      "Broken pipe", "connection", "Connection refused"))
+    if lost and not isinstance(err, GcoreError):
+        raise GcoreError(
+            f"controller {rank}: lost contact with another controller ({message}); that controller's own "
+            "error is reported above"
+        ) from err
+    print(f"gcore: controller {rank} failed: {type(err).__name__}: {message}", file=sys.stderr, flush=True)
+    raise err
+
+
+def _learn_lengths(fabric, balancer: CostBalancer, samples, per_step: int) -> None:  # noqa: ANN001
+    """Every rank learns the same response lengths: one all-gather of (prompt, mean length) rows."""
+    import torch
+
+    by_prompt: dict[int, list[int]] = {}
+    for sample in samples:
+        by_prompt.setdefault(sample.prompt.index, []).append(len(sample.response_ids))
+    rows = torch.full((per_step, 2), -1.0, dtype=torch.float64)
+    for row, (index, lengths) in enumerate(sorted(by_prompt.items())[:per_step]):
+        rows[row, 0], rows[row, 1] = index, sum(lengths) / len(lengths)
+    gathered = fabric.all_gather(rows).reshape(-1, 2) if fabric.world_size > 1 else rows
+    for index, length in gathered.tolist():
+        if index >= 0:
+            balancer.observe(int(index), length)
+
+
 def _quiet_dependencies() -> None:
     """Keep the console for gcore's own progress: no per-load bars or notices from dependencies."""
     import logging
 
     import transformers
 
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*all_gather is deprecated")  # inside Fabric's all_gather
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     for name in ("lightning.fabric", "lightning_fabric"):

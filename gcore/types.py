@@ -85,6 +85,7 @@ class RolloutBatch:
     values: torch.Tensor | None = None  # [B, L-1] critic values (PPO)
     advantages: torch.Tensor | None = None  # [B] or [B, L-1]
     returns: torch.Tensor | None = None  # [B, L-1] (PPO)
+    truncated: torch.Tensor | None = None  # [B] bool: the response was cut at max_new_tokens
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -136,4 +137,5 @@ def collate(samples: list[Sample], pad_id: int, temperature: float) -> RolloutBa
         group_ids=torch.tensor([s.group for s in samples], dtype=torch.long),
         engine_logprobs=engine_logprobs,
         temperature=temperature,
+        truncated=torch.tensor([not s.finished for s in samples], dtype=torch.bool),
     )

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
+from gcore.errors import ConfigError
 from gcore.types import RolloutBatch, Sample
 
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
@@ -71,6 +72,67 @@ def group_normalize(rewards: torch.Tensor, group_ids: torch.Tensor, scale: bool,
     return (centered / (std[inverse] + eps)).float()
 
 
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """``(x - mean) / std`` over the masked entries (population std), as PPO normalises advantages."""
+    values64, mask64 = values.double(), mask.double()
+    count = mask64.sum().clamp(min=1.0)
+    mean = (values64 * mask64).sum() / count
+    var = ((values64 - mean).pow(2) * mask64).sum() / count
+    whitened = (values64 - mean) / (var.sqrt() + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return (whitened * mask64).to(values.dtype)
+
+
+def gae(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation over the response tokens of each row; returns (advantages, returns).
+
+    ``mask`` marks each row's response positions, one contiguous run. The state after the last
+    response token is terminal (value 0): ``delta_t = r_t + gamma * V_{t+1} - V_t`` and
+    ``A_t = delta_t + gamma * lam * A_{t+1}``; the returns are ``A_t + V_t``.
+    """
+    rewards64, values64, mask64 = token_rewards.double(), values.double() * mask.double(), mask.double()
+    advantages = torch.zeros_like(values64)
+    next_value = torch.zeros(values64.shape[0], dtype=torch.double)
+    next_advantage = torch.zeros_like(next_value)
+    for t in reversed(range(values64.shape[1])):
+        delta = rewards64[:, t] + gamma * next_value - values64[:, t]
+        advantages[:, t] = (delta + gamma * lam * next_advantage) * mask64[:, t]
+        next_value, next_advantage = values64[:, t], advantages[:, t]
+    returns = (advantages + values64) * mask64
+    return advantages.to(values.dtype), returns.to(values.dtype)
+
+
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's value loss per token, ``0.5 * max((V - R)^2, (V_old + clip(V - V_old) - R)^2)``.
+
+    ``clip`` of ``None`` gives the plain squared error. Returns (loss, clipped indicator).
+    """
+    unclipped = (values - returns).pow(2)
+    if clip is None:
+        return 0.5 * unclipped, torch.zeros_like(unclipped)
+    clipped_values = old_values + torch.clamp(values - old_values, -clip, clip)
+    clipped = (clipped_values - returns).pow(2)
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def overlong_penalty(length: int, max_length: int, buffer: int, factor: float = 1.0) -> float:
+    """DAPO's soft overlong punishment: 0 up to ``max_length - buffer`` tokens, then linear down to
+    ``-factor`` at ``max_length``, and ``-factor`` beyond it."""
+    if buffer <= 0:
+        return 0.0
+    expected = max_length - buffer
+    if length <= expected:
+        return 0.0
+    if length <= max_length:
+        return factor * (expected - length) / buffer
+    return -factor
+
+
 def clipped_surrogate(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -90,16 +152,23 @@ class Algorithm(ABC):
 
     - ``shape_reward``: turn a sample's raw reward into the training reward (default: unchanged).
     - ``keep_group``: whether a prompt's group of samples is trained on (default: yes).
+    - ``loss_mask``: which response tokens count in the loss (default: all).
     - ``advantages``: per-sequence ``[B]`` or per-token ``[B, L-1]`` advantages of a batch.
     - ``policy_loss``: the per-token loss before aggregation.
+    - ``value_loss``: the critic's per-token loss (only when ``needs_critic``).
 
     Args:
-        kl_coef: weight of KL(policy || reference) in the loss; 0 disables the reference model.
+        kl_coef: weight of KL(policy || reference); 0 disables the reference model.
         kl_estimator: ``k1``, ``k2`` or ``k3`` (low-variance, non-negative).
         loss_agg: how per-token losses become one number (see ``aggregate``).
         epochs: passes over each step's batch.
         mini_batches: optimizer steps per pass (the batch is split into this many parts).
+        entropy_coef: weight of the entropy bonus (subtracted from the loss); 0 disables it.
     """
+
+    #: generation rounds a controller may run per step to fill its share of the batch after
+    #: ``keep_group`` dropped groups (dynamic sampling); 1 means no re-sampling.
+    max_rounds: int = 1
 
     def __init__(
         self,
@@ -108,19 +177,38 @@ class Algorithm(ABC):
         loss_agg: LossAggregation = "seq_mean_token_mean",
         epochs: int = 1,
         mini_batches: int = 1,
+        entropy_coef: float = 0.0,
     ) -> None:
-        if epochs < 1 or mini_batches < 1:
-            raise ValueError("epochs and mini_batches must be >= 1")
+        _check(epochs >= 1 and mini_batches >= 1, f"epochs and mini_batches must be >= 1, got {epochs}, {mini_batches}")
+        _check_choice("kl_estimator", kl_estimator, KLEstimator)
+        _check_choice("loss_agg", loss_agg, LossAggregation)
+        _check(kl_coef >= 0, f"--algorithm.kl_coef must be >= 0, got {kl_coef}")
         self.kl_coef = kl_coef
         self.kl_estimator = kl_estimator
         self.loss_agg = loss_agg
         self.epochs = epochs
         self.mini_batches = mini_batches
+        self.entropy_coef = entropy_coef
+        self.max_new_tokens: int | None = None
+
+    def setup(self, max_new_tokens: int) -> None:
+        """Called once before training with the generation budget (for length-aware shaping)."""
+        self.max_new_tokens = max_new_tokens
 
     @property
     def needs_reference(self) -> bool:
         """Whether reference-model log-probabilities must be computed (and the model kept)."""
         return self.kl_coef != 0.0
+
+    @property
+    def needs_critic(self) -> bool:
+        """Whether the backend must build and train a critic (value model)."""
+        return False
+
+    @property
+    def kl_in_loss(self) -> bool:
+        """Whether the KL penalty is a loss term (else the algorithm puts it in the rewards)."""
+        return True
 
     @property
     def needs_old_logprobs(self) -> bool:
@@ -133,6 +221,10 @@ class Algorithm(ABC):
     def keep_group(self, rewards: torch.Tensor) -> bool:
         return True
 
+    def loss_mask(self, batch: RolloutBatch) -> torch.Tensor:
+        """Which tokens count in the loss ``[B, L-1]`` (default: every response token)."""
+        return batch.response_mask
+
     @abstractmethod
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
         """Advantages for every row of the batch: ``[B]`` or ``[B, L-1]``."""
@@ -141,21 +233,43 @@ class Algorithm(ABC):
     def policy_loss(self, logprobs: torch.Tensor, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token policy loss ``[B, L-1]`` and per-token diagnostics to log (same shape)."""
 
+    def value_loss(
+        self, values: torch.Tensor, batch: RolloutBatch, scale: LossScale
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The critic's share of its loss on this micro-batch, and its token-mean metrics."""
+        raise NotImplementedError(f"{type(self).__name__} has no critic (needs_critic is False)")
+
     def loss(
-        self, logprobs: torch.Tensor, batch: RolloutBatch, scale: LossScale
+        self,
+        logprobs: torch.Tensor,
+        batch: RolloutBatch,
+        scale: LossScale,
+        entropy: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the loss, and its share of each token-mean metric."""
         per_token, diagnostics = self.policy_loss(logprobs, batch)
         mask = batch.response_mask
-        if self.needs_reference:
+        if self.needs_reference and self.kl_in_loss:
             if batch.ref_logprobs is None:
                 raise RuntimeError("kl_coef is set but the batch has no reference log-probabilities")
             kl = kl_estimate(logprobs, batch.ref_logprobs, self.kl_estimator)
             per_token = per_token + self.kl_coef * kl
             diagnostics = {**diagnostics, "kl": kl}
+        if self.entropy_coef and entropy is not None:
+            per_token = per_token - self.entropy_coef * entropy
         loss = aggregate(per_token, mask, scale, self.loss_agg)
         shares = {name: (value.detach() * mask).sum() / max(scale.tokens, 1.0) for name, value in diagnostics.items()}
         return loss, shares
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_choice(name: str, value: str, choices: object) -> None:
+    valid = get_args(choices)
+    _check(value in valid, f"--algorithm.{name} {value!r}: valid choices: {', '.join(valid)}")
 
 
 def token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

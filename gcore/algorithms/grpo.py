@@ -1,4 +1,4 @@
-"""GRPO (DeepSeekMath, arXiv 2402.03300): group-normalised advantages, clipped ratio loss."""
+"""GRPO (DeepSeekMath, arXiv 2402.03300): group-normalised advantages, clipped ratio loss, KL in the loss."""
 
 from __future__ import annotations
 
@@ -19,13 +19,21 @@ class GRPO(Algorithm):
     """Group Relative Policy Optimization.
 
     The advantage of a sample is its reward minus the mean reward of its group (the samples of the
-    same prompt), divided by the group's std when ``scale_rewards``. The loss is PPO's clipped
-    surrogate, plus ``kl_coef`` times a KL estimate to the reference model.
+    same prompt), divided by the group's std when ``scale_rewards``; every token of the sample gets
+    it (outcome supervision). The loss is PPO's clipped surrogate, plus ``kl_coef`` times a KL
+    estimate to the reference model (k3 in the paper, which uses ``kl_coef`` 0.04).
 
     Args:
         clip_eps: clip range of the probability ratio (lower side, and upper unless ``clip_eps_high``).
         clip_eps_high: upper clip range when it differs (DAPO's clip-higher).
         scale_rewards: divide by the group's std (off: Dr. GRPO's unscaled advantages).
+        kl_coef: weight of the KL term in the loss (0 skips the reference model entirely).
+        kl_estimator: ``k1``, ``k2`` or ``k3``.
+        loss_agg: ``seq_mean_token_mean`` (the paper), ``token_mean`` (DAPO) or
+            ``seq_mean_token_sum_norm`` (Dr. GRPO, length-unbiased).
+        epochs: passes over each step's batch (the paper's mu).
+        mini_batches: optimizer steps per pass.
+        entropy_coef: entropy bonus weight (not in the paper; 0 by default).
     """
 
     def __init__(
@@ -33,13 +41,14 @@ class GRPO(Algorithm):
         clip_eps: float = 0.2,
         clip_eps_high: float | None = None,
         scale_rewards: bool = True,
-        kl_coef: float = 0.0,
+        kl_coef: float = 0.04,
         kl_estimator: KLEstimator = "k3",
         loss_agg: LossAggregation = "seq_mean_token_mean",
         epochs: int = 1,
         mini_batches: int = 1,
+        entropy_coef: float = 0.0,
     ) -> None:
-        super().__init__(kl_coef, kl_estimator, loss_agg, epochs, mini_batches)
+        super().__init__(kl_coef, kl_estimator, loss_agg, epochs, mini_batches, entropy_coef)
         self.clip_eps = clip_eps
         self.clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
         self.scale_rewards = scale_rewards

@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from gcore.algorithms.base import Algorithm
+from gcore.errors import ConfigError
 from gcore.types import RolloutBatch
 
 
@@ -17,8 +18,16 @@ class TrainingBackend(ABC):
 
     Lifecycle: ``strategy`` tells the launcher which Fabric strategy to use; ``setup`` loads the
     model from an HF checkpoint directory; every step calls ``compute_logprobs`` (PREPARE),
-    ``train`` (TRAIN), then ``named_weights`` to feed the engine (SYNC).
+    ``compute_values`` when the algorithm has a critic, ``train`` (TRAIN), then ``named_weights``
+    to feed the engine (SYNC).
+
+    A backend that can train a critic sets ``supports_critic``; it then builds the critic in
+    ``setup`` when ``algorithm.needs_critic`` and updates it inside ``train`` with
+    ``algorithm.value_loss``, alongside the policy.
     """
+
+    #: whether this backend builds and trains a critic for algorithms that need one (PPO)
+    supports_critic: bool = False
 
     def strategy(self, world_size: int, device_type: str) -> str:
         """The Lightning Fabric strategy this backend trains under."""
@@ -27,11 +36,16 @@ class TrainingBackend(ABC):
     @abstractmethod
     def setup(self, fabric, model_path: str, dtype: torch.dtype, trust_remote_code: bool,  # noqa: ANN001
               algorithm: Algorithm, embedded: bool) -> None:
-        """Load the policy (and reference model if ``algorithm.needs_reference``)."""
+        """Load the policy, the reference model if ``algorithm.needs_reference``, and the critic if
+        ``algorithm.needs_critic``; nothing is built for a role the algorithm does not use."""
 
     @abstractmethod
     def compute_logprobs(self, batch: RolloutBatch, role: Literal["policy", "reference"]) -> torch.Tensor:
         """Per-token log-probabilities ``[B, L-1]`` of the batch's tokens under one model."""
+
+    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
+        """The critic's value ``[B, L-1]`` of the state before each next token (0 off-response)."""
+        raise ConfigError(f"backend {type(self).__name__} has no critic; the algorithm needs one (use --backend torch)")
 
     @abstractmethod
     def train(self, batch: RolloutBatch, algorithm: Algorithm, max_new_tokens: int) -> dict[str, float]:

@@ -10,6 +10,7 @@ import torch
 
 from gcore.algorithms.base import Algorithm, LossScale
 from gcore.backends.base import TrainingBackend
+from gcore.balance import micro_batches_by_length, padding_fraction
 from gcore.types import RolloutBatch
 
 
@@ -26,8 +27,30 @@ def token_logprobs(
     return chosen, entropy
 
 
+class ValueModel(torch.nn.Module):
+    """The critic: the policy checkpoint's transformer trunk (``AutoModel``, no LM head) and a linear
+    head from the last hidden state to one value per position, initialised to zero."""
+
+    def __init__(self, model_path: str, dtype: torch.dtype, trust_remote_code: bool) -> None:
+        super().__init__()
+        from transformers import AutoModel
+
+        self.trunk = AutoModel.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        self.head = torch.nn.Linear(self.trunk.config.hidden_size, 1, dtype=dtype)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Values ``[B, L-1]``: position ``t`` values the state that predicts token ``t+1``."""
+        hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.head(hidden[:, :-1]).squeeze(-1).float()
+
+
 class TorchBackend(TrainingBackend):
     """Trains an HF causal LM with AdamW under Fabric.
+
+    When the algorithm needs a critic (PPO), a separate ``ValueModel`` is built from the same
+    checkpoint and trained with its own AdamW in the same mini-batch loop as the policy.
 
     Args:
         lr: learning rate; ``None`` picks 1e-6 for a checkpoint given with ``--model.path`` and
@@ -37,8 +60,11 @@ class TorchBackend(TrainingBackend):
         max_grad_norm: clip the global gradient norm to this (0: no clipping).
         micro_batch_size: sequences per forward/backward pass (gradients accumulate).
         warmup_steps: linear learning-rate warm-up, in optimizer steps.
-        gradient_checkpointing: trade compute for memory in the policy's forward pass.
+        gradient_checkpointing: trade compute for memory in the policy's (and critic's) forward pass.
+        critic_lr: the critic's learning rate; ``None`` uses the policy's.
     """
+
+    supports_critic = True
 
     def __init__(
         self,
@@ -49,6 +75,7 @@ class TorchBackend(TrainingBackend):
         micro_batch_size: int = 32,
         warmup_steps: int = 0,
         gradient_checkpointing: bool = False,
+        critic_lr: float | None = None,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError("micro_batch_size must be >= 1")
@@ -59,10 +86,13 @@ class TorchBackend(TrainingBackend):
         self.micro_batch_size = micro_batch_size
         self.warmup_steps = warmup_steps
         self.gradient_checkpointing = gradient_checkpointing
+        self.critic_lr = critic_lr
         self.fabric = None
         self.policy = None  # the Fabric-wrapped module that trains
         self.hf_model = None  # the same parameters, unwrapped, with HF names
         self.reference = None
+        self.critic = None  # the Fabric-wrapped ValueModel, only for algorithms with a critic
+        self.critic_optimizer = None
         self.optimizer = None
         self.scheduler = None
 
@@ -89,6 +119,16 @@ class TorchBackend(TrainingBackend):
             reference = AutoModelForCausalLM.from_pretrained(model_path, **load)
             reference.eval().requires_grad_(False)
             self.reference = fabric.to_device(reference)
+        if algorithm.needs_critic:
+            critic = ValueModel(model_path, dtype, trust_remote_code)
+            if self.gradient_checkpointing:
+                critic.trunk.gradient_checkpointing_enable()
+            critic.train()
+            critic_optimizer = torch.optim.AdamW(
+                critic.parameters(), lr=self.critic_lr if self.critic_lr is not None else lr, betas=self.betas,
+                weight_decay=self.weight_decay,
+            )
+            self.critic, self.critic_optimizer = fabric.setup(critic, critic_optimizer)
 
     # PREPARE ---------------------------------------------------------------------------------
 
@@ -106,6 +146,20 @@ class TorchBackend(TrainingBackend):
             ).logits
             logprobs, _ = token_logprobs(logits, self.fabric.to_device(micro.input_ids), batch.temperature)
             out[rows, : logprobs.shape[1]] = logprobs.cpu() * micro.response_mask
+        return out
+
+    @torch.no_grad()
+    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
+        if self.critic is None:
+            raise RuntimeError("no critic: it was not set up (the algorithm's needs_critic was False)")
+        out = torch.zeros_like(batch.response_mask)
+        for rows in torch.arange(len(batch)).split(self.micro_batch_size):
+            micro = batch.select(rows)
+            values = self.critic(
+                input_ids=self.fabric.to_device(micro.input_ids),
+                attention_mask=self.fabric.to_device(micro.attention_mask),
+            )
+            out[rows, : values.shape[1]] = values.cpu() * micro.response_mask
         return out
 
     # TRAIN -----------------------------------------------------------------------------------
@@ -133,6 +187,8 @@ class TorchBackend(TrainingBackend):
                     self.policy, self.optimizer, max_norm=self.max_grad_norm or math.inf, error_if_nonfinite=False
                 )
                 grad_norm = float(grad_norm)
+                if self.critic is not None:
+                    stats.update(self._critic_step(stats))
                 loss_is_finite = self._global_sum(0.0 if math.isfinite(stats["loss"]) else 1.0) == 0
                 if math.isfinite(grad_norm) and loss_is_finite:
                     self.optimizer.step()
@@ -149,6 +205,19 @@ class TorchBackend(TrainingBackend):
         metrics["lr"] = float(self.scheduler.get_last_lr()[0])
         return metrics
 
+    def _critic_step(self, stats: dict[str, float]) -> dict[str, float]:
+        """Clip and apply the critic's accumulated gradients (skipped when non-finite)."""
+        grad_norm = float(self.fabric.clip_gradients(
+            self.critic, self.critic_optimizer, max_norm=self.max_grad_norm or math.inf, error_if_nonfinite=False
+        ))
+        skipped = 0.0
+        if math.isfinite(grad_norm) and math.isfinite(stats.get("critic/value_loss", 0.0)):
+            self.critic_optimizer.step()
+        else:
+            skipped = 1.0
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        return {"critic/grad_norm": grad_norm, "critic/skipped_updates": skipped}
+
     def _train_mini_batch(
         self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm, max_new_tokens: int, world: int
     ) -> dict[str, float]:
@@ -160,7 +229,9 @@ class TorchBackend(TrainingBackend):
             sequences=self._global_sum(len(rows)),
             max_length=float(max_new_tokens),
         )
-        micro_rows = list(rows.split(self.micro_batch_size)) or [torch.tensor([], dtype=torch.long)]
+        lengths = batch.attention_mask[rows].sum(-1).tolist()
+        groups = micro_batches_by_length(lengths, self.micro_batch_size)  # similar lengths: less padding
+        micro_rows = [rows[torch.tensor(g, dtype=torch.long)] for g in groups] or [torch.tensor([], dtype=torch.long)]
         n_micro = self._global_max(len(micro_rows))  # every rank runs as many backward passes
         local: dict[str, float] = {}
         for i in range(n_micro):
@@ -173,15 +244,22 @@ class TorchBackend(TrainingBackend):
                 ).logits
                 logprobs, entropy = token_logprobs(logits, fabric.to_device(micro.input_ids), batch.temperature)
                 micro = _to_device(micro, fabric)
-                loss, shares = algorithm.loss(logprobs, micro, scale)
+                loss, shares = algorithm.loss(logprobs, micro, scale, entropy)
                 if not real:
                     loss = loss * 0.0  # a rank with fewer micro-batches still joins the gradient all-reduce
                 fabric.backward(loss * world)  # DDP averages over ranks; the loss is already a global sum
+            if self.critic is not None:
+                with fabric.no_backward_sync(self.critic, enabled=i < n_micro - 1):
+                    values = self.critic(input_ids=micro.input_ids, attention_mask=micro.attention_mask)
+                    value_loss, value_shares = algorithm.value_loss(values, micro, scale)
+                    fabric.backward(value_loss * (world if real else 0.0))
+                shares.update(value_shares)
             if real:
                 shares["entropy"] = (entropy.detach() * micro.response_mask).sum() / max(scale.tokens, 1.0)
                 shares["loss"] = loss.detach()
                 for key, value in shares.items():
                     local[key] = local.get(key, 0.0) + float(value)
+        local["padding_frac"] = padding_fraction(lengths, groups) / world  # mean over ranks after the sum
         keys = sorted(set(local) | {"loss", "entropy"})
         if world > 1:
             values = fabric.all_reduce(torch.tensor([local.get(k, 0.0) for k in keys]), reduce_op="sum")
@@ -203,7 +281,11 @@ class TorchBackend(TrainingBackend):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model, optim = get_state_dict(self.hf_model, self.optimizer.optimizer)
-        return {"model": model, "optim": optim, "scheduler": self.scheduler.state_dict()}
+        state = {"model": model, "optim": optim, "scheduler": self.scheduler.state_dict()}
+        if self.critic is not None:
+            critic, critic_optim = get_state_dict(self.critic.module, self.critic_optimizer.optimizer)
+            state.update(critic=critic, critic_optim=critic_optim)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -211,6 +293,9 @@ class TorchBackend(TrainingBackend):
         set_state_dict(self.hf_model, self.optimizer.optimizer,
                        model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.critic is not None:
+            set_state_dict(self.critic.module, self.critic_optimizer.optimizer,
+                           model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
 
 
 def _to_device(batch: RolloutBatch, fabric) -> RolloutBatch:  # noqa: ANN001
