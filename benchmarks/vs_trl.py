@@ -48,7 +48,7 @@ def target_char_reward(completion: str, answer: str, length: int) -> float:
 def run_gcore(args: argparse.Namespace) -> dict:
     """gcore in-process (``Trainer.fit``); ``gcore-generate`` samples with ``model.generate`` instead of the
     hf engine's own loop (the engine before this benchmark's optimisation)."""
-    from gcore import DataConfig, HFEngine, SamplingParams, TorchBackend, Trainer, TrainerConfig
+    from gcore import GRPO, DataConfig, HFEngine, SamplingParams, TorchBackend, Trainer, TrainerConfig
     from gcore.controller import Controller
 
     ends: list[float] = []
@@ -69,6 +69,9 @@ def run_gcore(args: argparse.Namespace) -> dict:
             sampling=SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0),
             backend=TorchBackend(lr=args.lr, micro_batch_size=args.micro_batch_size),
             engine=HFEngine(use_generate=args.worker == "gcore-generate"),
+            # every setting that TRL is given below, spelled out (gcore's defaults may change)
+            algorithm=GRPO(clip_eps=0.2, scale_rewards=True, kl_coef=0.0, loss_agg="seq_mean_token_mean",
+                           epochs=1, mini_batches=1),
         )
         result = trainer.fit()
     total = time.perf_counter() - start
