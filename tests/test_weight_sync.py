@@ -26,7 +26,7 @@ def test_engine_matches_trainer_after_sync(tmp_path, device):
     config = ModelConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128)
     path = materialize(config, tokenizer, seed=0, workdir=str(tmp_path / "model"))
     fabric = Fabric(accelerator=device, devices=1)
-    backend, engine, algorithm = TorchBackend(lr=1e-2), HFEngine(), GRPO()
+    backend, engine, algorithm = TorchBackend(lr=1e-2), HFEngine(), GRPO(kl_coef=0.0)  # no reference model here
     backend.setup(fabric, path, torch.float32, False, algorithm, embedded=True)
     engine.setup(path, fabric.device, torch.float32, False)
     params = SamplingParams(n=4, max_new_tokens=8, temperature=0.9, stop_token_ids=(tokenizer.eos_token_id,))

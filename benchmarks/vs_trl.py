@@ -1,0 +1,341 @@
+"""gcore vs Hugging Face TRL's GRPOTrainer on the same tiny model, task and settings, on CPU.
+
+Both trainers start from the same weights (the embedded 4-layer Qwen2-style model, built with the
+same seed), see the same prompts (``gcore.tasks.target_char_rows``), score with the same rule
+(share of the 16 response characters equal to the prompt's digit), and train with the same
+hyper-parameters: 16 prompts x 8 generations per optimizer step, 16 new tokens, temperature 1,
+AdamW lr 5e-3 constant (no warm-up, no decay), grad-norm clip 1, clip epsilon 0.2, group-scaled
+advantages, no reference model (beta 0), per-sequence token mean then sequence mean
+(gcore ``seq_mean_token_mean`` = TRL ``loss_type="grpo"``), one gradient step per batch of
+generations, micro-batches of 32 sequences, float32, the same seed (model initialisation and sampling).
+
+Every run is a fresh subprocess (so peak RSS is per run and no state leaks between runs); runs
+alternate A B A B so that load from other processes on the machine hits both alike.
+
+    pip install -e ".[bench]"
+    python benchmarks/vs_trl.py --repeats 3 --seeds 1,2,3 --threads 1
+
+Prints, per trainer: median step time (with spread), completion tokens per second, peak RSS,
+the mean reward curve; then the ratios gcore/TRL and gcore's per-stage breakdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+VARIANTS = ("gcore", "gcore-generate", "trl")
+STAGES = ("generate", "reward", "swap", "prepare", "train", "sync")
+
+
+# --------------------------------------------------------------------------------------------- #
+# workers: each runs one training in its own process and prints one JSON line                    #
+# --------------------------------------------------------------------------------------------- #
+
+
+def target_char_reward(completion: str, answer: str, length: int) -> float:
+    """The embedded task's reward (the same rule as gcore's ``TargetCharReward``)."""
+    return min(completion.count(answer[0]), length) / length
+
+
+def run_gcore(args: argparse.Namespace) -> dict:
+    """gcore in-process (``Trainer.fit``); ``gcore-generate`` samples with ``model.generate`` instead of the
+    hf engine's own loop (the engine before this benchmark's optimisation)."""
+    from gcore import GRPO, DataConfig, HFEngine, SamplingParams, TorchBackend, Trainer, TrainerConfig
+    from gcore.controller import Controller
+
+    ends: list[float] = []
+    step = Controller.step
+
+    def timed_step(self, *a, **kw):  # noqa: ANN001, ANN202 - wall clock between step ends, as for TRL
+        out = step(self, *a, **kw)
+        ends.append(time.perf_counter())
+        return out
+
+    Controller.step = timed_step
+    with tempfile.TemporaryDirectory(prefix="gcore-bench-") as root:
+        start = time.perf_counter()
+        trainer = Trainer(
+            trainer=TrainerConfig(max_steps=args.steps, seed=args.seed, accelerator="cpu", default_root_dir=root,
+                                  enable_progress_bar=False, save_final=False),
+            data=DataConfig(prompts_per_step=args.prompts_per_step),
+            sampling=SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0),
+            backend=TorchBackend(lr=args.lr, micro_batch_size=args.micro_batch_size),
+            engine=HFEngine(use_generate=args.worker == "gcore-generate"),
+            # every setting that TRL is given below, spelled out (gcore's defaults may change)
+            algorithm=GRPO(clip_eps=0.2, scale_rewards=True, kl_coef=0.0, loss_agg="seq_mean_token_mean",
+                           epochs=1, mini_batches=1),
+        )
+        result = trainer.fit()
+    total = time.perf_counter() - start
+    history = result.history
+    return {
+        "step_ends": ends,
+        "start": start,
+        "total_s": total,
+        "reward": [m["reward/mean"] for m in history],
+        "completion_tokens": [m["response_length/mean"] * m["samples/total"] for m in history],
+        "stages": [{s: m[f"time/{s}"] for s in (*STAGES, "step")} for m in history],
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def run_trl(args: argparse.Namespace) -> dict:
+    import torch
+    import transformers
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from gcore.model import ModelConfig, char_tokenizer, materialize
+    from gcore.tasks import target_char_rows
+
+    transformers.utils.logging.set_verbosity_error()
+    ends: list[float] = []
+    records: list[dict] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args_, state, control, **kw):  # noqa: ANN001, ANN201
+            ends.append(time.perf_counter())
+
+        def on_log(self, args_, state, control, logs=None, **kw):  # noqa: ANN001, ANN201
+            if logs and "reward" in logs:
+                records.append({**logs, "step": state.global_step})
+
+    length = args.max_new_tokens
+
+    def target_char(completions, answer, **kw):  # noqa: ANN001, ANN202 - TRL's reward-function signature
+        return [target_char_reward(c, a, length) for c, a in zip(completions, answer)]
+
+    with tempfile.TemporaryDirectory(prefix="trl-bench-") as root:
+        start = time.perf_counter()
+        tokenizer = char_tokenizer()
+        model_dir = materialize(ModelConfig(), tokenizer, args.seed, os.path.join(root, "model"))
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        dataset = Dataset.from_list(target_char_rows(args.num_prompts))
+        micro = args.micro_batch_size
+        batch = args.prompts_per_step * args.n
+        config = GRPOConfig(
+            output_dir=os.path.join(root, "out"),
+            use_cpu=True,
+            seed=args.seed,
+            max_steps=args.steps,
+            per_device_train_batch_size=micro,
+            gradient_accumulation_steps=batch // micro,  # one optimizer step per generation batch
+            num_generations=args.n,
+            max_completion_length=args.max_new_tokens,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            learning_rate=args.lr,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            weight_decay=0.0,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            max_grad_norm=1.0,
+            beta=0.0,
+            epsilon=0.2,
+            num_iterations=1,
+            scale_rewards="group",
+            loss_type="grpo",
+            bf16=False,
+            fp16=False,
+            gradient_checkpointing=False,
+            logging_steps=1,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
+        trainer = GRPOTrainer(model=model, reward_funcs=target_char, args=config, train_dataset=dataset,
+                              processing_class=tokenizer, callbacks=[Clock()])
+        trainer.train()
+    total = time.perf_counter() - start
+    records.sort(key=lambda e: e["step"])
+    return {
+        "step_ends": ends,
+        "start": start,
+        "total_s": total,
+        "reward": [e["reward"] for e in records],
+        "completion_tokens": [e["completions/mean_length"] * batch for e in records],
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "trl_version": __import__("trl").__version__,
+    }
+
+
+# --------------------------------------------------------------------------------------------- #
+# driver                                                                                         #
+# --------------------------------------------------------------------------------------------- #
+
+
+def step_times(run: dict, warmup: int) -> list[float]:
+    ends = run["step_ends"]
+    return [b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:])] if warmup >= 1 else [
+        b - a for a, b in zip([run["start"], *ends[:-1]], ends)
+    ]
+
+
+def spread(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return f"{statistics.median(values):.3f} s (IQR {q[0]:.3f}-{q[2]:.3f}, min {min(values):.3f}, max {max(values):.3f})"
+
+
+def summarize(name: str, runs: list[dict], warmup: int) -> dict:
+    times = [t for r in runs for t in step_times(r, warmup)]
+    run_medians = [statistics.median(step_times(r, warmup)) for r in runs]
+    tokens = [sum(r["completion_tokens"][warmup:]) / sum(step_times(r, warmup)) for r in runs]
+    steps = len(runs[0]["reward"])
+    curve = [statistics.mean(r["reward"][i] for r in runs) for i in range(steps)]
+    first, last = statistics.mean(curve[:5]), statistics.mean(curve[-5:])
+    return {
+        "name": name,
+        "median_step_s": statistics.median(times),
+        "run_medians": run_medians,
+        "times": times,
+        "tokens_per_s": statistics.median(tokens),
+        "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
+        "curve": curve,
+        "first5": first,
+        "last5": last,
+        "last5_runs": [statistics.mean(r["reward"][-5:]) for r in runs],
+        "total_s": statistics.median(r["total_s"] for r in runs),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--variants", default="gcore,trl",
+                        help=f"comma-separated trainers to run, alternating (from {', '.join(VARIANTS)})")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads in every run (0: torch's default, one per core)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each trainer (alternating)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=2, help="steps per run left out of the step-time figures")
+    parser.add_argument("--seed", type=int, default=42, help=argparse.SUPPRESS)
+    parser.add_argument("--seeds", default="42",
+                        help="comma-separated seeds; repeat i uses seed i mod len (the same for every trainer)")
+    parser.add_argument("--prompts-per-step", type=int, default=16)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=5e-3)
+    parser.add_argument("--micro-batch-size", type=int, default=32)
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--json", help="write every run's raw figures here")
+    args = parser.parse_args()
+
+    if args.worker:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        out = run_trl(args) if args.worker == "trl" else run_gcore(args)
+        print("BENCH-RESULT " + json.dumps(out), flush=True)
+        return
+
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = set(names) - set(VARIANTS)
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(sorted(unknown))}; valid: {', '.join(VARIANTS)}")
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    forwarded = _clean(sys.argv[1:])
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    for repeat in range(args.repeats):
+        order = names  # A B A B ...: contention from other processes hits every trainer alike
+        for name in order:
+            seed = seeds[repeat % len(seeds)]
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, *forwarded, "--seed", str(seed)]
+            env = dict(os.environ)
+            if args.threads:
+                env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH-RESULT ")]
+            if proc.returncode != 0 or not lines:
+                sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+                raise SystemExit(f"{name} run {repeat + 1} failed (exit {proc.returncode})")
+            run = json.loads(lines[-1][len("BENCH-RESULT ") :])
+            runs[name].append(run)
+            print(f"[{repeat + 1}/{args.repeats}] seed {seed} {name:5s} {time.perf_counter() - t0:6.1f} s wall, "
+                  f"median step {statistics.median(step_times(run, args.warmup)):.3f} s, "
+                  f"last-5 reward {statistics.mean(run['reward'][-5:]):.3f}", flush=True)
+
+    summaries = {name: summarize(name, runs[name], args.warmup) for name in names}
+    print()
+    print(f"settings: {args.prompts_per_step} prompts x {args.n} generations, {args.max_new_tokens} new tokens, "
+          f"lr {args.lr}, {args.steps} steps, {args.repeats} runs each (seeds {args.seeds}), first {args.warmup} steps of each run "
+          f"left out of step times; torch threads {args.threads or _threads()}")
+    for s in summaries.values():
+        print(f"\n== {s['name']}")
+        print(f"  step time: {spread(s['times'])}; per-run medians {', '.join(f'{t:.3f}' for t in s['run_medians'])}")
+        print(f"  completion tokens/s: {s['tokens_per_s']:.0f}")
+        print(f"  peak RSS: {s['peak_rss_mb']:.0f} MB; whole run (incl. start-up): {s['total_s']:.1f} s")
+        print("  last-5-step reward per run: " + ", ".join(f"{x:.3f}" for x in s["last5_runs"]))
+        print(f"  reward (mean over runs) first 5 steps {s['first5']:.3f} -> last 5 steps {s['last5']:.3f}")
+        print("  reward curve: " + " ".join(f"{r:.2f}" for r in s["curve"]))
+    for name in (n for n in names if n != "trl"):
+        print(f"\n== {name} per-stage breakdown (median over steps after warm-up, seconds)")
+        rows = [st for r in runs[name] for st in r["stages"][args.warmup :]]
+        intervals = [t for r in runs[name] for t in step_times(r, args.warmup)]
+        med = {k: statistics.median(row[k] for row in rows) for k in (*STAGES, "step")}
+        loop = statistics.median(intervals)
+        for k in STAGES:
+            print(f"  {k:9s} {med[k]:.4f}  ({100 * med[k] / loop:4.1f}%)")
+        inside = statistics.median(row["step"] - sum(row[k] for k in STAGES) for row in rows)
+        print(f"  {'overhead':9s} {inside:.4f}  ({100 * inside / loop:4.1f}%)  (inside Controller.step, between stages)")
+        print(f"  {'loop':9s} {loop - med['step']:.4f}  ({100 * (loop - med['step']) / loop:4.1f}%)  "
+              "(trainer loop between steps: logging, data)")
+        print(f"  {'step':9s} {loop:.4f}")
+    for name in (n for n in names if n != "trl" and "trl" in summaries):
+        g, t = summaries[name], summaries["trl"]
+        print(f"\n== {name} / TRL")
+        print(f"  median step time: {g['median_step_s'] / t['median_step_s']:.2f}x  (goal <= 0.67x); "
+              f"per-repeat ratios {', '.join(f'{a / b:.2f}' for a, b in zip(g['run_medians'], t['run_medians']))}")
+        print(f"  completion tokens/s: {g['tokens_per_s'] / t['tokens_per_s']:.2f}x")
+        print(f"  peak RSS: {g['peak_rss_mb'] / t['peak_rss_mb']:.2f}x")
+        print(f"  reward last 5 steps: {name} {g['last5']:.3f} vs TRL {t['last5']:.3f}; "
+              f"first step reaching 0.2 (mean curve): {name} {_reach(g['curve'], 0.2)} vs TRL {_reach(t['curve'], 0.2)}")
+    if "trl" in runs:
+        print(f"\nTRL version {runs['trl'][0].get('trl_version')}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": runs}, f)
+
+
+def _reach(curve: list[float], level: float) -> str:
+    return next((str(i) for i, r in enumerate(curve) if r >= level), "never")
+
+
+def _clean(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a.startswith(("--json=", "--variants=", "--seeds=")):
+            continue
+        if a in ("--json", "--variants", "--seeds"):
+            skip = True
+            continue
+        out.append(a)
+    return out
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+if __name__ == "__main__":
+    main()
