@@ -24,6 +24,7 @@ USAGE = """usage: gcore <command> [options]
 commands:
   fit       train a policy with RL (gcore fit --help)
   plugins   list the installed engines, rewards, algorithms, placement policies and backends
+  simulate  compare static and dynamic placement on a simulated cluster (gcore simulate --help)
 
 `gcore fit` with no options trains the embedded tiny model on the embedded task, on CPU.
 """
@@ -163,13 +164,20 @@ def plugins_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def simulate_main(argv: Sequence[str]) -> int:
+    """``gcore simulate``: the placement simulator (gcore/placement/simulator.py)."""
+    from gcore.placement.simulator import main as simulate
+
+    return simulate(list(argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if args else 2
     command, rest = args[0], args[1:]
-    commands = {"fit": fit_main, "plugins": plugins_main}
+    commands = {"fit": fit_main, "plugins": plugins_main, "simulate": simulate_main}
     if command not in commands:
         print(f"gcore: error: unknown command {command!r}; valid commands: {', '.join(commands)}", file=sys.stderr)
         return 2
