@@ -47,3 +47,31 @@ def test_placement_that_cannot_fit_fails_before_work():
         DynamicPlacement(min_fraction=0.6).setup(4, "simulated")
     with pytest.raises(ConfigError, match="simulate"):
         DynamicPlacement().setup(4, "cpu")
+
+
+def test_simulator_dynamic_follows_judge_cost(tmp_path):
+    from gcore.placement.simulator import Workload, compare, load_workload, summarize
+
+    cheap = Workload(samples_per_device=8, median_tokens=100, max_tokens=512, judge_output_tokens=8)
+    runs = compare(16, 4, cheap, {"judge_fraction": 0.5})
+    assert runs["dynamic"][-1].judge_devices < 8  # a cheap judge gives devices to generation
+    costly = Workload(samples_per_device=8, median_tokens=100, max_tokens=512, judge_output_tokens=2000)
+    runs = compare(16, 4, costly, {"judge_fraction": 0.25})
+    assert runs["dynamic"][-1].judge_devices > 4  # a costly judge takes devices
+    assert runs["static"][-1].judge_devices == 16
+    summary = summarize(runs["static"], 16)
+    assert 0 < summary["idle"] < 1 and summary["device_hours"] > 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("workload:\n  median_tokenz: 3\n")
+    with pytest.raises(ConfigError, match="median_tokenz"):
+        load_workload(str(bad))
+
+
+def test_simulate_cli(tmp_path):
+    from conftest import run_gcore
+
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "sim.png"
+    result = run_gcore("simulate", "--devices", "16", "--steps", "3", "--plot", str(plot))
+    assert result.returncode == 0, result.stderr
+    assert "dynamic/static" in result.stdout and plot.stat().st_size > 0
