@@ -70,12 +70,17 @@ class MathReward(RuleReward):
 
 def answers_match(answer: str, reference: str) -> bool:
     """Whether two final answers are mathematically equal according to math-verify."""
+    import threading
+
     from math_verify import parse, verify
 
+    # math-verify's timeouts use SIGALRM, which works only in the main thread
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+
     def parsed(text: str):  # noqa: ANN202
-        return parse(f"${text}$", parsing_timeout=None) or parse(text, parsing_timeout=None)
+        return parse(f"${text}$", parsing_timeout=timeout) or parse(text, parsing_timeout=timeout)
 
     gold, guess = parsed(reference), parsed(answer)
     if not gold or not guess:
         return answer.strip() == reference.strip()
-    return bool(verify(gold, guess, timeout_seconds=None))
+    return bool(verify(gold, guess, timeout_seconds=timeout))
