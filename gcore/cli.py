@@ -26,6 +26,7 @@ commands:
   plugins   list the installed engines, rewards, algorithms, placement policies and backends
   report    plot a run's metrics to PNG files and summarise it (gcore report RUN_DIR)
   export    write a checkpoint's policy as an HF checkpoint (gcore export CKPT --to hf DIR)
+  simulate  compare static and dynamic placement on a simulated cluster (gcore simulate --help)
 
 `gcore fit` with no options trains the embedded tiny model on the embedded task, on CPU.
 """
@@ -227,6 +228,13 @@ def plugins_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def simulate_main(argv: Sequence[str]) -> int:
+    """``gcore simulate``: the placement simulator (gcore/placement/simulator.py)."""
+    from gcore.placement.simulator import main as simulate
+
+    return simulate(list(argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -236,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gcore.checkpoint import export_main
     from gcore.report import report_main
 
-    commands = {"fit": fit_main, "plugins": plugins_main, "report": report_main, "export": export_main}
+    commands = {"fit": fit_main, "plugins": plugins_main, "report": report_main, "export": export_main,
+                "simulate": simulate_main}
     if command not in commands:
         print(f"gcore: error: unknown command {command!r}; valid commands: {', '.join(commands)}", file=sys.stderr)
         return 2

@@ -1,0 +1,129 @@
+"""Rewards against real components: math-verify, a tiny local classifier and a tiny local judge LLM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gcore.engines.hf import HFEngine
+from gcore.errors import ConfigError, RewardError
+from gcore.model import ModelConfig, char_tokenizer, materialize
+from gcore.rewards.classifier import ClassifierReward
+from gcore.rewards.combined import CombinedReward
+from gcore.rewards.generative import GenerativeReward, parse_verdict
+from gcore.rewards.math import MathReward, final_answer
+from gcore.rewards.rule import RegexReward
+from gcore.types import Prompt, Sample
+
+TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+
+
+def sample(response: str, answer: str | None = None, prompt: str = "q") -> Sample:
+    return Sample(Prompt(0, prompt, [1], answer), 0, [1], [0.0], response, True)
+
+
+def test_final_answer_conventions():
+    assert final_answer(r"x \boxed{1} then \boxed{\frac{1}{2}}") == r"\frac{1}{2}"
+    assert final_answer("So the answer is 42.") == "42"
+    assert final_answer("no idea") is None
+
+
+def test_math_reward_equivalence():
+    reward = MathReward(missing_score=-1.0)
+    samples = [
+        sample(r"thus \boxed{\frac{1}{2}}", "0.5"),
+        sample("The answer is 7", "7"),
+        sample(r"\boxed{3}", "4"),
+        sample("I give up", "4"),
+    ]
+    assert reward.score(samples) == [1.0, 1.0, 0.0, -1.0]
+
+
+def test_combined_weights_and_parts():
+    reward = CombinedReward([MathReward(), RegexReward(r"\\boxed")], weights=[1.0, 0.5])
+    samples = [sample(r"\boxed{2}", "2"), sample(r"\boxed{3}", "2"), sample("2", "2")]
+    assert reward.score(samples) == [1.5, 0.5, 0.0]
+    assert samples[0].reward_info == {"0_MathReward": 1.0, "1_RegexReward": 1.0}
+    with pytest.raises(ConfigError):
+        CombinedReward([MathReward()], weights=[1.0, 2.0])
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(tmp_path_factory):
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    tok = char_tokenizer()
+    config = Qwen2Config(vocab_size=len(tok), num_labels=1, pad_token_id=tok.pad_token_id, **TINY)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("classifier")
+    Qwen2ForSequenceClassification(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_classifier_batches_match_single(classifier_dir):
+    samples = [sample("abc"), sample("a much longer response"), sample("z")]
+    batched = ClassifierReward(classifier_dir, batch_size=2)
+    batched.setup("cpu")
+    one = ClassifierReward(classifier_dir, batch_size=1)
+    one.setup("cpu")
+    a, b = batched.score(samples), one.score(samples)
+    assert len(a) == 3 and a != [a[0]] * 3
+    assert a == pytest.approx(b, abs=1e-4)  # padding does not change a sample's score
+
+
+def test_classifier_bad_label(classifier_dir):
+    with pytest.raises(ConfigError, match="labels"):
+        ClassifierReward(classifier_dir, label=3).setup("cpu")
+
+
+def test_parse_verdict():
+    assert parse_verdict(" Yes, it is", "yes_no", 10) == 1.0
+    assert parse_verdict("no.", "yes_no", 10) == 0.0
+    assert parse_verdict("maybe", "yes_no", 10) is None
+    assert parse_verdict("score: 7/10", "score", 10) == 0.7
+    assert parse_verdict("15", "score", 10) is None
+
+
+@pytest.fixture(scope="module")
+def judge_dir(tmp_path_factory):
+    config = ModelConfig(**TINY)
+    return materialize(config, char_tokenizer(), seed=0, workdir=str(tmp_path_factory.mktemp("judge")))
+
+
+def test_generative_unparsable_is_counted(judge_dir):
+    """A random tiny judge never says yes/no: every sample is counted unparsable, none silently scored."""
+    reward = GenerativeReward(judge_dir, max_new_tokens=4, batch_size=2, unparsable_score=-1.0)
+    reward.setup("cpu")
+    samples = [sample("r1", "1"), sample("r2", "2"), sample("r3", "3")]
+    assert reward.score(samples) == [-1.0] * 3
+    assert reward.last_errors == reward.last_unparsable == 3
+    assert all(s.reward_info["judge_unparsable"] == 1.0 for s in samples)
+    strict = GenerativeReward(judge_dir, max_new_tokens=4, unparsable_score=None)
+    strict.setup("cpu")
+    with pytest.raises(RewardError, match="unparsable"):
+        strict.score(samples[:1])
+
+
+class FlakyEngine(HFEngine):
+    """A real HF engine whose first ``failures`` calls raise (a judge worker that died)."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    def generate(self, prompts, params):
+        if self.failures > 0:
+            self.failures -= 1
+            raise RuntimeError("judge worker died")
+        return super().generate(prompts, params)
+
+
+def test_generative_retries_then_fails_clearly(judge_dir):
+    reward = GenerativeReward(judge_dir, engine=FlakyEngine(1), max_new_tokens=2, retries=1)
+    reward.setup("cpu")
+    assert len(reward.score([sample("r", "1")])) == 1
+    reward = GenerativeReward(judge_dir, engine=FlakyEngine(5), max_new_tokens=2, retries=1)
+    reward.setup("cpu")
+    with pytest.raises(RewardError, match="failed 2 times"):
+        reward.score([sample("r", "1")])
