@@ -64,13 +64,13 @@ def test_help_shows_plugin_options():
     result = run_gcore("fit", "--algorithm.help", "grpo")
     assert result.returncode == 0 and "--algorithm.clip_eps" in result.stdout
     result = run_gcore("fit", "--help")
-    assert result.returncode == 0 and "--algorithm: grpo" in result.stdout
+    assert result.returncode == 0 and "--algorithm: dapo, grpo, ppo, rloo (default grpo)" in result.stdout
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--algorithm", "nope"], "unknown algorithm 'nope'; valid choices: grpo"),
+        (["--algorithm", "nope"], "unknown algorithm 'nope'; valid choices: dapo, grpo, ppo, rloo"),
         (["--engine=nope"], "unknown engine 'nope'; valid choices: hf"),
         (["--model.path", "/does/not/exist"], "--model.path '/does/not/exist' is not a directory"),
         (["--data.path", "missing.jsonl"], "--data.path missing.jsonl: no such file"),
