@@ -25,7 +25,7 @@ def test_engine_matches_trainer_after_sync(tmp_path):
     config = ModelConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128)
     path = materialize(config, tokenizer, seed=0, workdir=str(tmp_path / "model"))
     fabric = Fabric(accelerator="cpu", devices=1)
-    backend, engine, algorithm = TorchBackend(lr=1e-2), HFEngine(), GRPO()
+    backend, engine, algorithm = TorchBackend(lr=1e-2), HFEngine(), GRPO(kl_coef=0.0)
     backend.setup(fabric, path, torch.float32, False, algorithm, embedded=True)
     engine.setup(path, torch.device("cpu"), torch.float32, False)
     params = SamplingParams(n=4, max_new_tokens=8, temperature=0.9, stop_token_ids=(tokenizer.eos_token_id,))
