@@ -6,4 +6,6 @@ from gcore.algorithms.grpo import GRPO
 from gcore.algorithms.ppo import PPO
 from gcore.algorithms.rloo import RLOO
 
-__all__ = ["DAPO", "GRPO", "PPO", "RLOO", "Algorithm", "LossScale", "aggregate", "gae", "group_normalize", "kl_estimate"]
+__all__ = [
+    "DAPO", "GRPO", "PPO", "RLOO", "Algorithm", "LossScale", "aggregate", "gae", "group_normalize", "kl_estimate",
+]

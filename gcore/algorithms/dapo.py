@@ -61,14 +61,15 @@ class DAPO(GRPO):
 
     def setup(self, max_new_tokens: int) -> None:
         super().setup(max_new_tokens)
-        _check(self.overlong_buffer < max_new_tokens,
-               f"--algorithm.overlong_buffer {self.overlong_buffer} must be < --sampling.max_new_tokens {max_new_tokens}")
+        _check(self.overlong_buffer < max_new_tokens, f"--algorithm.overlong_buffer {self.overlong_buffer} must be "
+               f"< --sampling.max_new_tokens {max_new_tokens}")
 
     def shape_reward(self, sample: Sample) -> float:
         if self.max_new_tokens is None:
             return sample.reward
         length = len(sample.response_ids)
-        return sample.reward + overlong_penalty(length, self.max_new_tokens, self.overlong_buffer, self.overlong_penalty)
+        penalty = overlong_penalty(length, self.max_new_tokens, self.overlong_buffer, self.overlong_penalty)
+        return sample.reward + penalty
 
     def keep_group(self, rewards: torch.Tensor) -> bool:
         return not self.dynamic_sampling or bool((rewards != rewards[0]).any())

@@ -78,7 +78,8 @@ class PPO(Algorithm):
         entropy_coef: float = 0.0,
     ) -> None:
         super().__init__(kl_coef, kl_estimator, loss_agg, epochs, mini_batches, entropy_coef)
-        _check(0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0, f"--algorithm.gamma and lam must be in [0, 1], got {gamma}, {lam}")
+        _check(0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0,
+               f"--algorithm.gamma and lam must be in [0, 1], got {gamma}, {lam}")
         _check_choice("kl_penalty", kl_penalty, KLPenalty)
         self.gamma, self.lam = gamma, lam
         self.clip_eps = clip_eps
@@ -109,7 +110,8 @@ class PPO(Algorithm):
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
         if batch.values is None:
             raise RuntimeError("PPO needs the critic's values in the batch (backend.compute_values)")
-        advantages, batch.returns = gae(self.token_rewards(batch), batch.values, batch.response_mask, self.gamma, self.lam)
+        rewards = self.token_rewards(batch)
+        advantages, batch.returns = gae(rewards, batch.values, batch.response_mask, self.gamma, self.lam)
         if self.whiten_advantages:
             advantages = masked_whiten(advantages, batch.response_mask)
         return advantages
