@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from gcore.algorithms.base import Algorithm, LossScale
+from gcore.backends import sequence_parallel as seqpar
 from gcore.backends.base import TrainingBackend
 from gcore.balance import micro_batches_by_length, padding_fraction
 from gcore.types import RolloutBatch
@@ -62,6 +63,11 @@ class TorchBackend(TrainingBackend):
         warmup_steps: linear learning-rate warm-up, in optimizer steps.
         gradient_checkpointing: trade compute for memory in the policy's (and critic's) forward pass.
         critic_lr: the critic's learning rate; ``None`` uses the policy's.
+        sequence_parallel_size: split every sequence's tokens over this many ranks (groups of
+            consecutive ranks; must divide the world size). See docs/long_context.md.
+        sequence_parallel_mode: ``ring`` (any head count) or ``ulysses`` (heads divisible by the size).
+        packing: concatenate each micro-batch's samples into one row without padding (position
+            ids restart per sample); ``None``: on with sequence parallelism, off without.
     """
 
     supports_critic = True
@@ -76,9 +82,18 @@ class TorchBackend(TrainingBackend):
         warmup_steps: int = 0,
         gradient_checkpointing: bool = False,
         critic_lr: float | None = None,
+        sequence_parallel_size: int = 1,
+        sequence_parallel_mode: Literal["ring", "ulysses"] = "ring",
+        packing: bool | None = None,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError("micro_batch_size must be >= 1")
+        if sequence_parallel_size < 1:
+            raise seqpar.ConfigError(f"--backend.sequence_parallel_size {sequence_parallel_size} must be >= 1")
+        self.sequence_parallel_size = sequence_parallel_size
+        self.sequence_parallel_mode = sequence_parallel_mode
+        self.packing = packing
+        self.sp: seqpar.SequenceParallelGroup | None = None  # set by setup when sequence parallel
         self.lr = lr
         self.weight_decay = weight_decay
         self.betas = tuple(betas)
@@ -129,6 +144,31 @@ class TorchBackend(TrainingBackend):
                 weight_decay=self.weight_decay,
             )
             self.critic, self.critic_optimizer = fabric.setup(critic, critic_optimizer)
+        self._setup_sequence_parallel()
+
+    def _setup_sequence_parallel(self) -> None:
+        """Create the sequence-parallel groups and switch the models to the distributed attention."""
+        if self.sequence_parallel_size == 1 and not self.packing:
+            return
+        self.sp = seqpar.SequenceParallelGroup.create(self.sequence_parallel_size, self.sequence_parallel_mode)
+        heads = self.hf_model.config.num_attention_heads
+        if self.sequence_parallel_mode == "ulysses" and heads % self.sequence_parallel_size:
+            raise seqpar.ConfigError(
+                f"--backend.sequence_parallel_mode ulysses needs the model's {heads} attention heads divisible by "
+                f"--backend.sequence_parallel_size {self.sequence_parallel_size}; use ring"
+            )
+        for model in (self.hf_model, self.reference):
+            if model is not None:
+                seqpar.use_sequence_parallel_attention(model)
+
+    def _forward_logprobs(self, model, micro: RolloutBatch, temperature: float):  # noqa: ANN001, ANN202
+        """``token_logprobs`` of a micro-batch, through sequence parallelism / packing when set up."""
+        input_ids = self.fabric.to_device(micro.input_ids)
+        if self.sp is None:
+            logits = model(input_ids=input_ids, attention_mask=self.fabric.to_device(micro.attention_mask)).logits
+            return token_logprobs(logits, input_ids, temperature)
+        pack = self.packing if self.packing is not None else self.sp.size > 1
+        return seqpar.sequence_parallel_logprobs(model, input_ids, micro.attention_mask, temperature, self.sp, pack)
 
     # PREPARE ---------------------------------------------------------------------------------
 
@@ -137,16 +177,15 @@ class TorchBackend(TrainingBackend):
         model = self.policy if role == "policy" else self.reference
         if model is None:
             raise RuntimeError(f"no {role} model: it was not set up")
+        own, offset, count = batch, 0, len(batch)
+        if self.sp is not None:  # the group works on the union of its members' batches
+            batch, offset, count = seqpar.gather_group_batch(batch, self.sp)
         out = torch.zeros_like(batch.response_mask)
         for rows in torch.arange(len(batch)).split(self.micro_batch_size):
             micro = batch.select(rows)
-            logits = model(
-                input_ids=self.fabric.to_device(micro.input_ids),
-                attention_mask=self.fabric.to_device(micro.attention_mask),
-            ).logits
-            logprobs, _ = token_logprobs(logits, self.fabric.to_device(micro.input_ids), batch.temperature)
+            logprobs, _ = self._forward_logprobs(model, micro, batch.temperature)
             out[rows, : logprobs.shape[1]] = logprobs.cpu() * micro.response_mask
-        return out
+        return out[offset: offset + count, : own.response_mask.shape[1]]
 
     @torch.no_grad()
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
@@ -176,6 +215,8 @@ class TorchBackend(TrainingBackend):
 
     def train(self, batch: RolloutBatch, algorithm: Algorithm, max_new_tokens: int) -> dict[str, float]:
         fabric, world = self.fabric, self.fabric.world_size
+        if self.sp is not None:  # the group trains on the union of its members' batches
+            batch, _, _ = seqpar.gather_group_batch(batch, self.sp)
         sums: dict[str, float] = {}
         optimizer_steps = skipped = 0
         generator = torch.Generator().manual_seed(int(batch.input_ids.sum()) % (2**31))
@@ -224,9 +265,10 @@ class TorchBackend(TrainingBackend):
         """Accumulate the gradients of one mini-batch over micro-batches; returns its global metrics."""
         fabric = self.fabric
         mask_rows = batch.response_mask[rows]
+        replicas = self.sp.size if self.sp is not None else 1  # each group holds its rows K times
         scale = LossScale(
-            tokens=self._global_sum(mask_rows.sum().item()),
-            sequences=self._global_sum(len(rows)),
+            tokens=self._global_sum(mask_rows.sum().item()) / replicas,
+            sequences=self._global_sum(len(rows)) / replicas,
             max_length=float(max_new_tokens),
         )
         lengths = batch.attention_mask[rows].sum(-1).tolist()
@@ -238,11 +280,7 @@ class TorchBackend(TrainingBackend):
             real = i < len(micro_rows) and len(micro_rows[i]) > 0
             micro = batch.select(micro_rows[i] if real else torch.tensor([0]))
             with fabric.no_backward_sync(self.policy, enabled=i < n_micro - 1):
-                logits = self.policy(
-                    input_ids=fabric.to_device(micro.input_ids),
-                    attention_mask=fabric.to_device(micro.attention_mask),
-                ).logits
-                logprobs, entropy = token_logprobs(logits, fabric.to_device(micro.input_ids), batch.temperature)
+                logprobs, entropy = self._forward_logprobs(self.policy, micro, batch.temperature)
                 micro = _to_device(micro, fabric)
                 loss, shares = algorithm.loss(logprobs, micro, scale, entropy)
                 if not real:
@@ -263,7 +301,7 @@ class TorchBackend(TrainingBackend):
         keys = sorted(set(local) | {"loss", "entropy"})
         if world > 1:
             values = fabric.all_reduce(torch.tensor([local.get(k, 0.0) for k in keys]), reduce_op="sum")
-            return dict(zip(keys, values.tolist()))
+            return {k: v / replicas for k, v in zip(keys, values.tolist())}
         return {k: local.get(k, 0.0) for k in keys}
 
     # SYNC and SAVE ---------------------------------------------------------------------------
