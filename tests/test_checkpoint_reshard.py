@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 def _setup(fabric, model_dir):
     backend = TorchBackend(lr=1e-2)
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(), embedded=True)
+    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
     group = dist.new_group(backend="gloo") if fabric.world_size > 1 else None
     manager = CheckpointManager(os.path.join(os.path.dirname(model_dir), "ckpt"), rank=fabric.global_rank,
                                 world_size=fabric.world_size, barrier=fabric.barrier, process_group=group)
@@ -27,8 +27,8 @@ def _setup(fabric, model_dir):
 def _train_step(backend, rank):
     batch = make_batch([1.0, 0.0, 0.3, 0.9], [0, 0, 1, 1], length=6)
     batch.input_ids = torch.randint(4, 50, batch.input_ids.shape, generator=torch.Generator().manual_seed(rank))
-    batch.advantages = GRPO().advantages(batch)
-    backend.train(batch, GRPO(), max_new_tokens=5)
+    batch.advantages = GRPO(kl_coef=0.0).advantages(batch)
+    backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=5)
 
 
 def _save_on_two(fabric, model_dir):

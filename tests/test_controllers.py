@@ -76,9 +76,9 @@ def _batch():
 
 def _train(fabric, model_dir, rows, out, loss_agg):
     backend = TorchBackend(lr=1e-2, micro_batch_size=2)
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(), embedded=True)
+    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
     batch = _batch()
-    metrics = backend.train(batch.select(torch.tensor(rows)), GRPO(loss_agg=loss_agg), max_new_tokens=6)
+    metrics = backend.train(batch.select(torch.tensor(rows)), GRPO(kl_coef=0.0, loss_agg=loss_agg), max_new_tokens=6)
     weights = {k: v.clone() for k, v in backend.named_weights()}
     torch.save({"metrics": metrics, "weights": weights}, out % fabric.global_rank)
 

@@ -155,7 +155,7 @@ def test_logprobs_match_the_hf_model(tmp_path):
 
     model_dir = _model_dir(str(tmp_path))
     backend = backend_class()
-    backend.setup(Fabric(accelerator="cpu", devices=1), model_dir, torch.float32, False, GRPO(), embedded=True)
+    backend.setup(Fabric(accelerator="cpu", devices=1), model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
     hf = AutoModelForCausalLM.from_pretrained(model_dir)
     ids = torch.randint(4, 100, (3, 12), generator=torch.Generator().manual_seed(0))
     for temperature in (1.0, 0.7):
@@ -174,24 +174,24 @@ def _rank_batch(rank):
     batch = make_batch([1.0, 0.0, 0.3, 0.9][: 4 - rank], [0, 0, 1, 1][: 4 - rank], length=length)
     batch.input_ids = torch.randint(4, 100, batch.input_ids.shape, generator=torch.Generator().manual_seed(rank))
     batch.response_mask[:, :2] = 0
-    batch.advantages = GRPO().advantages(batch)
+    batch.advantages = GRPO(kl_coef=0.0).advantages(batch)
     return batch
 
 
 def _compare_with_torch(fabric, model_dir, tp, out):
     torch_backend = TorchBackend(lr=1e-2, micro_batch_size=2)
-    torch_backend.setup(fabric, model_dir, torch.float32, False, GRPO(), embedded=True)
+    torch_backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
     batch = _rank_batch(fabric.global_rank)
     torch_logprobs = torch_backend.compute_logprobs(batch, "policy")
-    torch_metrics = torch_backend.train(batch, GRPO(), max_new_tokens=8)
+    torch_metrics = torch_backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=8)
     torch_weights = dict(torch_backend.named_weights())
 
     from gcore.backends.megatron import MegatronBackend
 
     backend = MegatronBackend(tensor_parallel_size=tp, lr=1e-2, micro_batch_size=3)
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(), embedded=True)
+    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
     logprobs = backend.compute_logprobs(batch, "policy")
-    metrics = backend.train(batch, GRPO(), max_new_tokens=8)
+    metrics = backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=8)
     weights = dict(backend.named_weights())
     result = {
         "logprobs": float((logprobs - torch_logprobs).abs().max()),
@@ -250,8 +250,8 @@ def _save_at_tp2(fabric, model_dir, root):
     from gcore.backends.megatron import MegatronBackend
 
     backend = MegatronBackend(tensor_parallel_size=2, lr=1e-2)
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(), embedded=True)
-    backend.train(_rank_batch(fabric.global_rank), GRPO(), max_new_tokens=8)
+    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    backend.train(_rank_batch(fabric.global_rank), GRPO(kl_coef=0.0), max_new_tokens=8)
     manager = _checkpoint_manager(fabric, root)
     manager.save(1, backend.state_dict(), {"step": 1}, {"rank": fabric.global_rank})
     manager.wait()
@@ -272,7 +272,7 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1(tmp_path):
     Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_save_at_tp2, model_dir, root)
     fabric = Fabric(accelerator="cpu", devices=1)
     backend = backend_class(tensor_parallel_size=1, lr=1e-2)
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(), embedded=True)
+    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
     state = backend.state_dict()
     trainer_state, _ = _checkpoint_manager(fabric, root).load(latest_checkpoint(root), state)
     backend.load_state_dict(state)
@@ -285,7 +285,7 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1(tmp_path):
         for name, tensor in expected["moments"][key].items():
             assert torch.equal(reloaded[key][name], tensor), (key, name)
     assert float(reloaded["step"]) == 1.0
-    backend.train(_rank_batch(0), GRPO(), max_new_tokens=8)  # training goes on from there
+    backend.train(_rank_batch(0), GRPO(kl_coef=0.0), max_new_tokens=8)  # training goes on from there
 
 
 @pytest.mark.slow

@@ -36,7 +36,7 @@ def _model_dir(tmp_path, **shape):
 def _batch(rank):
     batch = make_batch([1.0, 0.0, 0.3, 0.9], [0, 0, 1, 1], length=24)
     batch.input_ids = torch.randint(4, 100, batch.input_ids.shape, generator=torch.Generator().manual_seed(rank))
-    batch.advantages = GRPO().advantages(batch)
+    batch.advantages = GRPO(kl_coef=0.0).advantages(batch)
     return batch
 
 
@@ -51,7 +51,7 @@ def test_logprobs_match_hf_on_gpu(tmp_path, transformer_engine):
     torch.backends.cuda.matmul.allow_tf32 = False
     model_dir = _model_dir(tmp_path, **QWEN25_05B)
     backend = MegatronBackend(transformer_engine=transformer_engine)
-    backend.setup(Fabric(accelerator="cuda", devices=1), model_dir, torch.float32, False, GRPO(), embedded=True)
+    backend.setup(Fabric(accelerator="cuda", devices=1), model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
     hf = AutoModelForCausalLM.from_pretrained(model_dir).cuda()
     ids = torch.randint(4, 100, (4, 64), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.no_grad():
@@ -68,12 +68,12 @@ def _compare(fabric, model_dir, tp, out):
     torch.backends.cuda.matmul.allow_tf32 = False
     batch = _batch(fabric.global_rank)
     reference = TorchBackend(lr=1e-5)
-    reference.setup(fabric, model_dir, torch.float32, False, GRPO(), embedded=True)
-    ref_metrics = reference.train(batch, GRPO(), max_new_tokens=23)
+    reference.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    ref_metrics = reference.train(batch, GRPO(kl_coef=0.0), max_new_tokens=23)
     ref_weights = {k: v.cpu() for k, v in reference.named_weights()}
     backend = MegatronBackend(tensor_parallel_size=tp, lr=1e-5)
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(), embedded=True)
-    metrics = backend.train(batch, GRPO(), max_new_tokens=23)
+    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    metrics = backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=23)
     weights = {k: v.cpu() for k, v in backend.named_weights()}
     torch.save({"loss": abs(metrics["loss"] - ref_metrics["loss"]),
                 "weights": max(float((weights[k] - v).abs().max()) for k, v in ref_weights.items())},
