@@ -132,7 +132,7 @@ def test_grpo_kl_term_is_added_with_its_coefficient():
     assert float(loss) == pytest.approx(0.5 * 1.0)
     assert float(shares["kl"]) == pytest.approx(1.0)
     assert algo.needs_reference and not GRPO(kl_coef=0.0).needs_reference
-    assert GRPO().kl_coef == 0.04  # the DeepSeekMath paper's beta
+    assert GRPO().kl_coef == 0.0  # no KL by default (the paper's 0.04 is --algorithm.kl_coef 0.04)
 
 
 # --- GAE, whitening, value loss, overlong shaping ------------------------------------------------
@@ -331,14 +331,14 @@ def test_dapo_buffer_must_fit_the_budget():
 
 
 def test_cli_choice_of_algorithm_gets_its_own_defaults():
-    # jsonargparse would carry the default class's values (GRPO's kl_coef 0.04) over to another class
+    # jsonargparse would carry the default class's values (GRPO's epochs 1) over to another class
     from gcore import cli
 
     parser = cli.build_fit_parser()
     for argv, expected in [
         (["--algorithm", "ppo"], ("PPO", 0.0, 2)),
         (["--algorithm.kl_coef", "0.2", "--algorithm", "ppo"], ("PPO", 0.2, 2)),
-        (["--algorithm.epochs", "3"], ("GRPO", 0.04, 3)),
+        (["--algorithm.epochs", "3"], ("GRPO", 0.0, 3)),
     ]:
         config = parser.parse_args(cli.with_default_plugins(cli.resolve_argv(argv)))
         init = parser.instantiate_classes(config)["algorithm"]

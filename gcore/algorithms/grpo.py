@@ -21,7 +21,9 @@ class GRPO(Algorithm):
     The advantage of a sample is its reward minus the mean reward of its group (the samples of the
     same prompt), divided by the group's std when ``scale_rewards``; every token of the sample gets
     it (outcome supervision). The loss is PPO's clipped surrogate, plus ``kl_coef`` times a KL
-    estimate to the reference model (k3 in the paper, which uses ``kl_coef`` 0.04).
+    estimate to the reference model (k3 in the paper, which uses ``kl_coef`` 0.04; gcore defaults to
+    0, as TRL and Dr. GRPO/DAPO do: measured here, 0.04 cut the embedded task's reward after 30 steps
+    from 0.45 to 0.11, and 0 needs no reference model).
 
     Args:
         clip_eps: clip range of the probability ratio (lower side, and upper unless ``clip_eps_high``).
@@ -41,7 +43,7 @@ class GRPO(Algorithm):
         clip_eps: float = 0.2,
         clip_eps_high: float | None = None,
         scale_rewards: bool = True,
-        kl_coef: float = 0.04,
+        kl_coef: float = 0.0,
         kl_estimator: KLEstimator = "k3",
         loss_agg: LossAggregation = "seq_mean_token_mean",
         epochs: int = 1,
