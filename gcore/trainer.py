@@ -384,6 +384,7 @@ def _quiet_dependencies() -> None:
     import warnings
 
     warnings.filterwarnings("ignore", message=r".*all_gather is deprecated")  # inside Fabric's all_gather
+    warnings.filterwarnings("ignore", message=r"torch.distributed is disabled")  # DCP, single process
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     for name in ("lightning.fabric", "lightning_fabric"):
