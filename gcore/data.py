@@ -19,10 +19,13 @@ class DataConfig:
     """Where prompts come from and how many each step takes.
 
     Args:
-        path: a ``.jsonl`` or ``.parquet`` file of prompts. Unset: the embedded synthetic task.
+        path: a ``.jsonl`` or ``.parquet`` file, or a folder saved with ``datasets``'
+            ``save_to_disk``. Unset: the embedded synthetic task.
         prompt_key: the column holding the prompt text.
         answer_key: the column holding the reference answer (optional per row).
         prompt_template: a format string applied to each prompt, e.g. ``"Q: {prompt}\\nA:"``.
+        chat_template: wrap each (templated) prompt as a user message with the tokenizer's own chat
+            template (``apply_chat_template`` with the generation prompt).
         prompts_per_step: prompts per training step over all controllers (each yields ``sampling.n``
             samples).
         shuffle: reshuffle the prompts every epoch.
@@ -35,6 +38,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     prompt_template: str = "{prompt}"
+    chat_template: bool = False
     prompts_per_step: int = 16
     shuffle: bool = True
     balance: bool = True
@@ -46,7 +50,19 @@ def read_rows(path: str) -> list[tuple[dict, str]]:
     if not os.path.exists(path):
         raise DataError(f"--data.path {path}: no such file")
     if os.path.isdir(path):
-        raise DataError(f"--data.path {path}: is a directory; expected a .jsonl or .parquet file")
+        try:
+            import datasets
+        except ImportError:
+            raise DataError(f"--data.path {path}: a dataset folder needs the datasets package: pip install datasets") from None
+        try:
+            dataset = datasets.load_from_disk(path)
+        except Exception as err:
+            raise DataError(f"--data.path {path}: not a folder saved with datasets' save_to_disk: {err}") from None
+        if isinstance(dataset, datasets.DatasetDict):
+            if "train" not in dataset:
+                raise DataError(f"--data.path {path}: a DatasetDict without a 'train' split ({', '.join(dataset)})")
+            dataset = dataset["train"]
+        return [(row, f"{path}:row {i + 1}") for i, row in enumerate(dataset)]
     if path.endswith((".jsonl", ".json")):
         rows = []
         try:
@@ -97,7 +113,14 @@ def load_prompts(config: DataConfig, tokenizer, max_new_tokens: int, context: in
             text = config.prompt_template.format(prompt=raw)
         except (KeyError, IndexError, ValueError) as err:
             raise DataError(f"--data.prompt_template {config.prompt_template!r}: {err}") from None
-        token_ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+        if config.chat_template:
+            if not getattr(tokenizer, "chat_template", None):
+                raise DataError("--data.chat_template true: the tokenizer has no chat template")
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
+            token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            token_ids = tokenizer(text, add_special_tokens=True)["input_ids"]
         if not token_ids:
             raise DataError(f"{source}: the prompt tokenizes to nothing")
         if context is not None and len(token_ids) + max_new_tokens > context:

@@ -84,3 +84,20 @@ def test_missing_and_unknown_files(tmp_path):
     (tmp_path / "d.csv").write_text("a")
     with pytest.raises(DataError, match="unknown format"):
         read_rows(str(tmp_path / "d.csv"))
+
+
+def test_saved_datasets_folder_and_chat_template(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "ds"))
+    tokenizer = char_tokenizer()
+    prompts = load_prompts(DataConfig(path=str(tmp_path / "ds")), tokenizer, max_new_tokens=4, context=64)
+    assert [p.text for p in prompts] == ["1+1=", "2+2="] and prompts[1].source.endswith("ds:row 2")
+    with pytest.raises(DataError, match="the tokenizer has no chat template"):
+        load_prompts(DataConfig(path=str(tmp_path / "ds"), chat_template=True), tokenizer, 4, 64)
+    tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}>"
+    prompts = load_prompts(DataConfig(path=str(tmp_path / "ds"), chat_template=True), tokenizer, 4, 64)
+    assert prompts[0].text == "<user>1+1=>" and tokenizer.decode(prompts[0].token_ids) == "<user>1+1=>"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="not a folder saved with datasets"):
+        load_prompts(DataConfig(path=str(tmp_path / "empty")), tokenizer, 4, 64)
