@@ -127,15 +127,20 @@ def materialize(config: ModelConfig, tokenizer, seed: int, workdir: str) -> str:
     if not config.embedded:
         _check_path(config.path)
         return config.path
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
     model = build_tiny_model(config, tokenizer, seed)
     os.makedirs(workdir, exist_ok=True)
     # not model.save_pretrained: under torch.distributed it writes on global rank 0 only, and every
-    # rank needs its own copy here (no shared file system)
+    # rank needs its own copy here (no shared file system). Tied weights are stored under the
+    # embedding's name, as save_pretrained does: vLLM's loader skips lm_head.weight when tied.
     model.config.save_pretrained(workdir)
     model.generation_config.save_pretrained(workdir)
-    save_model(model, os.path.join(workdir, "model.safetensors"))
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(workdir, "model.safetensors"),
+              metadata={"format": "pt"})
     tokenizer.save_pretrained(workdir)
     if not os.path.isfile(os.path.join(workdir, "config.json")):
         raise GcoreError(f"could not write the embedded model to {workdir}")
