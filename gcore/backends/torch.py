@@ -230,7 +230,7 @@ class TorchBackend(TrainingBackend):
                 grad_norm = float(grad_norm)
                 if self.critic is not None:
                     stats.update(self._critic_step(stats))
-                loss_is_finite = self._global_sum(0.0 if math.isfinite(stats["loss"]) else 1.0) == 0
+                loss_is_finite = math.isfinite(stats["loss"])  # already summed over ranks: same on every rank
                 if math.isfinite(grad_norm) and loss_is_finite:
                     self.optimizer.step()
                     self.scheduler.step()
