@@ -139,6 +139,15 @@ class Controller:
     ) -> tuple[list[Sample], list[Sample], dict[str, float]]:
         """Keep the groups the algorithm accepts; re-sample locally until ``len(prompts)`` groups are
         kept or ``algorithm.max_rounds`` rounds ran. Returns (kept samples, all samples, metrics)."""
+        kept, samples, rounds = self._resample(prompts, samples, timer)
+        n = self.sampling.n
+        metrics = self._filter_metrics(len(samples) // n, len(kept) // n, len(prompts), rounds)
+        return kept[: len(prompts) * n], samples, metrics
+
+    def _resample(
+        self, prompts: list[Prompt], samples: list[Sample], timer: StageTimer
+    ) -> tuple[list[Sample], list[Sample], int]:
+        """The local part of FILTER: (kept samples, possibly more than the share; all samples; rounds)."""
         target, n = len(prompts), self.sampling.n
         kept, rounds = self._keep_groups(samples), 1
         while len(kept) < target * n and rounds < self.algorithm.max_rounds and self.draw_prompts is not None:
@@ -147,17 +156,19 @@ class Controller:
             extra = self.draw_prompts(min(math.ceil(missing / keep_rate), 4 * target))
             more = self._rollout(extra, timer, first_group=len(samples) // n)
             samples, kept, rounds = samples + more, kept + self._keep_groups(more), rounds + 1
-        sampled, accepted = len(samples) // n, len(kept) // n
-        # one all-reduce of counts, after the fact: no controller waits for another while sampling
+        return kept, samples, rounds
+
+    def _filter_metrics(self, sampled: int, accepted: int, target: int, rounds: int) -> dict[str, float]:
+        """FILTER's counts over every rank: one all-reduce, after the fact, so no controller waits for
+        another while sampling."""
         sums = self._all_reduce(torch.tensor([sampled, accepted, min(accepted, target)], dtype=torch.float64), "sum")
         most_rounds = self._all_reduce(torch.tensor([float(rounds)], dtype=torch.float64), "max")
-        metrics = {
+        return {
             "filter/groups_sampled": float(sums[0]),
             "filter/groups_dropped": float(sums[0] - sums[1]),
             "filter/groups_trained": float(sums[2]),
             "filter/rounds_max": float(most_rounds[0]),
         }
-        return kept[: target * n], samples, metrics
 
     def _keep_groups(self, samples: list[Sample]) -> list[Sample]:
         groups: dict[int, list[Sample]] = {}
@@ -201,20 +212,32 @@ class Controller:
     def _telemetry(self, step: int, seconds: dict[str, float]) -> dict[str, float]:
         """Every rank's stage times; logged as the slowest rank's, with the imbalance between ranks."""
         names = (*STAGES, "step")
-        local = torch.tensor([seconds.get(s, 0.0) for s in names], dtype=torch.float64)
+        local = torch.tensor([*(seconds.get(s, 0.0) for s in names), _peak_rss_gb()], dtype=torch.float64)
         if self.fabric.world_size > 1:
-            gathered = self.fabric.all_gather(local).reshape(self.fabric.world_size, len(names))
+            gathered = self.fabric.all_gather(local).reshape(self.fabric.world_size, len(names) + 1)
         else:
             gathered = local.unsqueeze(0)
+        rss, gathered = gathered[:, -1], gathered[:, :-1]
         per_rank = [dict(zip(names, row.tolist())) for row in gathered]
         updates = self.placement.update(Telemetry(step, per_rank))
         metrics = {f"time/{name}": float(gathered[:, i].max()) for i, name in enumerate(names)}
         busy = gathered[:, names.index("step")]
         metrics["time/imbalance"] = float(busy.max() / busy.mean().clamp(min=1e-9))
         metrics.update({f"placement/{k}": v for k, v in updates.items()})
+        metrics["memory/peak_rss_gb"] = float(rss.max())  # the busiest process's high-water mark
+        metrics["memory/rank0_peak_rss_gb"] = float(rss[0])
         return metrics
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         if self.fabric.world_size == 1:
             return tensor
         return self.fabric.all_reduce(tensor, reduce_op=op)
+
+
+def _peak_rss_gb() -> float:
+    """This process's peak resident memory so far, in GB."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (1e9 if sys.platform == "darwin" else 1e6 / 1.024)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,6 +32,9 @@ class DataConfig:
         balance: split each step's prompts over the controllers by predicted cost (Karmarkar-Karp
             on prompt length + learnt response length) instead of round robin.
         num_synthetic_prompts: size of the embedded task's prompt set.
+        synthetic_feature_mb: attach to every prompt a synthetic per-sample feature of this many MB (an
+            image stand-in, made by the controller that takes the prompt) that travels with its samples
+            to generation and training; for benchmarks of data movement (the text models ignore it).
     """
 
     path: str | None = None
@@ -43,6 +46,17 @@ class DataConfig:
     shuffle: bool = True
     balance: bool = True
     num_synthetic_prompts: int = 1000
+    synthetic_feature_mb: float = 0.0
+
+
+def with_synthetic_feature(prompt: Prompt, megabytes: float) -> Prompt:
+    """A copy of ``prompt`` carrying ``metadata["feature"]``: ``megabytes`` of float32 values drawn from
+    the prompt's index (the same feature wherever it is made)."""
+    if megabytes <= 0:
+        return prompt
+    generator = torch.Generator().manual_seed(prompt.index)
+    feature = torch.rand(max(1, int(megabytes * 2**20 / 4)), generator=generator)
+    return replace(prompt, metadata={**prompt.metadata, "feature": feature})
 
 
 def read_rows(path: str) -> list[tuple[dict, str]]:

@@ -15,7 +15,7 @@ from gcore.algorithms.base import Algorithm
 from gcore.backends.base import TrainingBackend
 from gcore.checkpoint import CheckpointManager, resolve_resume, rng_state, set_rng_state
 from gcore.controller import Controller
-from gcore.data import CostBalancer, DataConfig, PromptSampler, load_prompts
+from gcore.data import CostBalancer, DataConfig, PromptSampler, load_prompts, with_synthetic_feature
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError, GcoreError
 from gcore.model import ModelConfig, context_length, load_tokenizer, materialize
@@ -73,6 +73,9 @@ class TrainerConfig:
         resume: ``auto`` (the latest complete checkpoint, if any) or a checkpoint folder.
         collective_timeout: seconds a collective may wait for the other controllers before the run
             fails (instead of hanging when one of them died).
+        controllers: ``None``: one controller per process (G-Core's parallel controllers); ``1``: one
+            controller on rank 0 drives the engines and training shards of every process, and all
+            rollout data passes through it (the single-driver baseline, for comparison).
     """
 
     max_steps: int = 30
@@ -91,6 +94,7 @@ class TrainerConfig:
     async_checkpoint: bool = True
     resume: str | None = None
     collective_timeout: float = 600.0
+    controllers: int | None = None
 
 
 @dataclass
@@ -215,19 +219,32 @@ class Trainer:
             self.sampling.stop_token_ids = (*self.sampling.stop_token_ids, tokenizer.eos_token_id)
         fabric.seed_everything(c.seed + rank, verbose=False)  # different samples per controller
 
+        central = self._single_controller(fabric.world_size)
         self.placement.setup(fabric.world_size, device_type)
         self.backend.setup(fabric, model_path, self.model_config.torch_dtype, trust, self.algorithm,
                            embedded=self.model_config.embedded)
         self.engine.setup(model_path, fabric.device, self.model_config.torch_dtype, trust)
         self.reward.setup(fabric.device)
         balancer = CostBalancer(prompts, self.sampling.n, self.sampling.max_new_tokens) if self.data_config.balance else None
-        sampler = PromptSampler(len(prompts), self.data_config.prompts_per_step, rank, fabric.world_size,
+        # with one controller, rank 0 takes every step's whole batch and the other ranks take none
+        shard_rank, shards = (0, 1) if central else (rank, fabric.world_size)
+        sampler = PromptSampler(len(prompts), self.data_config.prompts_per_step, shard_rank, shards,
                                 c.seed, self.data_config.shuffle, balancer)
         # dynamic sampling draws extra prompts from a stream of this rank's own (no other rank waits)
         extra = PromptSampler(len(prompts), 1, 0, 1, c.seed + 7919 * (rank + 1), self.data_config.shuffle)
-        controller = Controller(fabric, self.engine, self.reward, self.algorithm, self.backend,
-                                self.placement, tokenizer, self.sampling,
-                                draw_prompts=lambda k: [prompts[extra.next_global()[0]] for _ in range(k)])
+        feature_mb = self.data_config.synthetic_feature_mb
+
+        def take(indices: list[int]) -> list:
+            return [with_synthetic_feature(prompts[i], feature_mb) for i in indices]
+
+        controller_class = Controller
+        if central:
+            from gcore.single_controller import SingleController
+
+            controller_class = SingleController
+        controller = controller_class(fabric, self.engine, self.reward, self.algorithm, self.backend,
+                                      self.placement, tokenizer, self.sampling,
+                                      draw_prompts=lambda k: take([extra.next_global()[0] for _ in range(k)]))
         checkpoints = self._checkpoint_manager(fabric)
         start_step = self._resume(fabric, checkpoints, sampler, extra)
 
@@ -245,7 +262,8 @@ class Trainer:
         bar.update(start_step)
         stall = None
         for step in range(start_step, c.max_steps):
-            shard = [prompts[i] for i in sampler.shard(sampler.next_global())]
+            shard = sampler.shard(sampler.next_global())
+            shard = take(shard) if not central or rank == 0 else []
             metrics = controller.step(step, shard, on_stage=lambda stage: bar.set_description(stage, refresh=False))
             metrics["step"] = float(step)
             metrics["balance/predicted_imbalance"] = sampler.last_imbalance
@@ -276,6 +294,17 @@ class Trainer:
         if rank == 0:
             return FitResult(run_dir, final_dir, history)
         return FitResult(None, None, history)
+
+    def _single_controller(self, world_size: int) -> bool:
+        """Whether one controller drives every process (``--trainer.controllers 1`` with several)."""
+        controllers = self.config.controllers
+        if controllers not in (None, 1, world_size):
+            raise ConfigError(f"--trainer.controllers {controllers}: valid choices are 1 (one controller drives "
+                              f"every process) or {world_size} (one per process, the default)")
+        central = controllers == 1 and world_size > 1
+        if central and getattr(self.backend, "sequence_parallel_size", 1) > 1:
+            raise ConfigError("--trainer.controllers 1 does not support --backend.sequence_parallel_size > 1")
+        return central
 
     def _checkpoint_manager(self, fabric) -> CheckpointManager:  # noqa: ANN001
         c = self.config

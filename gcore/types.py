@@ -86,6 +86,7 @@ class RolloutBatch:
     advantages: torch.Tensor | None = None  # [B] or [B, L-1]
     returns: torch.Tensor | None = None  # [B, L-1] (PPO)
     truncated: torch.Tensor | None = None  # [B] bool: the response was cut at max_new_tokens
+    features: torch.Tensor | None = None  # [B, ...] a per-sample input such as an image (prompt.metadata["feature"])
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -105,7 +106,7 @@ class RolloutBatch:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor) and value.dim() == 2:
+            if isinstance(value, torch.Tensor) and value.dim() == 2 and f.name != "features":
                 cut = length if value.shape[1] == self.input_ids.shape[1] else length - 1
                 value = value[:, :cut]
             out[f.name] = value
@@ -138,4 +139,15 @@ def collate(samples: list[Sample], pad_id: int, temperature: float) -> RolloutBa
         engine_logprobs=engine_logprobs,
         temperature=temperature,
         truncated=torch.tensor([not s.finished for s in samples], dtype=torch.bool),
+        features=_stack_features(samples),
     )
+
+
+def _stack_features(samples: list[Sample]) -> torch.Tensor | None:
+    """The samples' ``prompt.metadata["feature"]`` tensors stacked, or ``None`` when they carry none."""
+    features = [s.prompt.metadata.get("feature") for s in samples]
+    if all(f is None for f in features):
+        return None
+    if any(f is None for f in features):
+        raise ValueError("some samples carry a prompt.metadata['feature'] and others do not")
+    return torch.stack(features)

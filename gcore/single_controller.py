@@ -1,0 +1,300 @@
+"""The one-controller baseline (``--trainer.controllers 1``): rank 0 drives every rank.
+
+This is the design G-Core replaces, kept so that the parallel controllers can be measured against
+it. Rank 0 takes the whole batch of prompts, sends each rank its part for generation and collects
+the completions, scores every sample itself, prepares the whole batch, and sends each rank its rows
+for training; every rank still holds an engine and a shard of the training backend, and the
+gradient all-reduce is the same as with parallel controllers. All rollout data, and any feature a
+sample carries (``RolloutBatch.features``), passes through rank 0.
+
+Data moves as tensors over the process group (``torch.distributed`` send/recv: a header of dtypes
+and shapes, then the tensors); nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import fields
+
+import torch
+import torch.distributed as dist
+
+from gcore.controller import Controller, StageTimer
+from gcore.engines.base import Engine
+from gcore.types import Generation, Prompt, RolloutBatch, SamplingParams, collate
+
+_DTYPES = (torch.int64, torch.float32, torch.float64, torch.bool, torch.int32, torch.uint8, torch.float16,
+           torch.bfloat16)
+GENERATE, DONE = 1, 2
+
+
+def send_tensors(tensors: Sequence[torch.Tensor], dst: int) -> int:
+    """Send CPU tensors to rank ``dst`` (a header of dtypes and shapes, then each tensor); returns bytes."""
+    header = [len(tensors)]
+    for t in tensors:
+        header += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    dist.send(torch.tensor([len(header)], dtype=torch.int64), dst)
+    dist.send(torch.tensor(header, dtype=torch.int64), dst)
+    sent = 0
+    for t in tensors:
+        if t.numel():
+            payload = t.contiguous().to(torch.uint8) if t.dtype == torch.bool else t.contiguous()
+            dist.send(payload, dst)
+            sent += payload.numel() * payload.element_size()
+    return sent
+
+
+def recv_tensors(src: int) -> list[torch.Tensor]:
+    """Receive what ``send_tensors`` sent from rank ``src``."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src)
+    header = torch.zeros(int(size), dtype=torch.int64)
+    dist.recv(header, src)
+    values, pos, out = header.tolist(), 1, []
+    for _ in range(values[0]):
+        dtype, ndim = _DTYPES[values[pos]], values[pos + 1]
+        shape = values[pos + 2 : pos + 2 + ndim]
+        pos += 2 + ndim
+        wire = torch.uint8 if dtype == torch.bool else dtype
+        t = torch.empty(shape, dtype=wire)
+        if t.numel():
+            dist.recv(t, src)
+        out.append(t.bool() if dtype == torch.bool else t)
+    return out
+
+
+# what travels between the controller and the ranks ------------------------------------------------
+
+def _encode_prompts(prompts: Sequence[Sequence[int]], features: torch.Tensor | None) -> list[torch.Tensor]:
+    flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+    return [torch.tensor([GENERATE]), flat, lengths, features if features is not None else torch.empty(0)]
+
+
+def _decode_prompts(message: list[torch.Tensor]) -> tuple[list[list[int]], torch.Tensor | None]:
+    _, flat, lengths, features = message
+    prompts = [p.tolist() for p in flat.split(lengths.tolist())] if len(lengths) else []
+    return prompts, (features if features.dim() > 1 else None)
+
+
+def _encode_generations(outputs: list[list[Generation]]) -> list[torch.Tensor]:
+    flat = [g for group in outputs for g in group]
+    return [
+        torch.tensor([t for g in flat for t in g.token_ids], dtype=torch.int64),
+        torch.tensor([x for g in flat for x in g.logprobs], dtype=torch.float32),
+        torch.tensor([len(g.token_ids) for g in flat], dtype=torch.int64),
+        torch.tensor([g.finished for g in flat], dtype=torch.bool),
+    ]
+
+
+def _decode_generations(message: list[torch.Tensor], n: int) -> list[list[Generation]]:
+    ids, logprobs, lengths, finished = message
+    sizes = lengths.tolist()
+    flat = [Generation(t.tolist(), lp.tolist(), bool(f))
+            for t, lp, f in zip(ids.split(sizes), logprobs.split(sizes), finished)]
+    return [flat[i : i + n] for i in range(0, len(flat), n)]
+
+
+_BATCH_FIELDS = [f.name for f in fields(RolloutBatch) if f.name != "temperature"]
+
+
+def _encode_batch(batch: RolloutBatch) -> list[torch.Tensor]:
+    """A batch as tensors: which optional fields are set, the temperature, then the set fields."""
+    present = [getattr(batch, name) is not None for name in _BATCH_FIELDS]
+    out = [torch.tensor(present, dtype=torch.bool), torch.tensor([batch.temperature], dtype=torch.float64)]
+    return out + [getattr(batch, name) for name, on in zip(_BATCH_FIELDS, present) if on]
+
+
+def _decode_batch(message: list[torch.Tensor]) -> RolloutBatch:
+    present, temperature, *values = message
+    tensors = iter(values)
+    kwargs = {name: (next(tensors) if on else None) for name, on in zip(_BATCH_FIELDS, present.tolist())}
+    return RolloutBatch(temperature=float(temperature), **kwargs)
+
+
+def _rows(batch: RolloutBatch, index: torch.Tensor) -> RolloutBatch:
+    """Rows of a batch at its full width (so parts concatenate back without re-padding)."""
+    out = {f.name: getattr(batch, f.name) for f in fields(batch)}
+    for name, value in out.items():
+        if isinstance(value, torch.Tensor):
+            out[name] = value[index]
+    return RolloutBatch(**out)
+
+
+def _generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+    return engine.generate(prompts, params) if prompts else []
+
+
+class RemoteEngines(Engine):
+    """The controller's view of every rank's engine: ``generate`` splits the prompts over the ranks,
+    sends each its part (and the prompts' features), runs its own part locally, and collects the
+    completions. Weight updates stay local: every rank syncs its own engine from its own shard."""
+
+    def __init__(self, local: Engine, world_size: int) -> None:
+        self.local, self.world_size = local, world_size
+        self.features: torch.Tensor | None = None  # of the prompts of the next ``generate`` call
+        self.sent_bytes = 0
+
+    def setup(self, model_path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool) -> None:
+        self.local.setup(model_path, device, dtype, trust_remote_code)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+        parts = torch.arange(len(prompts)).tensor_split(self.world_size)
+        for rank in range(1, self.world_size):
+            index = parts[rank].tolist()
+            features = self.features[parts[rank]] if self.features is not None else None
+            self.sent_bytes += send_tensors(_encode_prompts([prompts[i] for i in index], features), rank)
+        outputs = _generate(self.local, [prompts[i] for i in parts[0].tolist()], params)
+        for rank in range(1, self.world_size):
+            outputs.extend(_decode_generations(recv_tensors(rank), params.n))
+        return outputs
+
+    def finish_rollout(self) -> None:
+        """Tell the other ranks that this step's generation is over."""
+        for rank in range(1, self.world_size):
+            send_tensors([torch.tensor([DONE])], rank)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        return self.local.update_weights(weights)
+
+    def sleep(self) -> None:
+        self.local.sleep()
+
+    def wake_up(self) -> None:
+        self.local.wake_up()
+
+    def shutdown(self) -> None:
+        self.local.shutdown()
+
+
+class SingleController(Controller):
+    """One controller on rank 0 for all ranks (``--trainer.controllers 1``), the baseline of G-Core's
+    parallel controllers. Rank 0 calls ``step`` with the whole step's prompts; the other ranks call it
+    with none and serve generation and training for rank 0."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.rank, self.world = self.fabric.global_rank, self.fabric.world_size
+        if self.rank == 0:
+            self.engine = RemoteEngines(self.engine, self.world)
+
+    def step(self, step: int, prompts: list[Prompt], on_stage: Callable[[str], None] | None = None) -> dict[str, float]:
+        timer = StageTimer(on_stage)
+        step_start = time.perf_counter()
+        if self.rank == 0:
+            self.engine.sent_bytes = 0
+            samples = self._rollout(prompts, timer, first_group=0)  # every rank generates a part
+            kept, samples, rounds = self._resample(prompts, samples, timer)
+            self.engine.finish_rollout()
+        else:
+            with timer("generate"):
+                self.placement.before_generate(self.engine)
+                self._serve_generation()
+            with timer("swap"):
+                self.placement.after_generate(self.engine)
+            kept, samples, rounds = [], [], 0
+        filter_metrics = self._filter_metrics(len(samples) // self.sampling.n, len(kept) // self.sampling.n,
+                                              len(prompts), rounds)
+
+        with timer("prepare"):
+            batch = self._prepare((kept or samples[:1]) if self.rank == 0 else None, empty=not kept)
+        with timer("train"):
+            train_metrics = self.backend.train(batch, self.algorithm, self.sampling.max_new_tokens)
+        engine = self.engine.local if self.rank == 0 else self.engine
+        with timer("swap"):
+            self.placement.before_sync(engine)
+        with timer("sync"):
+            synced_bytes = engine.update_weights(self.backend.named_weights())
+
+        self.last_samples = samples
+        timer.seconds["step"] = time.perf_counter() - step_start
+        metrics = self._global_sample_metrics(samples, len(kept))
+        metrics.update(filter_metrics)
+        metrics.update(train_metrics)
+        metrics.update(self._telemetry(step, timer.seconds))
+        metrics["sync/gb_per_s"] = synced_bytes / 1e9 / max(timer.seconds["sync"], 1e-9)
+        metrics["sync/gb"] = synced_bytes / 1e9
+        sent = self.engine.sent_bytes if self.rank == 0 else 0
+        metrics["controller/sent_gb"] = float(self._all_reduce(torch.tensor([float(sent)]), "sum")[0]) / 1e9
+        return metrics
+
+    def _rollout(self, prompts: list[Prompt], timer: StageTimer, first_group: int):  # noqa: ANN202
+        features = [p.metadata.get("feature") for p in prompts]
+        self.engine.features = torch.stack(features) if prompts and features[0] is not None else None
+        return super()._rollout(prompts, timer, first_group)
+
+    def _serve_generation(self) -> None:
+        """Generate what rank 0 sends until it says the rollout is over."""
+        while True:
+            message = recv_tensors(0)
+            if int(message[0]) == DONE:
+                return
+            token_ids, _features = _decode_prompts(message)  # a multimodal engine would read the features
+            outputs = _generate(self.engine, token_ids, self.sampling)
+            send_tensors(_encode_generations(outputs), 0)
+
+    def _prepare(self, samples, empty: bool) -> RolloutBatch:  # noqa: ANN001
+        """Rank 0 collates every sample and computes advantages; each rank gets its rows, computes the
+        log-probabilities and values the algorithm needs on its own shard, and sends them back first
+        when the advantages depend on them."""
+        algorithm, backend = self.algorithm, self.backend
+        needs_model = algorithm.needs_critic or algorithm.needs_old_logprobs or algorithm.needs_reference
+        if self.rank == 0:
+            batch = collate(samples, self.tokenizer.pad_token_id, self.sampling.temperature)
+            if empty:
+                batch.response_mask.zero_()
+            batch.response_mask = algorithm.loss_mask(batch)
+            parts = self._split(batch)
+            if not needs_model:
+                batch.advantages = algorithm.advantages(batch)
+                return self._scatter(batch, parts)
+            own = self._scatter(batch, parts)
+        else:
+            own = _decode_batch(recv_tensors(0))
+            if not needs_model:
+                return own
+        computed = self._model_outputs(own)
+        if self.rank != 0:
+            send_tensors(computed, 0)
+            return _decode_batch(recv_tensors(0))
+        pieces = [computed] + [recv_tensors(rank) for rank in range(1, self.world)]
+        for i, name in enumerate(_MODEL_FIELDS):
+            if getattr(own, name) is not None:
+                setattr(batch, name, torch.cat([piece[i] for piece in pieces]))
+        batch.advantages = algorithm.advantages(batch)
+        return self._scatter(batch, parts)
+
+    def _split(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        return list(torch.arange(len(batch)).tensor_split(self.world))
+
+    def _scatter(self, batch: RolloutBatch, parts: list[torch.Tensor]) -> RolloutBatch:
+        """Send every other rank its rows; return rank 0's own. A rank without rows gets one row with a
+        zero mask, so that it still joins every collective of the training step."""
+        own = None
+        for rank, index in enumerate(parts):
+            rows = _rows(batch, index if len(index) else torch.tensor([0]))
+            if not len(index):
+                rows.response_mask = torch.zeros_like(rows.response_mask)
+            if rank == 0:
+                own = rows
+            else:
+                self.engine.sent_bytes += send_tensors(_encode_batch(rows), rank)
+        return own
+
+    def _model_outputs(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        """The values and log-probabilities the algorithm needs, for this rank's rows (in ``_MODEL_FIELDS``
+        order; an empty tensor for those not needed)."""
+        algorithm, backend = self.algorithm, self.backend
+        out = {
+            "values": backend.compute_values(batch) if algorithm.needs_critic else None,
+            "old_logprobs": backend.compute_logprobs(batch, "policy") if algorithm.needs_old_logprobs else None,
+            "ref_logprobs": backend.compute_logprobs(batch, "reference") if algorithm.needs_reference else None,
+        }
+        for name, value in out.items():
+            setattr(batch, name, value)
+        return [out[name] if out[name] is not None else torch.empty(0) for name in _MODEL_FIELDS]
+
+
+
+_MODEL_FIELDS = ("values", "old_logprobs", "ref_logprobs")
