@@ -23,6 +23,7 @@ from gcore.rewards.base import RewardModel
 from gcore.types import Prompt, Sample, SamplingParams, collate
 
 STAGES = ("generate", "reward", "swap", "prepare", "train", "sync")
+LOCAL_STAGES = ("generate", "reward", "swap", "prepare")  # no collective inside: a controller's own work
 
 
 class StageTimer:
@@ -221,7 +222,8 @@ class Controller:
         per_rank = [dict(zip(names, row.tolist())) for row in gathered]
         updates = self.placement.update(Telemetry(step, per_rank))
         metrics = {f"time/{name}": float(gathered[:, i].max()) for i, name in enumerate(names)}
-        busy = gathered[:, names.index("step")]
+        # busy time: the stages a controller runs alone (the step time also holds the waits in collectives)
+        busy = sum(gathered[:, names.index(stage)] for stage in LOCAL_STAGES)
         metrics["time/imbalance"] = float(busy.max() / busy.mean().clamp(min=1e-9))
         metrics.update({f"placement/{k}": v for k, v in updates.items()})
         metrics["memory/peak_rss_gb"] = float(rss.max())  # the busiest process's high-water mark
