@@ -59,33 +59,50 @@ def read_steps(run_dir: str, warmup: int) -> list[dict[str, float]]:
     return rows[warmup:]
 
 
-def measure(path: str, steps: int, warmup: int) -> None:
+def measure(path: str, steps: int, warmup: int, rounds: int) -> None:
+    """Runs every setting ``rounds`` times, alternating settings, and keeps each stage's per-step times.
+
+    The machine is shared, so a stage's time is its fastest step over all rounds (the least
+    disturbed one); the medians are kept in the file too.
+    """
     from gcore.model import ModelConfig, char_tokenizer, materialize
     from gcore.rewards.generative import DEFAULT_TEMPLATE
 
     work = tempfile.mkdtemp(prefix="gcore_calibration_")
     judge = materialize(ModelConfig(), char_tokenizer(), seed=1, workdir=os.path.join(work, "judge"))
-    # the judge reads the template with the prompt ("7="), the answer ("7") and the response filled in
+    # the judge reads the template with the prompt ("7=") and the answer ("7") filled in, then the response
     template_tokens = len(DEFAULT_TEMPLATE.format(prompt="7=", answer="7", response=""))
+    grid = FIT + HELD_OUT
+    steps_seen: dict[tuple, list[dict[str, float]]] = {key: [] for key in grid}
+    for round_ in range(rounds):
+        for key in grid:
+            run_dir = run_setting(*key, steps, judge, os.path.join(work, "runs"))
+            steps_seen[key] += read_steps(run_dir, warmup)
+            print(f"round {round_ + 1}/{rounds}: {key} done", flush=True)
     settings = []
-    for prompts, n, new_tokens, judge_tokens in FIT + HELD_OUT:
-        run_dir = run_setting(prompts, n, new_tokens, judge_tokens, steps, judge, os.path.join(work, "runs"))
-        rows = read_steps(run_dir, warmup)
-        median = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    for key in grid:
+        prompts, n, new_tokens, judge_tokens = key
+        rows = steps_seen[key]
+        stage = {
+            "generate": [r["time/generate"] for r in rows],
+            "reward": [r["time/reward"] for r in rows],
+            "train": [r["time/train"] + r["time/prepare"] for r in rows],
+            "swap": [r["time/swap"] for r in rows],
+        }
         settings.append({
             "prompts": prompts, "n": n, "max_new_tokens": new_tokens, "judge_output_tokens": judge_tokens,
             "judge_batch": JUDGE_BATCH, "prompt_tokens": 2, "judge_template_tokens": template_tokens,
-            "response_max": median["response_length/max"], "response_mean": median["response_length/mean"],
-            "measured": {
-                "generate": median["time/generate"], "reward": median["time/reward"],
-                "train": median["time/train"] + median["time/prepare"], "swap": median["time/swap"],
-            },
-            "held_out": (prompts, n, new_tokens, judge_tokens) in HELD_OUT,
+            "response_max": max(r["response_length/max"] for r in rows),
+            "response_mean": statistics.mean(r["response_length/mean"] for r in rows),
+            "measured": {k: min(v) for k, v in stage.items()},
+            "median": {k: statistics.median(v) for k, v in stage.items()},
+            "held_out": key in HELD_OUT,
             "steps_used": len(rows),
         })  # fmt: skip
-        print(f"{settings[-1]}", flush=True)
+        print(settings[-1], flush=True)
     with open(path, "w") as f:
-        json.dump({"steps": steps, "warmup": warmup, "machine": os.uname().machine, "settings": settings}, f, indent=1)
+        meta = {"steps": steps, "warmup": warmup, "rounds": rounds, "statistic": "min over steps", "settings": settings}
+        json.dump(meta, f, indent=1)
     print(f"measurements: {path}")
 
 
@@ -125,13 +142,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure", metavar="JSON", help="run the real trainer on the grid and write measurements")
     parser.add_argument("--check", metavar="JSON", help="fit on the fit settings, check the held-out ones")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3, help="first steps of each run left out (shape warm-up)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of every setting, alternating settings")
     parser.add_argument("--tolerance", type=float, default=0.25, help="largest held-out relative error accepted")
     parser.add_argument("--write-yaml", help="write the calibrated simulator workload here")
     args = parser.parse_args()
     if args.measure:
-        measure(args.measure, args.steps, args.warmup)
+        measure(args.measure, args.steps, args.warmup, args.rounds)
     if args.check:
         return check(args.check, args.tolerance, args.write_yaml)
     return 0

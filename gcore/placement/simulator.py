@@ -215,19 +215,19 @@ def judge(
     """When the last verdict is in, and each judge device's busy seconds.
 
     Samples stream to the judge devices in the order they arrive; each goes to the device expected
-    to be free first (by the judge's throughput cost of what it already holds), a device taking work
-    from ``online[d]`` on (default 0). Each device batches the verdicts it holds like any engine.
+    to be free first (by the judge's throughput cost of what it already holds; on a tie, the one
+    given fewer verdicts), a device taking work from ``online[d]`` on (default 0). Each device batches the verdicts it holds like any engine.
     """
     online = online or [0.0] * devices
     order = sorted(range(len(lengths)), key=arrivals.__getitem__)
-    free = [(online[d], d) for d in range(devices)]
+    free = [(online[d], 0, d) for d in range(devices)]  # (expected free, verdicts given, device)
     heapq.heapify(free)
     assigned: list[list[int]] = [[] for _ in range(devices)]
     for i in order:
-        ready, d = heapq.heappop(free)
+        ready, count, d = heapq.heappop(free)
         read = work.judge_prompt_tokens + work.prompt_tokens + lengths[i]
         cost = work.judge_token_s * read + work.judge_generate_token_s * work.judge_output_tokens
-        heapq.heappush(free, (max(ready, arrivals[i]) + cost, d))
+        heapq.heappush(free, (max(ready, arrivals[i]) + cost, count + 1, d))
         assigned[d].append(i)
     costs = judge_costs(work)
     end, busy = 0.0, []
