@@ -198,3 +198,15 @@ def test_calibration_recovers_known_costs():
     predicted = predict_stages(calibrated_workload(fitted, held_out), held_out)
     for stage, seconds in held_out.measured.items():
         assert predicted[stage] == pytest.approx(seconds, rel=1e-3)
+
+
+def test_resampling_costs_static_two_more_swaps_and_dynamic_none():
+    from gcore.placement.simulator import simulate
+
+    work = _small(sigma=0.0, resample_fraction=0.5, swap_s=3.0)
+    static = simulate(StaticPlacement(offload=True), 8, 1, work)[0]
+    dynamic = simulate(DynamicPlacement(), 8, 1, work)[0]
+    assert static.stages["swap"] == 5 * 3.0 and dynamic.stages["swap"] == 2 * 3.0
+    # the second round has half the samples: static generates 8 + 4 per device, in two phases
+    plain = simulate(StaticPlacement(offload=True), 8, 1, _small(sigma=0.0, swap_s=3.0))[0]
+    assert static.stages["generate"] > plain.stages["generate"]

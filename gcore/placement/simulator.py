@@ -40,6 +40,9 @@ class Workload:
         sigma: log-normal shape; larger is a longer tail (0: every response has the median length).
         max_tokens: generation budget (lengths are cut here).
         length_drift: relative growth of the median response length per step.
+        resample_fraction: share of the samples generated (and judged) again in a second round at
+            step 0 (dynamic sampling: groups whose rewards were all equal are dropped and re-drawn).
+        resample_drift: change of that share per step (clamped to [0, 1]).
         decode_step_s: one decode step of a device's running batch (the latency floor of the tail).
         generate_token_s: throughput cost per generated token on a device.
         prefill_token_s: prefill cost per prompt token of the policy.
@@ -66,6 +69,8 @@ class Workload:
     sigma: float = 0.9
     max_tokens: int = 8192
     length_drift: float = 0.02
+    resample_fraction: float = 0.0
+    resample_drift: float = 0.0
     decode_step_s: float = 0.02
     generate_token_s: float = 0.0006
     prefill_token_s: float = 0.0
@@ -89,7 +94,8 @@ class Workload:
         for name in ("samples_per_device", "median_tokens", "max_tokens", "judge_output_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"workload {name} must be positive, got {getattr(self, name)}")
-        negative = [k for k, v in asdict(self).items() if isinstance(v, (int, float)) and v < 0]
+        drifts = ("length_drift", "resample_drift")
+        negative = [k for k, v in asdict(self).items() if isinstance(v, (int, float)) and v < 0 and k not in drifts]
         if negative:
             raise ConfigError(f"workload {', '.join(negative)} must not be negative")
 
@@ -243,6 +249,49 @@ def judge(
     return end, busy
 
 
+@dataclass
+class Rollout:
+    """One round of generation and judging under a placement."""
+
+    seconds: float
+    generate_s: float
+    judge_s: float  # after generation ends (static: the judge phase; dynamic: the judge's tail)
+    generate_busy: list[float]
+    judge_busy: list[float]
+    idle: dict[str, float]
+    extra_swaps: int = 0  # device swaps beyond the policy's per-step ones (released tail devices)
+
+
+def rollout_static(work: Workload, lengths: list[int], devices: int) -> Rollout:
+    """Every device generates its share, then judges the samples it generated."""
+    finish, gen_busy = generate(work, lengths, devices)
+    gen_end = max(finish)
+    judge_end, judge_busy = 0.0, []
+    for d in range(devices):  # generate dealt the samples round-robin
+        mine = list(range(d, len(lengths), devices))
+        end, busy = judge(work, [0.0] * len(mine), [lengths[i] for i in mine], 1)
+        judge_end, judge_busy = max(judge_end, end), judge_busy + busy
+    idle = {"generate": devices * gen_end - sum(gen_busy), "judge": devices * judge_end - sum(judge_busy)}
+    return Rollout(gen_end + judge_end, gen_end, judge_end, gen_busy, judge_busy, idle)
+
+
+def rollout_dynamic(work: Workload, lengths: list[int], g: int, j: int, release_tail: bool) -> Rollout:
+    """``g`` devices generate while ``j`` judge each sample as it finishes (see ``simulate``)."""
+    finish, gen_busy = generate(work, lengths, g)
+    gen_end = max(finish)
+    ends = [max(finish[d::g], default=0.0) for d in range(g)]  # generate deals the samples round-robin
+    released = [d for d in range(g) if release_tail and ends[d] + 2 * work.swap_s < gen_end]
+    online = [0.0] * j + [ends[d] + work.swap_s for d in released]
+    judge_end, judge_busy = judge(work, finish, lengths, j + len(released), online)
+    seconds = max(gen_end, judge_end)
+    held = {d: ends[d] for d in released}  # a released device leaves generation when its share is done
+    idle = {
+        "generate": sum(held.get(d, seconds) - gen_busy[d] for d in range(g)),
+        "judge": sum(seconds - start - b for start, b in zip(online, judge_busy)),
+    }
+    return Rollout(seconds, gen_end, seconds - gen_end, gen_busy, judge_busy, idle, len(released))
+
+
 def simulate(
     policy: PlacementPolicy, devices: int, steps: int, work: Workload, seed: int = 0, release_tail: bool = False
 ) -> list[StepResult]:
@@ -254,6 +303,8 @@ def simulate(
     training and back (two swaps). ``release_tail`` (dynamic only; not in the trainer): a generation
     device that has finished its share while others still decode their long tail swaps to the judge
     and takes verdicts, when that swap ends before generation does (the simulator knows when).
+    Samples that need re-sampling (``resample_fraction``) are generated and judged in a second round;
+    under static that round costs two more swaps (back to generation, then to the judge).
 
     Idle device-seconds per role: the time a role's devices hold the role with nothing to run
     (waiting for other devices, or for samples to judge); swaps are counted apart.
@@ -267,51 +318,45 @@ def simulate(
     rng = random.Random(seed)
     results = []
     for step in range(steps):
-        lengths = response_lengths(work, step, work.samples_per_device * devices, rng)
+        count = work.samples_per_device * devices
+        lengths = response_lengths(work, step, count, rng)
+        share = min(1.0, max(0.0, work.resample_fraction + work.resample_drift * step))
+        rounds = [lengths]
+        if round(share * count):
+            rounds.append(response_lengths(work, step, round(share * count), rng))
         tokens = sum(lengths) + work.prompt_tokens * len(lengths)
         train_s = work.train_step_s + work.train_token_s * tokens / devices
+        g, j = (policy.generate_devices, policy.judge_devices) if dynamic else (devices, devices)
+        done = [
+            rollout_dynamic(work, r, g, j, release_tail) if dynamic else rollout_static(work, r, devices) for r in rounds
+        ]
+        swaps = 2 if dynamic else 3 + 2 * (len(rounds) - 1)
+        rollout = sum(r.seconds for r in done)
+        gen_busy = [sum(b) for b in zip(*(r.generate_busy for r in done))]
+        judge_busy = [sum(b) for b in zip(*(r.judge_busy[:j] for r in done))]
         if dynamic:
-            g, j = policy.generate_devices, policy.judge_devices
-            finish, gen_busy = generate(work, lengths, g)
-            gen_end = max(finish)
-            ends = [max(finish[d::g]) for d in range(g)]  # generate deals the samples round-robin
-            released = [d for d in range(g) if release_tail and ends[d] + 2 * work.swap_s < gen_end]
-            online = [0.0] * j + [ends[d] + work.swap_s for d in released]
-            judge_end, judge_busy = judge(work, finish, lengths, j + len(released), online)
-            rollout = max(gen_end, judge_end)
-            swaps = 2
-            held = {d: ends[d] for d in released}  # a released device leaves generation when its share is done
-            idle = {
-                "generate": sum(held.get(d, rollout) - gen_busy[d] for d in range(g)),
-                "judge": sum(rollout - start - b for start, b in zip(online, judge_busy)),
-            }
-            stages = {"generate": gen_end, "judge": judge_end - gen_end, "rollout": rollout}
-            longest = work.decode_step_s * max(lengths)  # the part of generation more devices cannot shorten
+            longest = work.decode_step_s * max(max(r) for r in rounds)  # more devices cannot shorten this
             verdict = work.judge_decode_step_s * work.judge_output_tokens
             per_device = [{"generate": b, "generate_floor": longest, "rollout": rollout} for b in gen_busy]
-            per_device += [{"reward": b, "reward_floor": verdict, "rollout": rollout} for b in judge_busy[:j]]
-            policy.update(Telemetry(step, per_device))
-            extra_swaps = len(released) * work.swap_s
+            per_device += [{"reward": b, "reward_floor": verdict, "rollout": rollout} for b in judge_busy]
         else:
-            g = j = devices
-            finish, gen_busy = generate(work, lengths, devices)
-            gen_end = max(finish)
-            # each device judges the samples it generated (generate dealt them round-robin)
-            judge_end, judge_busy = 0.0, []
-            for d in range(devices):
-                mine = list(range(d, len(lengths), devices))
-                end, busy = judge(work, [0.0] * len(mine), [lengths[i] for i in mine], 1)
-                judge_end, judge_busy = max(judge_end, end), judge_busy + busy
-            rollout = gen_end + judge_end
-            swaps = 3
-            idle = {"generate": devices * gen_end - sum(gen_busy), "judge": devices * judge_end - sum(judge_busy)}
-            stages = {"generate": gen_end, "judge": judge_end, "rollout": rollout}
-            policy.update(Telemetry(step, [{"generate": b, "reward": jb} for b, jb in zip(gen_busy, judge_busy)]))
-            extra_swaps = 0.0
-        idle["swap"] = swaps * devices * work.swap_s + extra_swaps
-        stages.update({"swap": swaps * work.swap_s, "train": train_s})
+            per_device = [{"generate": b, "reward": jb} for b, jb in zip(gen_busy, judge_busy)]
+        policy.update(Telemetry(step, per_device))
+        idle = {role: sum(r.idle[role] for r in done) for role in ("generate", "judge")}
+        idle["swap"] = (swaps * devices + sum(r.extra_swaps for r in done)) * work.swap_s
+        stages = {
+            "generate": sum(r.generate_s for r in done),
+            "judge": sum(r.judge_s for r in done),
+            "rollout": rollout,
+            "swap": swaps * work.swap_s,
+            "train": train_s,
+        }
         step_s = rollout + swaps * work.swap_s + train_s
-        busy = {"generate": sum(gen_busy), "judge": sum(judge_busy), "train": train_s * devices}
+        busy = {
+            "generate": sum(sum(r.generate_busy) for r in done),
+            "judge": sum(sum(r.judge_busy) for r in done),
+            "train": train_s * devices,
+        }
         results.append(StepResult(step, step_s, g, j, idle, busy, stages))
     return results
 
