@@ -30,6 +30,8 @@ SENSITIVITY = [
     ("swap 0 s", lambda w: replace(w, swap_s=0.0)),
     ("swap 10 s", lambda w: replace(w, swap_s=10.0)),
     ("no drift", lambda w: replace(w, length_drift=0.0)),
+    ("no re-sampling", lambda w: replace(w, resample_fraction=0.0, resample_drift=0.0)),
+    ("no re-sampling, swap 0 s", lambda w: replace(w, resample_fraction=0.0, resample_drift=0.0, swap_s=0.0)),
 ]
 
 

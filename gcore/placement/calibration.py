@@ -141,6 +141,8 @@ def workload_yaml(costs: dict[str, float], source: str) -> str:
         "  sigma: 0.9                # long tail",
         "  max_tokens: 4096",
         "  length_drift: 0.02        # median grows 2% per step",
+        "  resample_fraction: 0.2    # dynamic sampling: a fifth of the samples drawn again at step 0",
+        "  resample_drift: 0.005     # and more later (more groups all right or all wrong)",
         "  batching: continuous      # a serving engine's continuous batching (the hf engine: static)",
         "  judge_output_tokens: 256  # a reasoning judge writes a rationale and a verdict",
         "  judge_prompt_tokens: 95   # the judge template",
