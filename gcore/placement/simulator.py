@@ -335,8 +335,10 @@ def simulate(
         gen_busy = [sum(b) for b in zip(*(r.generate_busy for r in done))]
         judge_busy = [sum(b) for b in zip(*(r.judge_busy[:j] for r in done))]
         if dynamic:
-            longest = work.decode_step_s * max(max(r) for r in rounds)  # more devices cannot shorten this
-            verdict = work.judge_decode_step_s * work.judge_output_tokens
+            # the longest response decoded alone: more generation devices cannot shorten this
+            longest = serve([0.0], [max(max(r) for r in rounds)], [work.prompt_tokens], generation_costs(work))[1]
+            read = work.judge_prompt_tokens + work.prompt_tokens + max(lengths)
+            verdict = serve([0.0], [work.judge_output_tokens], [read], judge_costs(work))[1]
             per_device = [{"generate": b, "generate_floor": longest, "rollout": rollout} for b in gen_busy]
             per_device += [{"reward": b, "reward_floor": verdict, "rollout": rollout} for b in judge_busy]
         else:
