@@ -210,3 +210,28 @@ def test_resampling_costs_static_two_more_swaps_and_dynamic_none():
     # the second round has half the samples: static generates 8 + 4 per device, in two phases
     plain = simulate(StaticPlacement(offload=True), 8, 1, _small(sigma=0.0, swap_s=3.0))[0]
     assert static.stages["generate"] > plain.stages["generate"]
+
+
+def test_shipped_calibration_matches_its_measurements():
+    """The shipped workload's costs are the fit of the shipped real-run measurements, and the
+    simulator predicts the held-out settings' stage times within the stated 25%."""
+    import json
+    import os
+
+    from gcore.placement.calibration import Setting, calibrated_workload, fit_costs, predict_stages, relative_error
+    from gcore.placement.simulator import load_workload
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "simulate")
+    with open(os.path.join(root, "cpu_measurements.json")) as f:
+        settings = [Setting.from_dict(s) for s in json.load(f)["settings"]]
+    costs = fit_costs([s for s in settings if not s.held_out])
+    shipped, _ = load_workload(os.path.join(root, "genrm_cpu_calibrated.yaml"))
+    for name, value in costs.items():
+        if name != "swap_s":  # the shipped swap is an estimate for GPUs (nothing to offload on CPU)
+            assert getattr(shipped, name) == pytest.approx(value, rel=1e-3, abs=1e-9), name
+    held_out = [s for s in settings if s.held_out]
+    assert held_out
+    for s in held_out:
+        predicted = predict_stages(calibrated_workload(costs, s), s)
+        for stage in ("generate", "reward", "train"):
+            assert relative_error(predicted[stage], s.measured[stage]) < 0.25, (stage, s)
