@@ -369,6 +369,7 @@ def summarize(results: list[StepResult], devices: int) -> dict[str, float]:
     summary = {"step_s": total / len(results), "device_hours": devices * total / 3600}
     for role in ("generate", "judge", "swap"):
         summary[f"idle_{role}"] = sum(r.idle[role] for r in results) / (devices * total)
+    summary["busy_judge"] = sum(r.busy["judge"] for r in results) / (devices * total)
     idle = sum(sum(r.idle.values()) for r in results)
     summary["idle"] = idle / (devices * total)
     summary["idle_device_hours"] = idle / 3600
