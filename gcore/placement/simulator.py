@@ -335,10 +335,11 @@ def simulate(
         gen_busy = [sum(b) for b in zip(*(r.generate_busy for r in done))]
         judge_busy = [sum(b) for b in zip(*(r.judge_busy[:j] for r in done))]
         if dynamic:
-            # the longest response decoded alone: more generation devices cannot shorten this
-            longest = serve([0.0], [max(max(r) for r in rounds)], [work.prompt_tokens], generation_costs(work))[1]
+            # each round's longest response decoded alone: more generation devices cannot shorten this
+            costs = generation_costs(work)
+            longest = sum(serve([0.0], [max(r)], [work.prompt_tokens], costs)[1] for r in rounds)
             read = work.judge_prompt_tokens + work.prompt_tokens + max(lengths)
-            verdict = serve([0.0], [work.judge_output_tokens], [read], judge_costs(work))[1]
+            verdict = len(rounds) * serve([0.0], [work.judge_output_tokens], [read], judge_costs(work))[1]
             per_device = [{"generate": b, "generate_floor": longest, "rollout": rollout} for b in gen_busy]
             per_device += [{"reward": b, "reward_floor": verdict, "rollout": rollout} for b in judge_busy]
         else:
