@@ -156,7 +156,6 @@ def workload_yaml(costs: dict[str, float], source: str) -> str:
         "  min_fraction: 0.125",
         "  hysteresis: 0.1",
         "  max_move_fraction: 0.5   # the sizing is model-based: a large first move is safe",
-        "  max_move_fraction: 0.5   # the sizing is model-based: a big first move is safe",
         "",
     ]
     return "\n".join(lines)
