@@ -14,8 +14,9 @@ class DynamicPlacement(PlacementPolicy):
     """Splits ``devices`` into a policy-generation partition and a judge partition that run at once.
 
     After each step ``update`` reads the busy seconds per role (the slowest rank's, from telemetry
-    gathered on every rank, so every rank decides the same) and moves devices from the role that
-    idled more to the one that idled less, towards the split that balances the measured work.
+    gathered on every rank, so every rank decides the same) and moves devices towards the split with
+    the shortest predicted rollout: without a reported generation floor, the split that balances the
+    measured work; with one (a long tail that more devices cannot shorten), more judge devices.
 
     Args:
         devices: devices to split (0: the world size). On CPU a device is an engine worker process.
