@@ -153,7 +153,7 @@ def workload_yaml(costs: dict[str, float], source: str) -> str:
     lines += [
         "dynamic:",
         "  judge_fraction: 0.25",
-        "  min_fraction: 0.03        # a cheap judge may need few devices",
+        "  min_fraction: 0.125",
         "  hysteresis: 0.1",
         "  max_move_fraction: 0.5   # the sizing is model-based: a large first move is safe",
         "",
