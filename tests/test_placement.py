@@ -7,6 +7,7 @@ import pytest
 from gcore.errors import ConfigError
 from gcore.placement.base import Telemetry
 from gcore.placement.dynamic import DynamicPlacement
+from gcore.placement.static import StaticPlacement
 
 
 def telemetry(step: int, generate: float, judge: float, ranks: int = 2) -> Telemetry:
@@ -75,3 +76,162 @@ def test_simulate_cli(tmp_path):
     result = run_gcore("simulate", "--devices", "16", "--steps", "3", "--plot", str(plot))
     assert result.returncode == 0, result.stderr
     assert "dynamic/static" in result.stdout and plot.stat().st_size > 0
+
+
+def test_floor_aware_sizing_gives_the_judge_more_than_work_balance():
+    """Generation busy 10 s of which 8 s is the longest response's decode floor (more devices do
+    not shorten it); the judge is busy 12 s on 2 of 8 devices. Predicted rollout for j judge
+    devices: max(8 + 2 * 6 / (8 - j), 12 * 2 / j): j=2 -> 12, j=3 -> 10.4, j=4 -> 11; so 3.
+    Without the floor: max(60 / (8 - j), 24 / j) is 12 at both j=2 and j=3, so it stays at 2."""
+    policy = DynamicPlacement(judge_fraction=0.25, min_fraction=0.125, max_move_fraction=0.5)
+    policy.setup(8, "simulated")
+    assert policy.predicted_rollout(3, (10.0, 12.0), (8.0, 0.0)) == pytest.approx(10.4)
+    assert policy.target_judge_devices(10.0, 12.0, generate_floor=8.0) == 3
+    assert policy.target_judge_devices(10.0, 12.0) == 2
+    policy.update(Telemetry(0, [{"generate": 10.0, "generate_floor": 8.0}, {"reward": 12.0}]))
+    assert policy.judge_devices == 3
+
+
+def test_moves_only_when_the_prediction_improves():
+    """A judge floor (its last verdict comes 5 s after the last sample) makes more generation
+    devices useless: predicted max(10 + 5, ...) stays 15 whatever the split, so nothing moves."""
+    policy = DynamicPlacement(judge_fraction=0.5, min_fraction=0.125)
+    policy.setup(8, "simulated")
+    policy.update(Telemetry(0, [{"generate": 10.0, "generate_floor": 10.0, "reward": 1.0, "reward_floor": 5.0}]))
+    assert policy.judge_devices == 4
+
+
+def test_serve_continuous_and_static_batching_by_hand():
+    from gcore.placement.simulator import DeviceCosts, serve
+
+    costs = DeviceCosts(step_s=1.0, token_s=0.5, prefill_token_s=0.0)
+    # two running: a step costs 1 + 2 * 0.5 = 2; the 1-step request ends at 2, then 2 steps of 1.5
+    assert serve([0.0, 0.0], [1, 3], [0, 0], costs) == ([2.0, 5.0], 5.0)
+    # one at a time: 1.5, then 3 * 1.5
+    one = DeviceCosts(step_s=1.0, token_s=0.5, prefill_token_s=0.0, max_batch=1)
+    assert serve([0.0, 0.0], [1, 3], [0, 0], one) == ([1.5, 6.0], 6.0)
+    # fixed batch (the hf engine): both rows step until the longest ends: 3 steps of 2
+    fixed = DeviceCosts(step_s=1.0, token_s=0.5, prefill_token_s=0.0, batching="static")
+    assert serve([0.0, 0.0], [1, 3], [0, 0], fixed) == ([6.0, 6.0], 6.0)
+    # a request arriving at 10 on an idle device: 2 s of prefill (4 tokens x 0.5), then 2 steps of 1.5
+    late = DeviceCosts(step_s=1.0, token_s=0.5, prefill_token_s=0.5)
+    assert serve([10.0], [2], [4], late) == ([15.0], 5.0)
+    # attention: contexts of 2 + t tokens for two rows over 2 steps: 2 * 3 + 2 * 4 = 14
+    for batching in ("static", "continuous"):
+        attention = DeviceCosts(step_s=0.0, token_s=0.0, prefill_token_s=0.0, batching=batching, context_token_s=1.0)
+        assert serve([0.0, 0.0], [2, 2], [2, 2], attention) == ([14.0, 14.0], 14.0)
+
+
+def test_streamed_judge_waits_for_its_samples():
+    from gcore.placement.simulator import Workload, judge
+
+    work = Workload(judge_token_s=0.0, judge_generate_token_s=0.0, judge_decode_step_s=1.0, judge_output_tokens=3)
+    # two samples finish generating at 0 and 10; two judge devices; a verdict takes 3 steps of 1 s
+    end, busy = judge(work, [0.0, 10.0], [5, 5], 2)
+    assert end == 13.0 and sorted(busy) == [3.0, 3.0]
+
+
+def _small(**overrides):
+    from gcore.placement.simulator import Workload
+
+    base = dict(samples_per_device=8, median_tokens=100, max_tokens=512, judge_output_tokens=32, swap_s=1.0)
+    return Workload(**{**base, **overrides})
+
+
+def test_idle_and_busy_account_for_every_device_second():
+    from gcore.placement.simulator import simulate
+
+    work = _small()
+    for policy, release in ((StaticPlacement(offload=True), False), (DynamicPlacement(), False), (DynamicPlacement(), True)):
+        for r in simulate(policy, 16, 3, work, release_tail=release):
+            assert sum(r.busy.values()) + sum(r.idle.values()) == pytest.approx(16 * r.step_s)
+            assert all(v >= -1e-9 for v in r.idle.values())
+
+
+def test_dynamic_loses_without_a_tail_or_swap_cost():
+    """Equal lengths and free swaps: static leaves nothing idle, while the judge partition waits for
+    samples that all finish at the end of generation. Dynamic must not be reported as winning."""
+    from gcore.placement.simulator import compare, summarize
+
+    runs = compare(16, 3, _small(sigma=0.0, swap_s=0.0), {"judge_fraction": 0.25})
+    assert summarize(runs["static"], 16)["idle"] < 0.01
+    assert summarize(runs["dynamic"], 16)["idle"] > 0.1
+
+
+def test_dynamic_wins_on_a_long_tail_and_release_wins_more():
+    from gcore.placement.simulator import compare, summarize
+
+    runs = compare(32, 6, _small(sigma=1.2, max_tokens=2048, judge_output_tokens=128), {})
+    idle = {name: summarize(results, 32)["idle_device_hours"] for name, results in runs.items()}
+    assert idle["dynamic+release"] < idle["dynamic"] < idle["static"]
+
+
+def test_workload_rejects_bad_batching(tmp_path):
+    from gcore.placement.simulator import load_workload
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("workload:\n  batching: paged\n")
+    with pytest.raises(ConfigError, match="batching 'paged'.*continuous, static"):
+        load_workload(str(bad))
+
+
+def test_calibration_recovers_known_costs():
+    """Stage times computed by the simulator from known costs are fitted back to those costs, and
+    the prediction on a setting left out of the fit matches."""
+    from gcore.placement.calibration import Setting, calibrated_workload, fit_costs, predict_stages
+
+    known = {
+        "decode_step_s": 0.006, "generate_token_s": 0.0009, "context_token_s": 2e-5,
+        "judge_token_s": 0.0002, "judge_decode_step_s": 0.005, "judge_generate_token_s": 0.0008,
+        "judge_context_token_s": 1e-5, "train_step_s": 0.05, "train_token_s": 0.0004, "swap_s": 0.5,
+    }  # fmt: skip
+    grid = [(4, 16, 8), (8, 48, 8), (4, 48, 24), (8, 16, 24), (6, 24, 12), (10, 40, 4), (6, 32, 16)]
+    settings = []
+    for prompts, length, judge_tokens in grid:
+        s = Setting(prompts, 4, length, judge_tokens, 16, 2, 95, float(length), float(length))
+        s.measured = predict_stages(calibrated_workload(known, s), s)
+        settings.append(s)
+    fitted = fit_costs(settings[:-1])
+    for name, value in known.items():
+        assert fitted[name] == pytest.approx(value, rel=1e-3), name
+    held_out = settings[-1]
+    predicted = predict_stages(calibrated_workload(fitted, held_out), held_out)
+    for stage, seconds in held_out.measured.items():
+        assert predicted[stage] == pytest.approx(seconds, rel=1e-3)
+
+
+def test_resampling_costs_static_two_more_swaps_and_dynamic_none():
+    from gcore.placement.simulator import simulate
+
+    work = _small(sigma=0.0, resample_fraction=0.5, swap_s=3.0)
+    static = simulate(StaticPlacement(offload=True), 8, 1, work)[0]
+    dynamic = simulate(DynamicPlacement(), 8, 1, work)[0]
+    assert static.stages["swap"] == 5 * 3.0 and dynamic.stages["swap"] == 2 * 3.0
+    # the second round has half the samples: static generates 8 + 4 per device, in two phases
+    plain = simulate(StaticPlacement(offload=True), 8, 1, _small(sigma=0.0, swap_s=3.0))[0]
+    assert static.stages["generate"] > plain.stages["generate"]
+
+
+def test_shipped_calibration_matches_its_measurements():
+    """The shipped workload's costs are the fit of the shipped real-run measurements, and the
+    simulator predicts the held-out settings' stage times within the stated 25%."""
+    import json
+    import os
+
+    from gcore.placement.calibration import Setting, calibrated_workload, fit_costs, predict_stages, relative_error
+    from gcore.placement.simulator import load_workload
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "simulate")
+    with open(os.path.join(root, "cpu_measurements.json")) as f:
+        settings = [Setting.from_dict(s) for s in json.load(f)["settings"]]
+    costs = fit_costs([s for s in settings if not s.held_out])
+    shipped, _ = load_workload(os.path.join(root, "genrm_cpu_calibrated.yaml"))
+    for name, value in costs.items():
+        if name != "swap_s":  # the shipped swap is an estimate for GPUs (nothing to offload on CPU)
+            assert getattr(shipped, name) == pytest.approx(value, rel=1e-3, abs=1e-9), name
+    held_out = [s for s in settings if s.held_out]
+    assert held_out
+    for s in held_out:
+        predicted = predict_stages(calibrated_workload(costs, s), s)
+        for stage in ("generate", "reward", "train"):
+            assert relative_error(predicted[stage], s.measured[stage]) < 0.25, (stage, s)

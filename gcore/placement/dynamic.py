@@ -14,8 +14,9 @@ class DynamicPlacement(PlacementPolicy):
     """Splits ``devices`` into a policy-generation partition and a judge partition that run at once.
 
     After each step ``update`` reads the busy seconds per role (the slowest rank's, from telemetry
-    gathered on every rank, so every rank decides the same) and moves devices from the role that
-    idled more to the one that idled less, towards the split that balances the measured work.
+    gathered on every rank, so every rank decides the same) and moves devices towards the split with
+    the shortest predicted rollout: without a reported generation floor, the split that balances the
+    measured work; with one (a long tail that more devices cannot shorten), more judge devices.
 
     Args:
         devices: devices to split (0: the world size). On CPU a device is an engine worker process.
@@ -71,29 +72,60 @@ class DynamicPlacement(PlacementPolicy):
         wanted = round(self.judge_fraction * self.total)
         self.judge_devices = min(max(wanted, self.min_devices), self.total - self.min_devices)
 
-    def target_judge_devices(self, generate_busy: float, judge_busy: float) -> int:
-        """The judge partition that balances the measured work (device-seconds) of both roles."""
-        work_generate = generate_busy * self.generate_devices
-        work_judge = judge_busy * self.judge_devices
-        if work_generate + work_judge <= 0:
+    def predicted_rollout(self, judge_devices: int, busy: tuple[float, float], floors: tuple[float, float]) -> float:
+        """Rollout seconds predicted for a judge partition of ``judge_devices`` from this step's measurements.
+
+        Generation takes its latency floor (the longest response decoded alone, which more devices
+        cannot shorten) plus a throughput part that scales with 1/devices; the judge's work scales
+        with 1/devices, and its last verdict comes at least ``judge floor`` after the last sample.
+        """
+        generate_busy, judge_busy = busy
+        generate_floor, judge_floor = floors
+        floor = min(generate_floor, generate_busy)
+        generate = floor + (generate_busy - floor) * self.generate_devices / (self.total - judge_devices)
+        judge = judge_busy * self.judge_devices / judge_devices
+        return max(generate + judge_floor, judge)
+
+    def target_judge_devices(
+        self, generate_busy: float, judge_busy: float, generate_floor: float = 0.0, judge_floor: float = 0.0
+    ) -> int:
+        """The judge partition (within the bounds) with the shortest predicted rollout.
+
+        Without floors this is the split that balances the measured work (device-seconds) of both
+        roles; with a generation floor (a long tail) the judge gets more, since extra generation
+        devices do not shorten the tail.
+        """
+        if generate_busy + judge_busy <= 0:
             return self.judge_devices
-        return round(self.total * work_judge / (work_generate + work_judge))
+        low, high = self.min_devices, self.total - self.min_devices
+        busy, floors = (generate_busy, judge_busy), (generate_floor, judge_floor)
+        return min(
+            range(low, high + 1),
+            key=lambda j: (round(self.predicted_rollout(j, busy, floors), 9), abs(j - self.judge_devices)),
+        )
 
     def update(self, telemetry: Telemetry) -> dict[str, float]:
-        """Moves devices between the partitions from this step's per-role busy seconds."""
+        """Moves devices between the partitions from this step's per-role busy seconds.
+
+        Reads ``generate`` and ``reward`` busy seconds, and optionally ``rollout`` (the phase's wall
+        time), ``generate_floor`` (the longest response's decode time at batch 1) and
+        ``reward_floor`` (one verdict's latency); the slowest rank's value of each.
+        """
         if self.total == 0:
             raise RuntimeError("DynamicPlacement.update called before setup")
         generate_busy, judge_busy = telemetry.busiest(GENERATE), telemetry.busiest(JUDGE)
+        floors = (telemetry.busiest("generate_floor"), telemetry.busiest("reward_floor"))
         rollout = max(telemetry.busiest("rollout"), generate_busy, judge_busy)
         idle_generate, idle_judge = rollout - generate_busy, rollout - judge_busy
         moved = 0
         if rollout > 0 and abs(idle_generate - idle_judge) > self.hysteresis * rollout:
-            target = self.target_judge_devices(generate_busy, judge_busy)
-            target = min(max(target, self.min_devices), self.total - self.min_devices)
+            target = self.target_judge_devices(generate_busy, judge_busy, *floors)
             limit = max(1, int(self.max_move_fraction * self.total))
             moved = max(-limit, min(limit, target - self.judge_devices))
-            # only towards the busier role: never let the target undo the idle-time signal
-            if (moved > 0 and idle_judge > idle_generate) or (moved < 0 and idle_generate > idle_judge):
+            busy = (generate_busy, judge_busy)
+            now = self.predicted_rollout(self.judge_devices, busy, floors)
+            # move only when the prediction improves: noise in the measurements never undoes a split
+            if moved and self.predicted_rollout(self.judge_devices + moved, busy, floors) >= now:
                 moved = 0
             self.judge_devices += moved
         return {

@@ -21,25 +21,46 @@ from gcore.placement.dynamic import DynamicPlacement
 from gcore.placement.static import StaticPlacement
 
 
+BATCHING = ("continuous", "static")
+
+
 @dataclass
 class Workload:
     """Costs and length distributions (seconds are per device).
+
+    A device serves its sequences in decode steps; one step of a batch of ``b`` running sequences
+    costs ``decode_step_s + b * generate_token_s`` (a latency floor plus a throughput cost), and a
+    sequence joining the batch first costs its prompt's prefill. The judge is served the same way
+    with its own costs.
 
     Args:
         samples_per_device: completions per step per device (the global batch scales with G).
         prompt_tokens: prompt length.
         median_tokens: median response length at step 0 (log-normal).
-        sigma: log-normal shape; larger is a longer tail.
+        sigma: log-normal shape; larger is a longer tail (0: every response has the median length).
         max_tokens: generation budget (lengths are cut here).
         length_drift: relative growth of the median response length per step.
+        resample_fraction: share of the samples generated (and judged) again in a second round at
+            step 0 (dynamic sampling: groups whose rewards were all equal are dropped and re-drawn).
+        resample_drift: change of that share per step (clamped to [0, 1]).
         decode_step_s: one decode step of a device's running batch (the latency floor of the tail).
         generate_token_s: throughput cost per generated token on a device.
-        judge_token_s: judge cost per token read (prompt + response) on a device.
+        prefill_token_s: prefill cost per prompt token of the policy.
+        context_token_s: attention cost per decode step and token held in a running sequence's context.
+        max_batch: most sequences a generation device runs at once (0: no limit); more wait in a queue.
+        batching: ``continuous`` (a finished sequence leaves the batch and a waiting one joins, as in
+            vLLM/SGLang) or ``static`` (fixed batches whose rows all step until the longest ends, as
+            the ``hf`` engine does).
+        judge_token_s: judge cost per token read (prompt + response + template) on a device.
+        judge_prompt_tokens: tokens of the judge's template besides the prompt and the response.
         judge_generate_token_s: judge cost per token it writes (throughput, on a device).
         judge_output_tokens: tokens the judge writes per verdict.
         judge_decode_step_s: one decode step of the judge.
+        judge_max_batch: most verdicts a judge device computes at once (0: no limit).
+        judge_context_token_s: the judge's attention cost per decode step and context token.
         swap_s: putting one set of engines/weights to sleep and waking another.
         train_token_s: training cost per token (forward + backward) on a device.
+        train_step_s: fixed training cost per step (optimizer step, collectives).
     """
 
     samples_per_device: int = 32
@@ -48,14 +69,35 @@ class Workload:
     sigma: float = 0.9
     max_tokens: int = 8192
     length_drift: float = 0.02
+    resample_fraction: float = 0.0
+    resample_drift: float = 0.0
     decode_step_s: float = 0.02
     generate_token_s: float = 0.0006
+    prefill_token_s: float = 0.0
+    context_token_s: float = 0.0
+    max_batch: int = 0
+    batching: str = "continuous"
     judge_token_s: float = 0.0001
+    judge_prompt_tokens: int = 0
     judge_generate_token_s: float = 0.0006
     judge_output_tokens: int = 64
     judge_decode_step_s: float = 0.02
+    judge_max_batch: int = 0
+    judge_context_token_s: float = 0.0
     swap_s: float = 8.0
     train_token_s: float = 0.00025
+    train_step_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.batching not in BATCHING:
+            raise ConfigError(f"workload batching {self.batching!r}: valid choices: {', '.join(BATCHING)}")
+        for name in ("samples_per_device", "median_tokens", "max_tokens", "judge_output_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"workload {name} must be positive, got {getattr(self, name)}")
+        drifts = ("length_drift", "resample_drift")
+        negative = [k for k, v in asdict(self).items() if isinstance(v, (int, float)) and v < 0 and k not in drifts]
+        if negative:
+            raise ConfigError(f"workload {', '.join(negative)} must not be negative")
 
 
 @dataclass
@@ -66,77 +108,259 @@ class StepResult:
     judge_devices: int
     idle: dict[str, float] = field(default_factory=dict)  # role -> idle device-seconds
     busy: dict[str, float] = field(default_factory=dict)  # role -> busy device-seconds
+    stages: dict[str, float] = field(default_factory=dict)  # stage -> seconds of this step's critical path
 
 
 def response_lengths(work: Workload, step: int, count: int, rng: random.Random) -> list[int]:
     median = work.median_tokens * (1 + work.length_drift) ** step
+    if work.sigma == 0:
+        return [max(1, min(work.max_tokens, round(median)))] * count
     return [max(1, min(work.max_tokens, int(rng.lognormvariate(math.log(median), work.sigma)))) for _ in range(count)]
 
 
-def generate(work: Workload, lengths: list[int], devices: int) -> tuple[list[float], float]:
-    """Finish time of every sample and the busy device-seconds, samples dealt round-robin."""
-    finish = [0.0] * len(lengths)
-    busy = 0.0
-    for d in range(devices):
-        mine = sorted(range(d, len(lengths), devices), key=lambda i: lengths[i])
-        generated, done_tokens, prev = 0, 0, 0
-        for rank, i in enumerate(mine):
-            # tokens generated on this device by the time sample i ends: all shorter ones in full,
-            # plus len_i for each still running
-            done_tokens += lengths[i]
-            generated = done_tokens + lengths[i] * (len(mine) - rank - 1)
-            finish[i] = work.decode_step_s * lengths[i] + work.generate_token_s * generated
-            prev = finish[i]
-        busy += prev
+@dataclass
+class DeviceCosts:
+    """How one device serves sequences: see ``Workload``."""
+
+    step_s: float
+    token_s: float
+    prefill_token_s: float
+    max_batch: int = 0
+    batching: str = "continuous"
+    context_token_s: float = 0.0
+
+
+def serve(arrivals: list[float], steps: list[int], prefill: list[int], costs: DeviceCosts) -> tuple[list[float], float]:
+    """One device serving requests in arrival order: each request's finish time and the busy seconds.
+
+    Request ``i`` arrives at ``arrivals[i]``, reads ``prefill[i]`` tokens when it joins the running
+    batch and then needs ``steps[i]`` decode steps. A step of ``b`` running requests whose contexts
+    hold ``c`` tokens in all costs ``step_s + b * token_s + c * context_token_s``. Between two events
+    (a request joins or ends) the batch does not change, so the loop jumps from event to event.
+    """
+    order = sorted(range(len(arrivals)), key=arrivals.__getitem__)
+    finish = [0.0] * len(arrivals)
+    cap = costs.max_batch or len(arrivals) or 1
+    now = busy = 0.0
+    if costs.batching == "static":
+        for start in range(0, len(order), cap):
+            chunk = order[start : start + cap]
+            length, rows, read = max(steps[i] for i in chunk), len(chunk), sum(prefill[i] for i in chunk)
+            took = costs.prefill_token_s * read + length * (costs.step_s + costs.token_s * rows)
+            # every row steps until the longest ends; row contexts grow by one token a step
+            took += costs.context_token_s * (length * read + rows * length * (length + 1) / 2)
+            now = max(now, max(arrivals[i] for i in chunk)) + took
+            busy += took
+            for i in chunk:
+                finish[i] = now
+        return finish, busy
+    running: list[tuple[int, int]] = []  # (decode step count at which it ends, request)
+    done_steps, waiting, context = 0, 0, 0
+    while waiting < len(order) or running:
+        joined = 0
+        while waiting < len(order) and len(running) < cap and arrivals[order[waiting]] <= now:
+            i = order[waiting]
+            heapq.heappush(running, (done_steps + steps[i], i))
+            joined += prefill[i]
+            waiting += 1
+        if not running:
+            now = arrivals[order[waiting]]
+            continue
+        now += costs.prefill_token_s * joined
+        busy += costs.prefill_token_s * joined
+        context += joined
+        rows = len(running)
+        step = costs.step_s + costs.token_s * rows + costs.context_token_s * (context + rows)
+        advance = running[0][0] - done_steps
+        if waiting < len(order) and rows < cap:  # the next arrival joins at a step boundary
+            advance = min(advance, max(1, math.ceil((arrivals[order[waiting]] - now) / step) if step > 0 else 1))
+        took = advance * (costs.step_s + costs.token_s * rows)
+        took += costs.context_token_s * (advance * context + rows * advance * (advance + 1) / 2)
+        now += took
+        busy += took
+        done_steps += advance
+        context += rows * advance
+        while running and running[0][0] <= done_steps:
+            i = heapq.heappop(running)[1]
+            finish[i] = now
+            context -= prefill[i] + steps[i]
     return finish, busy
 
 
-def judge(work: Workload, arrivals: list[float], lengths: list[int], devices: int) -> tuple[float, float]:
-    """When the last verdict is in, and the busy device-seconds; each device serves a FIFO queue."""
-    free = [0.0] * devices
+def generation_costs(work: Workload) -> DeviceCosts:
+    return DeviceCosts(
+        work.decode_step_s, work.generate_token_s, work.prefill_token_s, work.max_batch, work.batching,
+        work.context_token_s,
+    )
+
+
+def judge_costs(work: Workload) -> DeviceCosts:
+    return DeviceCosts(
+        work.judge_decode_step_s, work.judge_generate_token_s, work.judge_token_s, work.judge_max_batch, work.batching,
+        work.judge_context_token_s,
+    )
+
+
+def generate(work: Workload, lengths: list[int], devices: int) -> tuple[list[float], list[float]]:
+    """Finish time of every sample and each device's busy seconds; samples are dealt round-robin."""
+    finish = [0.0] * len(lengths)
+    busy = []
+    costs = generation_costs(work)
+    for d in range(devices):
+        mine = list(range(d, len(lengths), devices))
+        ends, device_busy = serve([0.0] * len(mine), [lengths[i] for i in mine], [work.prompt_tokens] * len(mine), costs)
+        for i, end in zip(mine, ends):
+            finish[i] = end
+        busy.append(device_busy)
+    return finish, busy
+
+
+def judge(
+    work: Workload, arrivals: list[float], lengths: list[int], devices: int, online: list[float] | None = None
+) -> tuple[float, list[float]]:
+    """When the last verdict is in, and each judge device's busy seconds.
+
+    Samples stream to the judge devices in the order they arrive; each goes to the device expected
+    to be free first (by the judge's throughput cost of what it already holds; on a tie, the one
+    given fewer verdicts), a device taking work from ``online[d]`` on (default 0). Each device batches the verdicts it holds like any engine.
+    """
+    online = online or [0.0] * devices
+    order = sorted(range(len(lengths)), key=arrivals.__getitem__)
+    free = [(online[d], 0, d) for d in range(devices)]  # (expected free, verdicts given, device)
     heapq.heapify(free)
-    end, busy = 0.0, 0.0
-    for i in sorted(range(len(lengths)), key=lambda k: arrivals[k]):
-        cost = work.judge_token_s * (work.prompt_tokens + lengths[i])
-        cost += work.judge_generate_token_s * work.judge_output_tokens
-        start = max(arrivals[i], heapq.heappop(free))
-        heapq.heappush(free, start + cost)
-        busy += cost
-        end = max(end, start + cost + work.judge_decode_step_s * work.judge_output_tokens)
+    assigned: list[list[int]] = [[] for _ in range(devices)]
+    for i in order:
+        ready, count, d = heapq.heappop(free)
+        read = work.judge_prompt_tokens + work.prompt_tokens + lengths[i]
+        cost = work.judge_token_s * read + work.judge_generate_token_s * work.judge_output_tokens
+        heapq.heappush(free, (max(ready, arrivals[i]) + cost, count + 1, d))
+        assigned[d].append(i)
+    costs = judge_costs(work)
+    end, busy = 0.0, []
+    for d, mine in enumerate(assigned):
+        ends, device_busy = serve(
+            [max(arrivals[i], online[d]) for i in mine],
+            [work.judge_output_tokens] * len(mine),
+            [work.judge_prompt_tokens + work.prompt_tokens + lengths[i] for i in mine],
+            costs,
+        )
+        end = max([end, *ends])
+        busy.append(device_busy)
     return end, busy
 
 
-def simulate(policy: PlacementPolicy, devices: int, steps: int, work: Workload, seed: int = 0) -> list[StepResult]:
-    """Runs ``steps`` steps on ``devices`` devices; the same seed gives every policy the same lengths."""
+@dataclass
+class Rollout:
+    """One round of generation and judging under a placement."""
+
+    seconds: float
+    generate_s: float
+    judge_s: float  # after generation ends (static: the judge phase; dynamic: the judge's tail)
+    generate_busy: list[float]
+    judge_busy: list[float]
+    idle: dict[str, float]
+    extra_swaps: int = 0  # device swaps beyond the policy's per-step ones (released tail devices)
+
+
+def rollout_static(work: Workload, lengths: list[int], devices: int) -> Rollout:
+    """Every device generates its share, then judges the samples it generated."""
+    finish, gen_busy = generate(work, lengths, devices)
+    gen_end = max(finish)
+    judge_end, judge_busy = 0.0, []
+    for d in range(devices):  # generate dealt the samples round-robin
+        mine = list(range(d, len(lengths), devices))
+        end, busy = judge(work, [0.0] * len(mine), [lengths[i] for i in mine], 1)
+        judge_end, judge_busy = max(judge_end, end), judge_busy + busy
+    idle = {"generate": devices * gen_end - sum(gen_busy), "judge": devices * judge_end - sum(judge_busy)}
+    return Rollout(gen_end + judge_end, gen_end, judge_end, gen_busy, judge_busy, idle)
+
+
+def rollout_dynamic(work: Workload, lengths: list[int], g: int, j: int, release_tail: bool) -> Rollout:
+    """``g`` devices generate while ``j`` judge each sample as it finishes (see ``simulate``)."""
+    finish, gen_busy = generate(work, lengths, g)
+    gen_end = max(finish)
+    ends = [max(finish[d::g], default=0.0) for d in range(g)]  # generate deals the samples round-robin
+    released = [d for d in range(g) if release_tail and ends[d] + 2 * work.swap_s < gen_end]
+    online = [0.0] * j + [ends[d] + work.swap_s for d in released]
+    judge_end, judge_busy = judge(work, finish, lengths, j + len(released), online)
+    seconds = max(gen_end, judge_end)
+    held = {d: ends[d] for d in released}  # a released device leaves generation when its share is done
+    idle = {
+        "generate": sum(held.get(d, seconds) - gen_busy[d] for d in range(g)),
+        "judge": sum(seconds - start - b for start, b in zip(online, judge_busy)),
+    }
+    return Rollout(seconds, gen_end, seconds - gen_end, gen_busy, judge_busy, idle, len(released))
+
+
+def simulate(
+    policy: PlacementPolicy, devices: int, steps: int, work: Workload, seed: int = 0, release_tail: bool = False
+) -> list[StepResult]:
+    """Runs ``steps`` steps on ``devices`` devices; the same seed gives every policy the same lengths.
+
+    ``static``: every device generates its share, then swaps to the judge and judges its own samples,
+    then swaps to training, trains, and swaps back (three swaps). ``dynamic``: ``g`` devices generate
+    while ``j`` devices judge each sample as it finishes (no swap between the two), then all swap to
+    training and back (two swaps). ``release_tail`` (dynamic only; not in the trainer): a generation
+    device that has finished its share while others still decode their long tail swaps to the judge
+    and takes verdicts, when that swap ends before generation does (the simulator knows when).
+    Samples that need re-sampling (``resample_fraction``) are generated and judged in a second round;
+    under static that round costs two more swaps (back to generation, then to the judge).
+
+    Idle device-seconds per role: the time a role's devices hold the role with nothing to run
+    (waiting for other devices, or for samples to judge); swaps are counted apart.
+    """
     if devices < 1 or steps < 1:
         raise ConfigError("simulate needs devices >= 1 and steps >= 1")
     policy.setup(devices, "simulated")
     dynamic = isinstance(policy, DynamicPlacement)
+    if release_tail and not dynamic:
+        raise ConfigError("release_tail needs the dynamic placement")
     rng = random.Random(seed)
     results = []
     for step in range(steps):
-        lengths = response_lengths(work, step, work.samples_per_device * devices, rng)
+        count = work.samples_per_device * devices
+        lengths = response_lengths(work, step, count, rng)
+        share = min(1.0, max(0.0, work.resample_fraction + work.resample_drift * step))
+        rounds = [lengths]
+        if round(share * count):
+            rounds.append(response_lengths(work, step, round(share * count), rng))
         tokens = sum(lengths) + work.prompt_tokens * len(lengths)
-        train_s = work.train_token_s * tokens / devices
+        train_s = work.train_step_s + work.train_token_s * tokens / devices
+        g, j = (policy.generate_devices, policy.judge_devices) if dynamic else (devices, devices)
+        done = [
+            rollout_dynamic(work, r, g, j, release_tail) if dynamic else rollout_static(work, r, devices) for r in rounds
+        ]
+        swaps = 2 if dynamic else 3 + 2 * (len(rounds) - 1)
+        rollout = sum(r.seconds for r in done)
+        gen_busy = [sum(b) for b in zip(*(r.generate_busy for r in done))]
+        judge_busy = [sum(b) for b in zip(*(r.judge_busy[:j] for r in done))]
         if dynamic:
-            g, j = policy.generate_devices, policy.judge_devices
-            finish, gen_busy = generate(work, lengths, g)
-            judge_end, judge_busy = judge(work, finish, lengths, j)
-            rollout = max(max(finish), judge_end)
-            idle = {"generate": g * rollout - gen_busy, "judge": j * rollout - judge_busy, "swap": 2 * devices * work.swap_s}
-            step_s = rollout + 2 * work.swap_s + train_s
-            policy.update(Telemetry(step, [{"generate": gen_busy / g, "reward": judge_busy / j, "rollout": rollout}]))
+            # each round's longest response decoded alone: more generation devices cannot shorten this
+            costs = generation_costs(work)
+            longest = sum(serve([0.0], [max(r)], [work.prompt_tokens], costs)[1] for r in rounds)
+            read = work.judge_prompt_tokens + work.prompt_tokens + max(lengths)
+            verdict = len(rounds) * serve([0.0], [work.judge_output_tokens], [read], judge_costs(work))[1]
+            per_device = [{"generate": b, "generate_floor": longest, "rollout": rollout} for b in gen_busy]
+            per_device += [{"reward": b, "reward_floor": verdict, "rollout": rollout} for b in judge_busy]
         else:
-            g = j = devices
-            finish, gen_busy = generate(work, lengths, devices)
-            gen_end = max(finish)
-            judge_end, judge_busy = judge(work, [0.0] * len(lengths), lengths, devices)
-            idle = {"generate": devices * gen_end - gen_busy, "judge": devices * judge_end - judge_busy, "swap": 3 * devices * work.swap_s}
-            step_s = gen_end + judge_end + 3 * work.swap_s + train_s
-            policy.update(Telemetry(step, [{"generate": gen_end, "reward": judge_end}]))
-        results.append(
-            StepResult(step, step_s, g, j, idle, {"generate": gen_busy, "judge": judge_busy, "train": train_s * devices})
-        )
+            per_device = [{"generate": b, "reward": jb} for b, jb in zip(gen_busy, judge_busy)]
+        policy.update(Telemetry(step, per_device))
+        idle = {role: sum(r.idle[role] for r in done) for role in ("generate", "judge")}
+        idle["swap"] = (swaps * devices + sum(r.extra_swaps for r in done)) * work.swap_s
+        stages = {
+            "generate": sum(r.generate_s for r in done),
+            "judge": sum(r.judge_s for r in done),
+            "rollout": rollout,
+            "swap": swaps * work.swap_s,
+            "train": train_s,
+        }
+        step_s = rollout + swaps * work.swap_s + train_s
+        busy = {
+            "generate": sum(sum(r.generate_busy) for r in done),
+            "judge": sum(sum(r.judge_busy) for r in done),
+            "train": train_s * devices,
+        }
+        results.append(StepResult(step, step_s, g, j, idle, busy, stages))
     return results
 
 
@@ -146,6 +370,7 @@ def summarize(results: list[StepResult], devices: int) -> dict[str, float]:
     summary = {"step_s": total / len(results), "device_hours": devices * total / 3600}
     for role in ("generate", "judge", "swap"):
         summary[f"idle_{role}"] = sum(r.idle[role] for r in results) / (devices * total)
+    summary["busy_judge"] = sum(r.busy["judge"] for r in results) / (devices * total)
     idle = sum(sum(r.idle.values()) for r in results)
     summary["idle"] = idle / (devices * total)
     summary["idle_device_hours"] = idle / 3600
@@ -193,14 +418,23 @@ def load_workload(path: str | None) -> tuple[Workload, dict]:
     unknown = sorted(set(work) - known)
     if unknown:
         raise ConfigError(f"{path}: unknown workload key(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
-    return Workload(**work), raw.get("dynamic", {}) or {}
+    try:
+        return Workload(**work), raw.get("dynamic", {}) or {}
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
 
 
-def compare(devices: int, steps: int, work: Workload, dynamic_options: dict, seed: int = 0) -> dict[str, list[StepResult]]:
-    return {
+def compare(
+    devices: int, steps: int, work: Workload, dynamic_options: dict, seed: int = 0, release_tail: bool = True
+) -> dict[str, list[StepResult]]:
+    """``static`` and ``dynamic`` (and ``dynamic+release``: dynamic with ``release_tail``) on the same lengths."""
+    runs = {
         "static": simulate(StaticPlacement(offload=True), devices, steps, work, seed),
         "dynamic": simulate(DynamicPlacement(**dynamic_options), devices, steps, work, seed),
     }
+    if release_tail:
+        runs["dynamic+release"] = simulate(DynamicPlacement(**dynamic_options), devices, steps, work, seed, True)
+    return runs
 
 
 def main(argv: list[str]) -> int:
@@ -212,28 +446,33 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--devices", type=int, nargs="+", default=[64, 512], help="cluster sizes (8..1024)")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-release", action="store_true", help="leave out dynamic+release (tail devices swap to the judge)"
+    )
     parser.add_argument("--plot", default="simulate.png", help="PNG path; {devices} is replaced per size")
     args = parser.parse_args(argv)
     work, dynamic_options = load_workload(args.config)
     for devices in args.devices:
         if not 2 <= devices <= 4096:
             raise ConfigError(f"--devices {devices}: expected 2..4096")
-        runs = compare(devices, args.steps, work, dynamic_options, args.seed)
+        runs = compare(devices, args.steps, work, dynamic_options, args.seed, release_tail=not args.no_release)
         base = summarize(runs["static"], devices)
         print(f"{devices} devices, {args.steps} steps")
-        print(f"  {'policy':<8} {'step_s':>8} {'idle':>6} {'idle_gen':>8} {'idle_judge':>10} {'idle_swap':>9} {'dev_h':>9} {'idle_dev_h':>10}")
+        print(f"  {'policy':<15} {'step_s':>8} {'idle':>6} {'idle_gen':>8} {'idle_judge':>10} {'idle_swap':>9} {'dev_h':>9} {'idle_dev_h':>10}")
         for name, results in runs.items():
             s = summarize(results, devices)
             print(
-                f"  {name:<8} {s['step_s']:8.1f} {s['idle']:6.3f} {s['idle_generate']:8.3f} {s['idle_judge']:10.3f} "
+                f"  {name:<15} {s['step_s']:8.1f} {s['idle']:6.3f} {s['idle_generate']:8.3f} {s['idle_judge']:10.3f} "
                 f"{s['idle_swap']:9.3f} {s['device_hours']:9.1f} {s['idle_device_hours']:10.1f}"
             )
-        dyn = summarize(runs["dynamic"], devices)
-        print(
-            f"  dynamic/static: step time x{dyn['step_s'] / base['step_s']:.3f}, "
-            f"idle device-hours x{dyn['idle_device_hours'] / base['idle_device_hours']:.3f}, "
-            f"final split {runs['dynamic'][-1].generate_devices} generate / {runs['dynamic'][-1].judge_devices} judge"
-        )
+        for name in list(runs)[1:]:
+            dyn = summarize(runs[name], devices)
+            print(
+                f"  {name}/static: step time x{dyn['step_s'] / base['step_s']:.3f}, "
+                f"idle device-hours x{dyn['idle_device_hours'] / base['idle_device_hours']:.3f}, "
+                f"device-hours x{dyn['device_hours'] / base['device_hours']:.3f}, "
+                f"final split {runs[name][-1].generate_devices} generate / {runs[name][-1].judge_devices} judge"
+            )
         path = args.plot.replace("{devices}", str(devices)) if "{devices}" in args.plot else (
             args.plot if len(args.devices) == 1 else args.plot.replace(".png", f"_{devices}.png")
         )
