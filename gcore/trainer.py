@@ -18,6 +18,7 @@ from gcore.controller import Controller
 from gcore.data import CostBalancer, DataConfig, PromptSampler, load_prompts
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError, GcoreError
+from gcore.liveness import ControllerWatch
 from gcore.model import ModelConfig, context_length, load_tokenizer, materialize
 from gcore.placement.base import PlacementPolicy
 from gcore.rewards.base import RewardModel
@@ -195,12 +196,19 @@ class Trainer:
             tokenizer = load_tokenizer(self.model_config)
             model_path = materialize(self.model_config, tokenizer, self.config.seed, workdir)
             fabric.launch()
+            watch = None
+            if fabric.world_size > 1:  # names a controller that dies, and stops this one if it is lost
+                watch = ControllerWatch.for_fabric(fabric, silence_limit=self.config.collective_timeout)
             try:
-                return self._fit(fabric, device_type, tokenizer, model_path)
+                result = self._fit(fabric, device_type, tokenizer, model_path)
+                if watch is not None:
+                    watch.stop()
+                    fabric.barrier()  # no controller exits (taking the store with it) while another still watches
+                return result
             except Exception as err:
                 if fabric.world_size == 1:
                     raise
-                _report_rank_failure(fabric.global_rank, err)
+                _report_rank_failure(fabric.global_rank, err, watch)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             self.engine.shutdown()
@@ -343,18 +351,28 @@ class Trainer:
         }
 
 
-def _report_rank_failure(rank: int, err: Exception) -> None:
-    """Say which controller failed and why; a controller that only lost its peers says so."""
+def _report_rank_failure(rank: int, err: Exception, watch: ControllerWatch | None = None) -> None:
+    """Say which controller failed and why; a controller that only lost its peers names the lost one."""
     import sys
 
     message = str(err).splitlines()[0] if str(err) else type(err).__name__
     lost = any(s in message for s in ("Connection closed by peer", "Connection reset", "timed out", "Timed out",
                                       "Broken pipe", "connection", "Connection refused"))
     if lost and not isinstance(err, GcoreError):
+        found = watch.wait_for_loss(timeout=10.0) if watch is not None else {}
+        if watch is not None:
+            watch.mark(f"failed: lost contact ({message})")
+        if found:
+            raise GcoreError(
+                f"controller {rank}: {watch.describe(found)}; the run stopped at the broken collective "
+                f"({message}). Continue it from the last complete checkpoint with --trainer.resume auto"
+            ) from err
         raise GcoreError(
             f"controller {rank}: lost contact with another controller ({message}); that controller's own "
             "error is reported above"
         ) from err
+    if watch is not None:
+        watch.mark(f"failed: {type(err).__name__}: {message}")
     print(f"gcore: controller {rank} failed: {type(err).__name__}: {message}", file=sys.stderr, flush=True)
     raise err
 
