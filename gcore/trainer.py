@@ -251,7 +251,6 @@ class Trainer:
         history: list[dict[str, float]] = []
         bar = _progress(c.max_steps, enabled=c.enable_progress_bar and rank == 0)
         bar.update(start_step)
-        stall = None
         for step in range(start_step, c.max_steps):
             shard = [prompts[i] for i in sampler.shard(sampler.next_global())]
             metrics = controller.step(step, shard, on_stage=lambda stage: bar.set_description(stage, refresh=False))
@@ -259,17 +258,12 @@ class Trainer:
             metrics["balance/predicted_imbalance"] = sampler.last_imbalance
             if balancer is not None:
                 _learn_lengths(fabric, balancer, controller.last_samples, self.data_config.prompts_per_step)
-            if stall is not None:  # the previous step's checkpoint save
-                metrics["checkpoint/stall_s"], stall = stall, None
+            metrics.update(self._checkpoint_step(fabric, step, checkpoints, sampler, extra, model_path))
             fabric.log_dict(metrics, step=step)
             history.append(metrics)
             bar.set_description("step", refresh=False)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s=f"{metrics['time/step']:.2f}")
             bar.update(1)
-            checkpoints.poll()
-            if c.checkpoint_every and ((step + 1) % c.checkpoint_every == 0 or step == c.max_steps - 1):
-                stall = checkpoints.save(step, self.backend.state_dict(), self._trainer_state(step, sampler),
-                                         {"rng": rng_state(), "extra_sampler": extra.state_dict()}, asynchronous=c.async_checkpoint, hf_files=model_path)
         checkpoints.wait()
         bar.close()
         for logger in fabric.loggers:
@@ -296,8 +290,29 @@ class Trainer:
         return CheckpointManager(root, c.keep_checkpoints, fabric.global_rank, fabric.world_size,
                                  barrier=fabric.barrier, process_group=group)
 
-    def _trainer_state(self, step: int, sampler: PromptSampler) -> dict:
-        state = {"step": step, "sampler": sampler.state_dict(), "seed": self.config.seed}
+    def _checkpoint_step(self, fabric, step: int, checkpoints: CheckpointManager, sampler: PromptSampler,  # noqa: ANN001
+                         extra: PromptSampler, model_path: str) -> dict[str, float]:
+        """Finish saves whose writes are done; start this step's save when one is due.
+
+        Returns the metrics to log with this step: ``checkpoint/stall_s``, the seconds training
+        waited for the save it started (with async saves, only the copy of the state to memory),
+        and ``checkpoint/write_s``, the seconds a save took until it was complete and visible
+        (rank 0, when one completes).
+        """
+        c, metrics = self.config, {}
+        checkpoints.poll()
+        for _, seconds in checkpoints.take_finished():
+            metrics["checkpoint/write_s"] = seconds
+        if c.checkpoint_every and ((step + 1) % c.checkpoint_every == 0 or step == c.max_steps - 1):
+            metrics["checkpoint/stall_s"] = checkpoints.save(
+                step, self.backend.state_dict(), self._trainer_state(step, sampler, fabric.world_size),
+                {"rng": rng_state(), "extra_sampler": extra.state_dict()},
+                asynchronous=c.async_checkpoint, hf_files=model_path)
+        return metrics
+
+    def _trainer_state(self, step: int, sampler: PromptSampler, world_size: int) -> dict:
+        """What every rank shares: the step, the global prompt stream (with the learnt lengths), plugin state."""
+        state = {"step": step, "sampler": sampler.state_dict(), "seed": self.config.seed, "world_size": world_size}
         for name, plugin in (("algorithm", self.algorithm), ("placement", self.placement)):
             if callable(getattr(plugin, "state_dict", None)):
                 state[name] = plugin.state_dict()
@@ -305,7 +320,14 @@ class Trainer:
 
     def _resume(self, fabric, checkpoints: CheckpointManager, sampler: PromptSampler,  # noqa: ANN001
                 extra: PromptSampler) -> int:
-        """Restore the latest (or given) checkpoint; returns the first step to run."""
+        """Restore the latest (or given) checkpoint; returns the first step to run.
+
+        On the rank count that wrote it, everything continues exactly. On another rank count
+        (elastic resume) the weights, optimizer and scheduler are resharded by DCP; the global
+        prompt stream and the learnt lengths are shared state and continue as they were; a rank
+        that existed before keeps its own dynamic-sampling prompt stream, a new rank starts its
+        own; the random generators are reseeded from the seed, the rank and the step.
+        """
         c, rank = self.config, fabric.global_rank
         path = resolve_resume(c.resume, checkpoints.root)
         if path is None:
@@ -316,19 +338,28 @@ class Trainer:
         trainer_state, rank_state = checkpoints.load(path, state)
         self.backend.load_state_dict(state)
         sampler.load_state_dict(trainer_state["sampler"])
-        if rank_state is not None and "extra_sampler" in rank_state:  # a per-rank stream: same rank count only
+        if rank_state is not None and "extra_sampler" in rank_state:
             extra.load_state_dict(rank_state["extra_sampler"])
         for name, plugin in (("algorithm", self.algorithm), ("placement", self.placement)):
             if name in trainer_state and callable(getattr(plugin, "load_state_dict", None)):
                 plugin.load_state_dict(trainer_state[name])
         start = int(trainer_state["step"]) + 1
-        if rank_state is not None:
+        saved_world = int(trainer_state["world_size"])
+        if saved_world == fabric.world_size:
             set_rng_state(rank_state["rng"])  # same rank count: continue exactly
         else:
-            fabric.seed_everything(c.seed + rank + 100_003 * start, verbose=False)  # resharded: reseed
+            fabric.seed_everything(c.seed + rank + 100_003 * start, verbose=False)
         self.engine.update_weights(self.backend.named_weights())
         if rank == 0:
             print(f"resumed from {path} at step {start}")
+            if saved_world != fabric.world_size:
+                kept = min(saved_world, fabric.world_size)
+                print(f"elastic resume: written by {saved_world} controller(s), running on {fabric.world_size}: "
+                      f"weights and optimizer resharded, prompt stream at epoch {sampler.epoch} position "
+                      f"{sampler.position}, controllers 0-{kept - 1} keep their extra prompt streams"
+                      + (f", controllers {kept}-{fabric.world_size - 1} start their own" if fabric.world_size > kept
+                         else f", those of controllers {kept}-{saved_world - 1} are dropped")
+                      + "; random generators reseeded")
         return start
 
     def hyperparameters(self) -> dict:
