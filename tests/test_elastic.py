@@ -55,8 +55,10 @@ def _runs(root):
                       key=lambda v: int(v.split("_")[1]))
     out = []
     for version in versions:
-        with open(os.path.join(root, "gcore", version, "metrics.csv")) as f:
-            out.append(list(csv.DictReader(f)))
+        path = os.path.join(root, "gcore", version, "metrics.csv")
+        if os.path.exists(path):  # a resumed run with no step left to run logs nothing
+            with open(path) as f:
+                out.append(list(csv.DictReader(f)))
     return out
 
 
