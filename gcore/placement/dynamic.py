@@ -71,6 +71,15 @@ class DynamicPlacement(PlacementPolicy):
         wanted = round(self.judge_fraction * self.total)
         self.judge_devices = min(max(wanted, self.min_devices), self.total - self.min_devices)
 
+    def state_dict(self) -> dict:
+        return {"total": self.total, "judge_devices": self.judge_devices}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The saved split; on a different device count, the same judge share, within the bounds."""
+        share = state["judge_devices"] / state["total"] if state.get("total") else self.judge_fraction
+        wanted = state["judge_devices"] if state.get("total") == self.total else round(share * self.total)
+        self.judge_devices = min(max(wanted, self.min_devices), self.total - self.min_devices)
+
     def target_judge_devices(self, generate_busy: float, judge_busy: float) -> int:
         """The judge partition that balances the measured work (device-seconds) of both roles."""
         work_generate = generate_busy * self.generate_devices
