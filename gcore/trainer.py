@@ -71,9 +71,11 @@ class TrainerConfig:
             ``<default_root_dir>/<name>/checkpoints``.
         keep_checkpoints: how many complete checkpoints to keep.
         async_checkpoint: write checkpoints in the background while training goes on.
-        resume: ``auto`` (the latest complete checkpoint, if any) or a checkpoint folder.
+        resume: ``auto`` (the latest complete checkpoint, if any) or a checkpoint folder; it may
+            have been written by another number of controllers (elastic resume).
         collective_timeout: seconds a collective may wait for the other controllers before the run
-            fails (instead of hanging when one of them died).
+            fails (instead of hanging when one of them died); also how long a controller may send no
+            heartbeat before the others declare it lost. A controller that is killed is named at once.
     """
 
     max_steps: int = 30
