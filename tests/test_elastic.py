@@ -155,14 +155,15 @@ KEYS = ("reward/mean", "loss", "entropy", "grad_norm", "response_length/mean", "
 
 
 def test_two_controllers_resume_exactly_with_balancing(tmp_path):
-    whole = _fit(tmp_path, 2, "--trainer.max_steps", "6", "--trainer.checkpoint_every", "3", "--data.balance", "true",
-                 "--trainer.save_final", "false")
+    # 8 prompts, 4 a step: from step 2 on the prompts were seen before, so their learnt lengths set the
+    # split over the controllers (a run that forgot them splits differently and samples differently)
+    balanced = ["--data.balance", "true", "--data.num_synthetic_prompts", "8", "--trainer.save_final", "false"]
+    whole = _fit(tmp_path, 2, "--trainer.max_steps", "6", "--trainer.checkpoint_every", "3", *balanced)
     assert whole.returncode == 0, whole.stderr
     ckpt = tmp_path / "gcore" / "checkpoints" / "step_00000002"
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["sampler"]["lengths"]["per_prompt"]  # the learnt response lengths are in the checkpoint
-    resumed = _fit(tmp_path, 2, "--trainer.max_steps", "6", "--trainer.resume", str(ckpt), "--data.balance", "true",
-                   "--trainer.save_final", "false")
+    resumed = _fit(tmp_path, 2, "--trainer.max_steps", "6", "--trainer.resume", str(ckpt), *balanced)
     assert resumed.returncode == 0, resumed.stderr
     first, second = _runs(tmp_path)
     assert [r["step"] for r in second] == ["3", "4", "5"]
