@@ -292,8 +292,8 @@ class Trainer:
         return CheckpointManager(root, c.keep_checkpoints, fabric.global_rank, fabric.world_size,
                                  barrier=fabric.barrier, process_group=group)
 
-    def _checkpoint_step(self, fabric, step: int, checkpoints: CheckpointManager, sampler: PromptSampler,  # noqa: ANN001
-                         extra: PromptSampler, model_path: str) -> dict[str, float]:
+    def _checkpoint_step(self, fabric, step: int, checkpoints: CheckpointManager,  # noqa: ANN001
+                         sampler: PromptSampler, extra: PromptSampler, model_path: str) -> dict[str, float]:
         """Finish saves whose writes are done; start this step's save when one is due.
 
         Returns the metrics to log with this step: ``checkpoint/stall_s``, the seconds training
@@ -355,12 +355,12 @@ class Trainer:
         if rank == 0:
             print(f"resumed from {path} at step {start}")
             if saved_world != fabric.world_size:
-                kept = min(saved_world, fabric.world_size)
-                print(f"elastic resume: written by {saved_world} controller(s), running on {fabric.world_size}: "
-                      f"weights and optimizer resharded, prompt stream at epoch {sampler.epoch} position "
-                      f"{sampler.position}, controllers 0-{kept - 1} keep their extra prompt streams"
-                      + (f", controllers {kept}-{fabric.world_size - 1} start their own" if fabric.world_size > kept
-                         else f", those of controllers {kept}-{saved_world - 1} are dropped")
+                world, kept = fabric.world_size, min(saved_world, fabric.world_size)
+                print(f"elastic resume: written by {saved_world} controller(s), running on {world}: weights and "
+                      f"optimizer resharded, prompt stream at epoch {sampler.epoch} position {sampler.position}, "
+                      f"controller(s) {_span(0, kept)} keep their extra prompt streams, "
+                      + (f"{_span(kept, world)} start their own" if world > kept
+                         else f"those of {_span(kept, saved_world)} are dropped")
                       + "; random generators reseeded")
         return start
 
@@ -382,6 +382,11 @@ class Trainer:
             "placement": plugin(self.placement),
             "backend": plugin(self.backend),
         }
+
+
+def _span(first: int, end: int) -> str:
+    """Ranks ``first..end-1`` as text: ``1`` or ``1-3``."""
+    return str(first) if end - first == 1 else f"{first}-{end - 1}"
 
 
 def _report_rank_failure(rank: int, err: Exception, watch: ControllerWatch | None = None) -> None:

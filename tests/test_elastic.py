@@ -155,9 +155,14 @@ KEYS = ("reward/mean", "loss", "entropy", "grad_norm", "response_length/mean", "
 
 
 def test_two_controllers_resume_exactly_with_balancing(tmp_path):
-    # 8 prompts, 4 a step: from step 2 on the prompts were seen before, so their learnt lengths set the
-    # split over the controllers (a run that forgot them splits differently and samples differently)
-    balanced = ["--data.balance", "true", "--data.num_synthetic_prompts", "8", "--trainer.save_final", "false"]
+    # 8 prompts of different lengths, 4 a step: from step 2 on each prompt was seen before, and its
+    # learnt response length is part of its predicted cost, which sets the split over the controllers
+    # and the logged imbalance (a resumed run that forgot the lengths predicts and splits differently)
+    (tmp_path / "reward.py").write_text("def score(prompt, response, answer):\n    return float(answer in response)\n")
+    rows = [{"prompt": "x" * length + "=", "answer": str(length % 10)} for length in (1, 2, 4, 7, 11, 16, 22, 29)]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    balanced = ["--data.balance", "true", "--data.path", str(tmp_path / "d.jsonl"), "--trainer.save_final", "false",
+                "--reward", "python", "--reward.function", f"{tmp_path}/reward.py:score"]
     whole = _fit(tmp_path, 2, "--trainer.max_steps", "6", "--trainer.checkpoint_every", "3", *balanced)
     assert whole.returncode == 0, whole.stderr
     ckpt = tmp_path / "gcore" / "checkpoints" / "step_00000002"
