@@ -129,6 +129,7 @@ class CheckpointManager:
         self._finalizer: threading.Thread | None = None
         self.last_completed: str | None = None
         self.last_save_seconds: float = 0.0
+        self._finished: list[tuple[int, float]] = []  # (step, seconds from save() to visible), rank 0
 
     # saving ------------------------------------------------------------------------------
 
@@ -191,6 +192,11 @@ class CheckpointManager:
             self._finalizer = None
         self.barrier()
 
+    def take_finished(self) -> list[tuple[int, float]]:
+        """Saves completed since the last call: (step, seconds from ``save`` until visible); rank 0 only."""
+        finished, self._finished = self._finished, []
+        return finished
+
     def _finalize(self, pending: _PendingSave) -> None:
         # rank 0's DCP future completes only after every rank's write (its metadata step gathers them)
         expected = {f"rank_{r}.pt" for r in range(self.world_size)}
@@ -218,6 +224,7 @@ class CheckpointManager:
         os.replace(pending.tmp, final)
         self.last_completed = final
         self.last_save_seconds = time.perf_counter() - pending.started
+        self._finished.append((pending.step, self.last_save_seconds))
         for _, old in list_checkpoints(self.root)[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -226,8 +233,10 @@ class CheckpointManager:
     def load(self, path: str, backend_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Load ``path`` into ``backend_state`` in place (resharded to this run's ranks).
 
-        Returns the trainer state and this rank's state, or ``None`` for the rank state when the
-        checkpoint was written by a different number of ranks (random generators are reseeded).
+        Returns the trainer state, with ``world_size`` set to the number of ranks that wrote the
+        checkpoint, and the state this rank saved, or ``None`` when the checkpoint has none for it
+        (it was written by fewer ranks). With a different rank count the caller decides what of the
+        rank state still applies (the trainer keeps per-rank prompt streams, reseeds generators).
         """
         import torch.distributed.checkpoint as dcp
 
@@ -236,9 +245,11 @@ class CheckpointManager:
             dcp.load(backend_state, checkpoint_id=path, process_group=self.process_group)
         with open(os.path.join(path, TRAINER_STATE)) as f:
             trainer_state = json.load(f)
+        trainer_state["world_size"] = manifest["world_size"]
         rank_state = None
-        if manifest["world_size"] == self.world_size:
-            rank_state = torch.load(os.path.join(path, f"rank_{self.rank}.pt"), weights_only=False)
+        rank_file = os.path.join(path, f"rank_{self.rank}.pt")
+        if self.rank < manifest["world_size"]:
+            rank_state = torch.load(rank_file, weights_only=False)
         return trainer_state, rank_state
 
 

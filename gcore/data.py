@@ -198,12 +198,17 @@ class PromptSampler:
         return [indices[j] for j in parts[self.rank]]
 
     def state_dict(self) -> dict:
-        state = {"epoch": self.epoch, "position": self.position}
+        state = {"epoch": self.epoch, "position": self.position, "num_prompts": self.num_prompts}
         if self.balancer is not None:
             state["lengths"] = self.balancer.predictor.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        saved = state.get("num_prompts", self.num_prompts)
+        if saved != self.num_prompts:
+            raise DataError(f"--trainer.resume: the checkpoint's prompt stream is over {saved} prompts, this run "
+                            f"has {self.num_prompts}: resume with the same --data.path (and "
+                            "--data.num_synthetic_prompts)")
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._epoch_order(self.epoch)
         if self.balancer is not None and "lengths" in state:

@@ -18,6 +18,7 @@ from gcore.controller import Controller
 from gcore.data import CostBalancer, DataConfig, PromptSampler, load_prompts, with_synthetic_feature
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError, GcoreError
+from gcore.liveness import ControllerWatch
 from gcore.model import ModelConfig, context_length, load_tokenizer, materialize
 from gcore.placement.base import PlacementPolicy
 from gcore.rewards.base import RewardModel
@@ -70,9 +71,11 @@ class TrainerConfig:
             ``<default_root_dir>/<name>/checkpoints``.
         keep_checkpoints: how many complete checkpoints to keep.
         async_checkpoint: write checkpoints in the background while training goes on.
-        resume: ``auto`` (the latest complete checkpoint, if any) or a checkpoint folder.
+        resume: ``auto`` (the latest complete checkpoint, if any) or a checkpoint folder; it may
+            have been written by another number of controllers (elastic resume).
         collective_timeout: seconds a collective may wait for the other controllers before the run
-            fails (instead of hanging when one of them died).
+            fails (instead of hanging when one of them died); also how long a controller may send no
+            heartbeat before the others declare it lost. A controller that is killed is named at once.
         controllers: ``None``: one controller per process (G-Core's parallel controllers); ``1``: one
             controller on rank 0 drives the engines and training shards of every process, and all
             rollout data passes through it (the single-driver baseline, for comparison).
@@ -199,12 +202,19 @@ class Trainer:
             tokenizer = load_tokenizer(self.model_config)
             model_path = materialize(self.model_config, tokenizer, self.config.seed, workdir)
             fabric.launch()
+            watch = None
+            if fabric.world_size > 1:  # names a controller that dies, and stops this one if it is lost
+                watch = ControllerWatch.for_fabric(fabric, silence_limit=self.config.collective_timeout)
             try:
-                return self._fit(fabric, device_type, tokenizer, model_path)
+                result = self._fit(fabric, device_type, tokenizer, model_path)
+                if watch is not None:
+                    watch.stop()
+                    fabric.barrier()  # no controller exits (taking the store with it) while another still watches
+                return result
             except Exception as err:
                 if fabric.world_size == 1:
                     raise
-                _report_rank_failure(fabric.global_rank, err)
+                _report_rank_failure(fabric.global_rank, err, watch)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             self.engine.shutdown()
@@ -260,7 +270,6 @@ class Trainer:
         history: list[dict[str, float]] = []
         bar = _progress(c.max_steps, enabled=c.enable_progress_bar and rank == 0)
         bar.update(start_step)
-        stall = None
         for step in range(start_step, c.max_steps):
             shard = sampler.shard(sampler.next_global())
             shard = take(shard) if not central or rank == 0 else []
@@ -269,17 +278,12 @@ class Trainer:
             metrics["balance/predicted_imbalance"] = sampler.last_imbalance
             if balancer is not None:
                 _learn_lengths(fabric, balancer, controller.last_samples, self.data_config.prompts_per_step)
-            if stall is not None:  # the previous step's checkpoint save
-                metrics["checkpoint/stall_s"], stall = stall, None
+            metrics.update(self._checkpoint_step(fabric, step, checkpoints, sampler, extra, model_path))
             fabric.log_dict(metrics, step=step)
             history.append(metrics)
             bar.set_description("step", refresh=False)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s=f"{metrics['time/step']:.2f}")
             bar.update(1)
-            checkpoints.poll()
-            if c.checkpoint_every and ((step + 1) % c.checkpoint_every == 0 or step == c.max_steps - 1):
-                stall = checkpoints.save(step, self.backend.state_dict(), self._trainer_state(step, sampler),
-                                         {"rng": rng_state(), "extra_sampler": extra.state_dict()}, asynchronous=c.async_checkpoint, hf_files=model_path)
         checkpoints.wait()
         bar.close()
         for logger in fabric.loggers:
@@ -317,8 +321,29 @@ class Trainer:
         return CheckpointManager(root, c.keep_checkpoints, fabric.global_rank, fabric.world_size,
                                  barrier=fabric.barrier, process_group=group)
 
-    def _trainer_state(self, step: int, sampler: PromptSampler) -> dict:
-        state = {"step": step, "sampler": sampler.state_dict(), "seed": self.config.seed}
+    def _checkpoint_step(self, fabric, step: int, checkpoints: CheckpointManager,  # noqa: ANN001
+                         sampler: PromptSampler, extra: PromptSampler, model_path: str) -> dict[str, float]:
+        """Finish saves whose writes are done; start this step's save when one is due.
+
+        Returns the metrics to log with this step: ``checkpoint/stall_s``, the seconds training
+        waited for the save it started (with async saves, only the copy of the state to memory),
+        and ``checkpoint/write_s``, the seconds a save took until it was complete and visible
+        (rank 0, when one completes).
+        """
+        c, metrics = self.config, {}
+        checkpoints.poll()
+        for _, seconds in checkpoints.take_finished():
+            metrics["checkpoint/write_s"] = seconds
+        if c.checkpoint_every and ((step + 1) % c.checkpoint_every == 0 or step == c.max_steps - 1):
+            metrics["checkpoint/stall_s"] = checkpoints.save(
+                step, self.backend.state_dict(), self._trainer_state(step, sampler, fabric.world_size),
+                {"rng": rng_state(), "extra_sampler": extra.state_dict()},
+                asynchronous=c.async_checkpoint, hf_files=model_path)
+        return metrics
+
+    def _trainer_state(self, step: int, sampler: PromptSampler, world_size: int) -> dict:
+        """What every rank shares: the step, the global prompt stream (with the learnt lengths), plugin state."""
+        state = {"step": step, "sampler": sampler.state_dict(), "seed": self.config.seed, "world_size": world_size}
         for name, plugin in (("algorithm", self.algorithm), ("placement", self.placement)):
             if callable(getattr(plugin, "state_dict", None)):
                 state[name] = plugin.state_dict()
@@ -326,7 +351,14 @@ class Trainer:
 
     def _resume(self, fabric, checkpoints: CheckpointManager, sampler: PromptSampler,  # noqa: ANN001
                 extra: PromptSampler) -> int:
-        """Restore the latest (or given) checkpoint; returns the first step to run."""
+        """Restore the latest (or given) checkpoint; returns the first step to run.
+
+        On the rank count that wrote it, everything continues exactly. On another rank count
+        (elastic resume) the weights, optimizer and scheduler are resharded by DCP; the global
+        prompt stream and the learnt lengths are shared state and continue as they were; a rank
+        that existed before keeps its own dynamic-sampling prompt stream, a new rank starts its
+        own; the random generators are reseeded from the seed, the rank and the step.
+        """
         c, rank = self.config, fabric.global_rank
         path = resolve_resume(c.resume, checkpoints.root)
         if path is None:
@@ -337,19 +369,28 @@ class Trainer:
         trainer_state, rank_state = checkpoints.load(path, state)
         self.backend.load_state_dict(state)
         sampler.load_state_dict(trainer_state["sampler"])
-        if rank_state is not None and "extra_sampler" in rank_state:  # a per-rank stream: same rank count only
+        if rank_state is not None and "extra_sampler" in rank_state:
             extra.load_state_dict(rank_state["extra_sampler"])
         for name, plugin in (("algorithm", self.algorithm), ("placement", self.placement)):
             if name in trainer_state and callable(getattr(plugin, "load_state_dict", None)):
                 plugin.load_state_dict(trainer_state[name])
         start = int(trainer_state["step"]) + 1
-        if rank_state is not None:
+        saved_world = int(trainer_state["world_size"])
+        if saved_world == fabric.world_size:
             set_rng_state(rank_state["rng"])  # same rank count: continue exactly
         else:
-            fabric.seed_everything(c.seed + rank + 100_003 * start, verbose=False)  # resharded: reseed
+            fabric.seed_everything(c.seed + rank + 100_003 * start, verbose=False)
         self.engine.update_weights(self.backend.named_weights())
         if rank == 0:
             print(f"resumed from {path} at step {start}")
+            if saved_world != fabric.world_size:
+                world, kept = fabric.world_size, min(saved_world, fabric.world_size)
+                print(f"elastic resume: written by {saved_world} controller(s), running on {world}: weights and "
+                      f"optimizer resharded, prompt stream at epoch {sampler.epoch} position {sampler.position}, "
+                      f"controller(s) {_span(0, kept)} keep their extra prompt streams, "
+                      + (f"{_span(kept, world)} start their own" if world > kept
+                         else f"those of {_span(kept, saved_world)} are dropped")
+                      + "; random generators reseeded")
         return start
 
     def hyperparameters(self) -> dict:
@@ -372,18 +413,33 @@ class Trainer:
         }
 
 
-def _report_rank_failure(rank: int, err: Exception) -> None:
-    """Say which controller failed and why; a controller that only lost its peers says so."""
+def _span(first: int, end: int) -> str:
+    """Ranks ``first..end-1`` as text: ``1`` or ``1-3``."""
+    return str(first) if end - first == 1 else f"{first}-{end - 1}"
+
+
+def _report_rank_failure(rank: int, err: Exception, watch: ControllerWatch | None = None) -> None:
+    """Say which controller failed and why; a controller that only lost its peers names the lost one."""
     import sys
 
     message = str(err).splitlines()[0] if str(err) else type(err).__name__
     lost = any(s in message for s in ("Connection closed by peer", "Connection reset", "timed out", "Timed out",
                                       "Broken pipe", "connection", "Connection refused"))
     if lost and not isinstance(err, GcoreError):
+        found = watch.wait_for_loss(timeout=10.0) if watch is not None else {}
+        if watch is not None:
+            watch.mark(f"failed: lost contact ({message})")
+        if found:
+            raise GcoreError(
+                f"controller {rank}: {watch.describe(found)}; the run stopped at the broken collective "
+                f"({message}). Continue it from the last complete checkpoint with --trainer.resume auto"
+            ) from err
         raise GcoreError(
             f"controller {rank}: lost contact with another controller ({message}); that controller's own "
             "error is reported above"
         ) from err
+    if watch is not None:
+        watch.mark(f"failed: {type(err).__name__}: {message}")
     print(f"gcore: controller {rank} failed: {type(err).__name__}: {message}", file=sys.stderr, flush=True)
     raise err
 

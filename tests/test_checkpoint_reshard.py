@@ -43,10 +43,11 @@ def _save_on_two(fabric, model_dir):
 def _load_on_two(fabric, model_dir):
     backend, manager = _setup(fabric, model_dir)
     state = backend.state_dict()
-    _, rank_state = manager.load(latest_checkpoint(manager.root), state)
+    trainer_state, rank_state = manager.load(latest_checkpoint(manager.root), state)
     backend.load_state_dict(state)
     expected = torch.load(os.path.join(os.path.dirname(model_dir), "expected.pt"))
-    assert rank_state is None  # written by 1 rank: generators are reseeded, not restored
+    assert trainer_state["world_size"] == 1
+    assert rank_state == ({"rank": 0} if fabric.global_rank == 0 else None)  # rank 1 did not exist then
     for name, tensor in backend.named_weights():
         assert torch.equal(tensor, expected[name]), name
     _train_step(backend, fabric.global_rank)  # training goes on from there
@@ -74,7 +75,8 @@ def test_two_ranks_to_one(tmp_path):
     expected = torch.load(tmp_path / "expected.pt")
     for name, tensor in backend.named_weights():
         assert torch.equal(tensor, expected[name]), name
-    assert trainer_state["step"] == 1 and rank_state is None
+    assert trainer_state["step"] == 1 and trainer_state["world_size"] == 2
+    assert rank_state == {"rank": 0}  # rank 0's own state; rank 1's is not this rank's to take
     assert any(len(s) for s in backend.optimizer.optimizer.state.values())  # Adam moments came back
 
 
@@ -82,6 +84,6 @@ def test_one_rank_to_two(tmp_path):
     model_dir = _model(tmp_path)
     backend, manager = _setup(Fabric(accelerator="cpu", devices=1), model_dir)
     _train_step(backend, 0)
-    manager.save(1, backend.state_dict(), {"step": 1}, {}, asynchronous=False)
+    manager.save(1, backend.state_dict(), {"step": 1}, {"rank": 0}, asynchronous=False)
     torch.save(dict(backend.named_weights()), tmp_path / "expected.pt")
     Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_load_on_two, model_dir)

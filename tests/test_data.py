@@ -39,6 +39,20 @@ def test_sampler_deals_each_prompt_once_per_epoch_across_ranks():
     assert fresh.next_global() == samplers[0].next_global()
 
 
+def test_sampler_state_moves_to_another_rank_count_and_checks_the_dataset():
+    two = [PromptSampler(10, per_step=4, rank=r, world_size=2, seed=3, shuffle=True) for r in range(2)]
+    for _ in range(3):  # into the second epoch
+        for sampler in two:
+            sampler.shard(sampler.next_global())
+    one = PromptSampler(10, per_step=4, rank=0, world_size=1, seed=3, shuffle=True)
+    one.load_state_dict(two[0].state_dict())
+    expected = two[0].next_global()
+    assert one.next_global() == expected and one.shard(expected) == expected  # the global stream goes on
+    other_dataset = PromptSampler(12, per_step=4, rank=0, world_size=1, seed=3, shuffle=True)
+    with pytest.raises(DataError, match="over 10 prompts, this run has 12"):
+        other_dataset.load_state_dict(two[0].state_dict())
+
+
 def test_sampler_rejects_fewer_prompts_than_controllers():
     with pytest.raises(DataError, match="smaller than the 4 controllers"):
         PromptSampler(10, per_step=2, rank=0, world_size=4, seed=0, shuffle=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gcore.errors import ConfigError
@@ -235,3 +237,22 @@ def test_shipped_calibration_matches_its_measurements():
         predicted = predict_stages(calibrated_workload(costs, s), s)
         for stage in ("generate", "reward", "train"):
             assert relative_error(predicted[stage], s.measured[stage]) < 0.25, (stage, s)
+
+
+def test_dynamic_split_is_saved_and_restored_on_any_device_count():
+    policy = DynamicPlacement(judge_fraction=0.25, max_move_fraction=0.5)
+    policy.setup(8, "simulated")
+    policy.judge_devices = 4  # where the run had moved it
+    state = json.loads(json.dumps(policy.state_dict()))  # as a checkpoint stores it
+    same = DynamicPlacement(judge_fraction=0.25)
+    same.setup(8, "simulated")
+    same.load_state_dict(state)
+    assert same.judge_devices == 4
+    larger = DynamicPlacement(judge_fraction=0.25)
+    larger.setup(16, "simulated")
+    larger.load_state_dict(state)
+    assert larger.judge_devices == 8  # the same share of more devices
+    small = DynamicPlacement(judge_fraction=0.25, min_fraction=0.25)
+    small.setup(4, "simulated")
+    small.load_state_dict({"total": 8, "judge_devices": 7})
+    assert small.judge_devices == 3  # 7/8 of 4, clamped: generation keeps its one device

@@ -1,6 +1,7 @@
 """Resuming: exact continuation on the same rank count, and surviving a SIGKILL."""
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import time
 import pytest
 
 from conftest import FAST
+from gcore import GRPO, DataConfig, ModelConfig, SamplingParams, StaticPlacement, Trainer, TrainerConfig
 
 pytestmark = pytest.mark.slow
 
@@ -32,20 +34,79 @@ def _fit(root, *args, **kwargs):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kwargs)
 
 
-def test_resume_continues_exactly(tmp_path):
-    whole = _fit(tmp_path / "a", "--trainer.max_steps", "6", "--trainer.checkpoint_every", "3")
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])  # ppo: the critic and its optimizer come back too
+def test_resume_continues_exactly(tmp_path, algorithm):
+    whole = _fit(tmp_path / "a", "--trainer.max_steps", "6", "--trainer.checkpoint_every", "3",
+                 "--algorithm", algorithm)
     assert whole.returncode == 0, whole.stderr
     ckpt = tmp_path / "a" / "gcore" / "checkpoints" / "step_00000002"
     assert ckpt.is_dir()
-    resumed = _fit(tmp_path / "a", "--trainer.max_steps", "6", "--trainer.resume", str(ckpt))
+    resumed = _fit(tmp_path / "a", "--trainer.max_steps", "6", "--trainer.resume", str(ckpt), "--algorithm", algorithm)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and "at step 3" in resumed.stdout
     runs = _rows(tmp_path / "a")
     first, second = runs["version_0"], runs["version_1"]
     assert [r["step"] for r in second] == ["3", "4", "5"]
+    keys = KEYS + (("critic/value_loss", "critic/grad_norm", "clip_frac") if algorithm == "ppo" else ())
     for before, after in zip(first[3:], second):
-        for key in KEYS:
+        for key in keys:
             assert before[key] == after[key], (key, before["step"], before[key], after[key])
+    stalls = [row["checkpoint/stall_s"] for row in first]  # logged with the steps that saved (2 and 5)
+    assert float(stalls[2]) >= 0 and float(stalls[5]) >= 0 and stalls[:2] == ["", ""]
+
+
+class CountingGRPO(GRPO):
+    """GRPO with state that changes during training: how many batches it has seen."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches = 0
+
+    def advantages(self, batch):
+        self.batches += 1
+        return super().advantages(batch)
+
+    def state_dict(self):
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state):
+        self.batches = state["batches"]
+
+
+class CountingPlacement(StaticPlacement):
+    """Static placement that counts its updates (stands in for a placement decision)."""
+
+    def __init__(self):
+        super().__init__()
+        self.updates = 0
+
+    def update(self, telemetry):
+        self.updates += 1
+        return {}
+
+    def state_dict(self):
+        return {"updates": self.updates}
+
+    def load_state_dict(self, state):
+        self.updates = state["updates"]
+
+
+def test_algorithm_and_placement_state_come_back(tmp_path):
+    def run(**trainer):
+        algorithm, placement = CountingGRPO(), CountingPlacement()
+        Trainer(trainer=TrainerConfig(default_root_dir=str(tmp_path), enable_progress_bar=False, save_final=False,
+                                      **trainer),
+                model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
+                data=DataConfig(prompts_per_step=4), sampling=SamplingParams(n=2, max_new_tokens=4),
+                algorithm=algorithm, placement=placement).fit()
+        return algorithm, placement
+
+    algorithm, placement = run(max_steps=4, checkpoint_every=2)
+    assert (algorithm.batches, placement.updates) == (4, 4)
+    ckpt = tmp_path / "gcore" / "checkpoints" / "step_00000001"
+    assert json.loads((ckpt / "trainer_state.json").read_text())["algorithm"] == {"batches": 2}
+    algorithm, placement = run(max_steps=4, resume=str(ckpt))  # fresh instances: counts start at 0
+    assert (algorithm.batches, placement.updates) == (4, 4)  # 2 restored + steps 2 and 3
 
 
 def test_resume_auto_without_checkpoint_starts_fresh(tmp_path):

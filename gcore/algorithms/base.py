@@ -195,6 +195,14 @@ class Algorithm(ABC):
         """Called once before training with the generation budget (for length-aware shaping)."""
         self.max_new_tokens = max_new_tokens
 
+    def state_dict(self) -> dict:
+        """State that changes during training (e.g. an adaptive KL coefficient), saved in every
+        checkpoint as JSON; the built-in algorithms have none."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned, when a run resumes."""
+
     @property
     def needs_reference(self) -> bool:
         """Whether reference-model log-probabilities must be computed (and the model kept)."""

@@ -43,3 +43,11 @@ class PlacementPolicy(ABC):
     def update(self, telemetry: Telemetry) -> dict[str, float]:
         """Re-decide placement from measured utilization; returns metrics to log."""
         return {}
+
+    def state_dict(self) -> dict:
+        """The current placement decision, saved in every checkpoint as JSON (after ``setup``)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned, when a run resumes (after ``setup``, which may have
+        seen a different number of devices)."""

@@ -72,6 +72,15 @@ class DynamicPlacement(PlacementPolicy):
         wanted = round(self.judge_fraction * self.total)
         self.judge_devices = min(max(wanted, self.min_devices), self.total - self.min_devices)
 
+    def state_dict(self) -> dict:
+        return {"total": self.total, "judge_devices": self.judge_devices}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The saved split; on a different device count, the same judge share, within the bounds."""
+        share = state["judge_devices"] / state["total"] if state.get("total") else self.judge_fraction
+        wanted = state["judge_devices"] if state.get("total") == self.total else round(share * self.total)
+        self.judge_devices = min(max(wanted, self.min_devices), self.total - self.min_devices)
+
     def predicted_rollout(self, judge_devices: int, busy: tuple[float, float], floors: tuple[float, float]) -> float:
         """Rollout seconds predicted for a judge partition of ``judge_devices`` from this step's measurements.
 

@@ -1,0 +1,217 @@
+"""Which controller was lost: heartbeats, child-process exit codes and the rendezvous store.
+
+When one controller dies (SIGKILL, out of memory, a machine gone), the others learn it only as a
+broken collective ("Connection reset by peer"), which names no rank, or not at all while they are
+busy generating. ``ControllerWatch`` runs a thread in every controller that
+
+- bumps this controller's heartbeat counter in the run's rendezvous store (``MASTER_ADDR:MASTER_PORT``)
+  and watches the others' counters;
+- on the process that launched the local controllers, polls their exit codes (a controller killed
+  by a signal is named with the signal at once);
+- treats the store itself going away as the loss of controller 0, which hosts it.
+
+A controller that is lost is reported once, naming it and the reason; if this controller is still
+running ``grace`` seconds later (busy, or blocked in a collective that would only fail after
+``--trainer.collective_timeout``), the watch ends the process and its local controllers, so that
+no rank waits forever. A controller that fails with its own error, or finishes, says so in the
+store first (``mark``), so it is not mistaken for a lost one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+PREFIX = "gcore/watch"
+EXIT_LOST = 3  # exit status of a controller stopped because another one was lost
+
+
+def describe_exit(code: int) -> str:
+    """``-9`` -> ``killed by SIGKILL``; ``2`` -> ``exited with status 2``."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+class ControllerWatch:
+    """Names lost controllers and stops this one when a peer is gone; one per controller process.
+
+    Args:
+        rank, world_size: this controller's place in the run.
+        store: a ``torch.distributed.Store`` client of its own (not shared with other threads), or
+            ``None`` to watch only the local child processes.
+        children: global rank -> ``subprocess.Popen`` of the controllers this process launched.
+        silence_limit: seconds without a heartbeat after which a controller is declared lost.
+        interval: seconds between heartbeats and checks.
+        grace: seconds this controller may go on after a loss before the watch ends it.
+    """
+
+    def __init__(self, rank: int, world_size: int, store=None,  # noqa: ANN001
+                 children: dict[int, subprocess.Popen] | None = None, silence_limit: float = 600.0,
+                 interval: float = 0.5, grace: float = 15.0) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.store = store
+        self.children = dict(children or {})
+        self.silence_limit, self.interval, self.grace = silence_limit, interval, grace
+        self.lost: dict[int, str] = {}
+        self._found = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._store_lock = threading.Lock()
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last counter, when it last changed)
+        self._thread = threading.Thread(target=self._run, name="gcore-controller-watch", daemon=True)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @classmethod
+    def for_fabric(cls, fabric, silence_limit: float) -> ControllerWatch:  # noqa: ANN001
+        """A started watch for this Fabric run: its own store client, and the launched children."""
+        store = _connect_store(timeout=max(5.0, min(silence_limit, 30.0)))
+        children = {}
+        procs = list(getattr(fabric.strategy.launcher, "procs", None) or [])
+        if procs:  # this process launched controllers 1..len(procs) of its node (Lightning's subprocess launcher)
+            per_node = len(procs) + 1
+            children = {fabric.node_rank * per_node + i + 1: proc for i, proc in enumerate(procs)}
+            _retire_lightning_observer()  # it would SIGKILL this process 5 s after a child's death, silently
+        watch = cls(fabric.global_rank, fabric.world_size, store, children, silence_limit)
+        watch.start()
+        return watch
+
+    def start(self) -> None:
+        if self.store is not None:
+            self._beat()
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Say this controller finished and stop watching (before the run's last barrier)."""
+        self.mark("done")
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5 * self.interval + 5)
+
+    def mark(self, state: str) -> None:
+        """Record ``done`` or ``failed: <why>`` for the other controllers' watches."""
+        if self.store is None or 0 in self.lost:  # no store left to tell
+            return
+        try:
+            with self._store_lock:
+                self.store.set(f"{PREFIX}/state/{self.rank}", state)
+        except Exception:  # noqa: BLE001  the store may be gone with controller 0; nothing to tell then
+            pass
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def wait_for_loss(self, timeout: float) -> dict[int, str]:
+        """Lost controllers (rank -> reason), waiting up to ``timeout`` s for the watch to find one."""
+        self._found.wait(timeout)
+        with self._lock:
+            return dict(self.lost)
+
+    def describe(self, lost: dict[int, str] | None = None) -> str:
+        lost = self.lost if lost is None else lost
+        return "; ".join(f"controller {r} {why}" for r, why in sorted(lost.items()))
+
+    # -- the thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        acted_at = None
+        while not self._stop.wait(self.interval):
+            self._check_children()
+            if self.store is not None and 0 not in self.lost:
+                self._beat()
+                self._check_peers()
+            if self.lost and acted_at is None:
+                acted_at = time.monotonic()
+                print(f"gcore: controller {self.rank}: {self.describe()}; stopping the run "
+                      "(continue it with --trainer.resume auto)", file=sys.stderr, flush=True)
+            if acted_at is not None and time.monotonic() - acted_at > self.grace:
+                self._end_process()
+
+    def _lose(self, rank: int, reason: str) -> None:
+        with self._lock:
+            self.lost.setdefault(rank, reason)
+        self._found.set()
+
+    def _check_children(self) -> None:
+        for rank, proc in self.children.items():
+            code = proc.poll()
+            if code is not None and code != 0 and rank not in self.lost:
+                if code < 0:
+                    self._lose(rank, f"was {describe_exit(code)} (pid {proc.pid})")
+                else:
+                    self._lose(rank, f"failed ({describe_exit(code)}, pid {proc.pid}; its error is above)")
+
+    def _beat(self) -> None:
+        try:
+            with self._store_lock:
+                self.store.add(f"{PREFIX}/beat/{self.rank}", 1)
+        except Exception as err:  # noqa: BLE001  controller 0 hosts the store: only the others can lose it
+            if self.rank != 0:
+                self._lose(0, f"is gone: the rendezvous store it hosts stopped answering ({_first_line(err)})")
+
+    def _check_peers(self) -> None:
+        now = time.monotonic()
+        for peer in range(self.world_size):
+            if peer == self.rank or peer in self.lost:
+                continue
+            try:
+                with self._store_lock:
+                    count = self.store.add(f"{PREFIX}/beat/{peer}", 0)
+                    state_key = f"{PREFIX}/state/{peer}"
+                    state = self.store.get(state_key).decode() if self.store.check([state_key]) else ""
+            except Exception:  # noqa: BLE001  reported by _beat as the loss of controller 0
+                return
+            if state == "done":
+                continue
+            last = self._seen.get(peer)
+            if last is None or last[0] != count:
+                self._seen[peer] = (count, now)
+            elif now - last[1] > self.silence_limit:
+                why = f"failed ({state[len('failed: '):]})" if state.startswith("failed") else (
+                    f"sent no heartbeat for {self.silence_limit:.0f} s (killed, or its machine is gone)")
+                self._lose(peer, why)
+
+    def _end_process(self) -> None:
+        print(f"gcore: controller {self.rank}: still running {self.grace:.0f} s after the loss ({self.describe()}); "
+              "ending it", file=sys.stderr, flush=True)
+        for proc in self.children.values():
+            if proc.poll() is None:
+                proc.kill()  # a controller blocked in a collective does not answer SIGTERM
+        os._exit(EXIT_LOST)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _connect_store(timeout: float):  # noqa: ANN202
+    """A client of the run's rendezvous store of our own (``None`` when there is none to reach)."""
+    import torch.distributed as dist
+
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return None
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout),
+                             wait_for_workers=False)
+    except Exception as err:  # noqa: BLE001  the run works without heartbeats; only the loss messages are poorer
+        print(f"gcore: controller heartbeats disabled: cannot reach the store at {host}:{port} ({_first_line(err)})",
+              file=sys.stderr, flush=True)
+        return None
+
+
+def _retire_lightning_observer() -> None:
+    """Lightning's child-process observer SIGKILLs the launcher 5 s after any child exits non-zero,
+    before gcore can say which controller was lost; ``ControllerWatch`` does that job instead."""
+    for thread in threading.enumerate():
+        if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
+            thread._child_processes = []  # its next check sees nothing left to watch and ends
