@@ -225,6 +225,61 @@ def test_train_step_matches_the_torch_backend(tmp_path, tp):
         assert result["weights"] < WEIGHT_TOL, result
 
 
+def _compare_optimizers(fabric, model_dir, out):
+    """Two steps with torch AdamW and with megatron's distributed optimizer (DP=2); then the
+    distributed optimizer resumed from the AdamW run's state after step 1 takes step 2."""
+    from gcore.backends.megatron import MegatronBackend
+
+    rank = fabric.global_rank
+    runs = {}
+    for name, distributed, resume_from in (("plain", False, None), ("distributed", True, None),
+                                           ("resumed", True, "plain")):
+        backend = MegatronBackend(lr=1e-2, micro_batch_size=3, warmup_steps=2, distributed_optimizer=distributed)
+        backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+        if resume_from:
+            backend.load_state_dict(runs[resume_from]["state"])
+            first = runs[resume_from]["first"]
+        else:
+            first = backend.train(_rank_batch(rank), GRPO(kl_coef=0.0), max_new_tokens=8)
+        state = backend.state_dict()
+        second = backend.train(_rank_batch(1 - rank), GRPO(kl_coef=0.0), max_new_tokens=8)
+        slots = backend._adam_slots()
+        held = sum(len(range(p.numel())[s]) if s is not None else p.numel() for p, _, s in slots.values())
+        runs[name] = {"first": first, "second": second, "state": state, "weights": dict(backend.named_weights()),
+                      "held": held, "total": sum(p.numel() for p in backend.policy.parameters()),
+                      "type": type(backend.optimizer).__name__}
+    torch.save({k: {key: v for key, v in run.items()} for k, run in runs.items()}, f"{out}.{rank}")
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_matches_adamw(tmp_path):
+    _megatron()
+    model_dir = _model_dir(str(tmp_path))
+    out = str(tmp_path / "result")
+    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_compare_optimizers, model_dir, out)
+    ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    for runs in ranks:
+        plain = runs["plain"]
+        assert plain["type"] == "AdamW" and runs["distributed"]["type"] == "ChainedOptimizer"
+        assert plain["held"] == plain["total"]
+        assert runs["distributed"]["held"] < 0.6 * plain["total"]  # Adam state sharded over the 2 DP ranks
+        for name in ("distributed", "resumed"):
+            run = runs[name]
+            for step in ("first", "second"):
+                assert abs(run[step]["loss"] - plain[step]["loss"]) < LOSS_TOL, (name, step)
+                assert abs(run[step]["grad_norm"] - plain[step]["grad_norm"]) < 1e-4, (name, step)
+                assert run[step]["lr"] == plain[step]["lr"]
+            for key, tensor in plain["weights"].items():
+                assert (run["weights"][key] - tensor).abs().max() < WEIGHT_TOL, (name, key)
+        for key in ("exp_avg", "exp_avg_sq"):  # the gathered moments after step 1 equal AdamW's
+            for hf_name, tensor in plain["state"]["optim"][key].items():
+                assert (runs["distributed"]["state"]["optim"][key][hf_name] - tensor).abs().max() < 1e-6, hf_name
+        assert float(runs["distributed"]["state"]["optim"]["step"]) == 1.0
+    assert plain["first"]["lr"] == 1e-2  # the next update's lr: warm-up 5e-3, 1e-2 over 2 updates
+    for key, tensor in ranks[0]["distributed"]["weights"].items():  # every rank got the all-gathered weights
+        assert torch.equal(ranks[1]["distributed"]["weights"][key], tensor), key
+
+
 def test_unsupported_parallel_sizes_are_one_line():
     backend_class = _megatron()
     with pytest.raises(ConfigError, match="pipeline_parallel_size 2: only 1 is supported"):

@@ -61,6 +61,11 @@ class MegatronBackend(TrainingBackend):
         micro_batch_size: sequences per forward/backward pass of a tensor-parallel group.
         warmup_steps: linear learning-rate warm-up, in optimizer steps.
         transformer_engine: use the Transformer Engine layer spec (``auto``: on GPU when importable).
+        distributed_optimizer: megatron-core's distributed optimizer (``DistributedOptimizer`` over
+            megatron's ``DistributedDataParallel`` grad buffers: gradients reduce-scattered, Adam
+            state sharded over the data-parallel ranks, parameters all-gathered after the step);
+            ``None``: on when the data-parallel size is above 1. ``False``: torch AdamW over each
+            rank's local shards, gradients all-reduced.
     """
 
     def __init__(
@@ -75,6 +80,7 @@ class MegatronBackend(TrainingBackend):
         micro_batch_size: int = 32,
         warmup_steps: int = 0,
         transformer_engine: Literal["auto", "true", "false"] = "auto",
+        distributed_optimizer: bool | None = None,
     ) -> None:
         _require_megatron()
         if tensor_parallel_size < 1:
@@ -98,11 +104,13 @@ class MegatronBackend(TrainingBackend):
         self.micro_batch_size = micro_batch_size
         self.warmup_steps = warmup_steps
         self.transformer_engine = transformer_engine
+        self.distributed_optimizer = distributed_optimizer
         self.fabric = None
         self.policy = None
         self.reference = None
-        self.optimizer = None
-        self.scheduler = None
+        self.optimizer = None  # torch AdamW, or megatron's (chained) DistributedOptimizer
+        self.grad_buffers = None  # megatron DistributedDataParallel around the policy (distributed optimizer)
+        self.base_lr = 0.0
         self.hf_config = None
         self.layout: Layout | None = None
         self._updates = 0  # optimizer steps taken; tells save_pretrained whether the last sync is current
@@ -132,17 +140,54 @@ class MegatronBackend(TrainingBackend):
         self.policy = self._build_model(dtype)
         self._load_hf_state(self.policy, hf_state)
         self.policy.train()
-        lr = self.lr if self.lr is not None else (5e-3 if embedded else 1e-6)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=lr, betas=self.betas,
-                                           weight_decay=self.weight_decay)
-        warmup = self.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-        )
+        self.base_lr = self.lr if self.lr is not None else (5e-3 if embedded else 1e-6)
+        use_distributed = self.distributed_optimizer if self.distributed_optimizer is not None else self.dp_size > 1
+        if use_distributed:
+            self._setup_distributed_optimizer(dtype)
+        else:
+            self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self._current_lr(), betas=self.betas,
+                                               weight_decay=self.weight_decay)
         if algorithm.needs_reference:
             self.reference = self._build_model(dtype)
             self._load_hf_state(self.reference, hf_state)
             self.reference.eval().requires_grad_(False)
+
+    def _setup_distributed_optimizer(self, dtype: torch.dtype) -> None:
+        """Wrap the policy in megatron's ``DistributedDataParallel`` and build its ``DistributedOptimizer``."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        # gradients are summed over data-parallel ranks (the model config's calculate_per_token_loss:
+        # no 1/DP scaling), as LossScale already normalises the loss globally
+        self.policy.config.calculate_per_token_loss = True
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            overlap_param_gather=False,
+        )
+        optimizer_config = OptimizerConfig(
+            optimizer="adam", lr=self._current_lr(), weight_decay=self.weight_decay, adam_beta1=self.betas[0],
+            adam_beta2=self.betas[1], adam_eps=1e-8, clip_grad=0.0,  # clipping is done in _distributed_step
+            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+            use_distributed_optimizer=True,
+        )
+        with self._cuda_calls():
+            self.grad_buffers = DistributedDataParallel(self.policy.config, ddp_config, self.policy)
+            self.optimizer = get_megatron_optimizer(optimizer_config, [self.grad_buffers], use_gloo_process_groups=False)
+
+    def _cuda_calls(self):  # noqa: ANN202
+        """Context for megatron's distributed-optimizer code: adapted to the CPU on a CPU run."""
+        import contextlib
+
+        if self.device.type != "cpu":
+            return contextlib.nullcontext()
+        from gcore.backends.megatron_cpu import cuda_calls_on_cpu
+
+        return cuda_calls_on_cpu()
+
+    def _current_lr(self) -> float:
+        """The learning rate of the next update: linear warm-up over ``warmup_steps`` updates."""
+        warmup = self.warmup_steps
+        return self.base_lr * (min(1.0, (self._updates + 1) / warmup) if warmup > 0 else 1.0)
 
     def _init_parallel_state(self, fabric) -> None:  # noqa: ANN001
         from megatron.core import parallel_state
@@ -251,6 +296,7 @@ class MegatronBackend(TrainingBackend):
             from gcore.backends.megatron_cpu import keep_rotary_on_cpu
 
             keep_rotary_on_cpu(model)
+        _mark_tensor_parallel(model)
         return model.to(self.device)
 
     @torch.no_grad()
@@ -356,23 +402,51 @@ class MegatronBackend(TrainingBackend):
             order = torch.randperm(len(batch), generator=generator) if epoch > 0 else torch.arange(len(batch))
             for rows in torch.tensor_split(order, algorithm.mini_batches):
                 stats = self._train_mini_batch(batch, rows, algorithm, max_new_tokens)
-                grad_norm = self._reduce_and_clip_gradients()
-                loss_finite = math.isfinite(stats["loss"])
-                if math.isfinite(grad_norm) and loss_finite:
-                    self.optimizer.step()
-                    self.scheduler.step()
+                loss_finite = math.isfinite(stats["loss"])  # already summed over ranks: same on every rank
+                if self.grad_buffers is not None:
+                    grad_norm, stepped = self._distributed_step(loss_finite)
+                else:
+                    grad_norm = self._reduce_and_clip_gradients()
+                    stepped = math.isfinite(grad_norm) and loss_finite
+                    if stepped:
+                        for group in self.optimizer.param_groups:
+                            group["lr"] = self._current_lr()
+                        self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                if stepped:
                     self._updates += 1
                 else:
                     skipped += 1  # a non-finite loss or gradient skips the update (same on every rank)
-                self.optimizer.zero_grad(set_to_none=True)
                 optimizer_steps += 1
                 stats["grad_norm"] = grad_norm
                 for key, value in stats.items():
                     sums[key] = sums.get(key, 0.0) + value
         metrics = {key: value / optimizer_steps for key, value in sums.items()}
         metrics["skipped_updates"] = float(skipped)
-        metrics["lr"] = float(self.scheduler.get_last_lr()[0])
+        metrics["lr"] = self._current_lr()
         return metrics
+
+    def _distributed_step(self, loss_finite: bool) -> tuple[float, bool]:
+        """Reduce-scatter the gradients, clip by the global norm and step megatron's distributed
+        optimizer (which all-gathers the updated parameters); returns the norm and whether it stepped."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        with self._cuda_calls():
+            self.grad_buffers.finish_grad_sync()
+            self.optimizer.prepare_grads()
+            norm = float(self.optimizer.get_grad_norm())
+            stepped = math.isfinite(norm) and loss_finite
+            if stepped:
+                if self.max_grad_norm:
+                    for optimizer in optimizers:
+                        clip_grad_by_total_norm_fp32(optimizer.get_parameters(), self.max_grad_norm, norm)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = self._current_lr()
+                self.optimizer.step_with_ready_grads()
+            self.grad_buffers.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        return norm, stepped
 
     def _train_mini_batch(self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm,
                           max_new_tokens: int) -> dict[str, float]:
@@ -485,27 +559,67 @@ class MegatronBackend(TrainingBackend):
 
     # CHECKPOINT ------------------------------------------------------------------------------
 
+    def _adam_slots(self) -> dict[str, tuple[torch.Tensor, dict, slice | None]]:
+        """Per policy parameter: the tensor its Adam state is keyed by, that state's dict, and the
+        slice of the flattened parameter it covers (``None``: the whole parameter)."""
+        if self.grad_buffers is None:
+            return {n: (p, self.optimizer.state, None) for n, p in self.policy.named_parameters()}
+        slots: dict[int, tuple[torch.Tensor, dict, slice]] = {}
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            pairs = [(optimizer.model_fp32_groups, optimizer.shard_fp32_groups),
+                     (optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups)]
+            for model_groups, shard_groups in pairs:
+                for model_group, shard_group in zip(model_groups, shard_groups):
+                    for param, shard in zip(model_group, shard_group):
+                        owned = optimizer._get_model_param_range_map(param)["param"]
+                        slots[id(param)] = (shard, optimizer.optimizer.state, slice(owned.start, owned.end))
+        return {n: slots[id(p)] for n, p in self.policy.named_parameters() if id(p) in slots}
+
+    def _adam_moments(self) -> tuple[dict[str, dict[str, torch.Tensor]], float]:
+        """Full (this tensor-parallel rank's) Adam moments per parameter, and the step count.
+
+        With the distributed optimizer each data-parallel rank holds a slice of every moment: the
+        slices are summed over the data-parallel group into full tensors (a collective)."""
+        slots = self._adam_slots()
+        params = dict(self.policy.named_parameters())
+        moments: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+        step = 0.0
+        for key in moments:
+            for name, param in params.items():
+                tensor, state, owned = slots.get(name, (None, {}, None))
+                held = state.get(tensor, {}) if tensor is not None else {}
+                step = max(step, float(held.get("step", 0.0)))
+                full = torch.zeros(param.numel(), dtype=torch.float32 if owned is not None else param.dtype,
+                                   device=param.device)
+                if key in held:
+                    full[owned if owned is not None else slice(None)] = held[key].reshape(-1)
+                moments[key][name] = full.view(param.shape)
+        if self.grad_buffers is not None and self.dp_size > 1:
+            for key, per_param in moments.items():
+                flat = torch.cat([t.reshape(-1) for t in per_param.values()])
+                dist.all_reduce(flat, group=self.dp_group)
+                offset = 0
+                for name, tensor in per_param.items():
+                    tensor.copy_(flat[offset: offset + tensor.numel()].view_as(tensor))
+                    offset += tensor.numel()
+            top = torch.tensor([step], device=self.device)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.dp_group)
+            step = float(top[0])
+        return moments, step
+
     def state_dict(self) -> dict:
-        """Weights and AdamW moments as full HF-layout tensors: loads at any tensor-parallel size.
+        """Weights and Adam moments as full HF-layout tensors: loads at any parallel layout and with
+        or without the distributed optimizer.
 
         Every rank holds the same full tensors (DCP writes replicated tensors once). This is a
-        collective over the tensor-parallel group.
+        collective over the tensor-parallel (and, with the distributed optimizer, data-parallel) group.
         """
-        weights = {n: p.data for n, p in self.policy.named_parameters()}
+        weights = {n: p.data.clone() for n, p in self.policy.named_parameters()}  # a snapshot, not live views
         model = dict(self._hf_tensors(weights))
-        optim: dict[str, object] = {}
-        step = 0.0
-        for key in ("exp_avg", "exp_avg_sq"):
-            moments = {}
-            for n, p in self.policy.named_parameters():
-                state = self.optimizer.state.get(p, {})
-                moments[n] = state[key] if key in state else torch.zeros_like(p)
-                if "step" in state:
-                    step = float(state["step"])
-            optim[key] = dict(self._hf_tensors(moments))
+        moments, step = self._adam_moments()
+        optim: dict[str, object] = {key: dict(self._hf_tensors(per_param)) for key, per_param in moments.items()}
         optim["step"] = torch.tensor(step)
-        return {"model": model, "optim": optim, "scheduler": self.scheduler.state_dict(),
-                "updates": torch.tensor(float(self._updates))}
+        return {"model": model, "optim": optim, "updates": torch.tensor(float(self._updates))}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -516,17 +630,31 @@ class MegatronBackend(TrainingBackend):
         step = float(state["optim"]["step"])
         moments = {key: hf_state_to_megatron(dict(state["optim"][key]), names, self.layout, tp, rank)
                    for key in ("exp_avg", "exp_avg_sq")}
-        self.optimizer.state.clear()
+        slots = self._adam_slots()
+        for _, held, _ in slots.values():
+            held.clear()
         if step > 0:
-            for n, p in self.policy.named_parameters():
-                self.optimizer.state[p] = {
-                    "step": torch.tensor(step),
-                    "exp_avg": moments["exp_avg"][n].to(p.device, p.dtype).clone(),
-                    "exp_avg_sq": moments["exp_avg_sq"][n].to(p.device, p.dtype).clone(),
+            for name, (tensor, held, owned) in slots.items():
+                part = owned if owned is not None else slice(None)
+                held[tensor] = {"step": torch.tensor(step)} | {
+                    key: moments[key][name].reshape(-1)[part].to(tensor.device, tensor.dtype).view_as(tensor).clone()
+                    for key in ("exp_avg", "exp_avg_sq")
                 }
-        self.scheduler.load_state_dict(state["scheduler"])
+        if self.grad_buffers is not None:
+            with self._cuda_calls():
+                self.optimizer.reload_model_params()  # main (fp32) copies of the loaded weights
         self._updates = int(float(state["updates"]))
         self._synced = None
+
+
+def _mark_tensor_parallel(model) -> None:  # noqa: ANN001
+    """Set megatron's ``tensor_model_parallel`` attributes, which weights built with
+    ``perform_initialization=False`` lack; megatron's optimizer reads them for the gradient norm."""
+    for name, param in model.named_parameters():
+        row_parallel = name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight")
+        param.tensor_model_parallel = is_tensor_parallel(name)
+        param.partition_dim = 1 if row_parallel else 0
+        param.partition_stride = 1
 
 
 def _rope(config) -> dict:  # noqa: ANN001
