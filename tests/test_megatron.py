@@ -142,9 +142,21 @@ def test_cpu_adaptations_match_the_pinned_version():
     assert torch.equal(first, torch.rand(3, generator=torch.Generator().manual_seed(7)))
 
 
-def _model_dir(root, **config):
-    return materialize(ModelConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, **config),
+def _model_dir(root, tie_word_embeddings=True, **config):
+    path = materialize(ModelConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, **config),
                        char_tokenizer(), 0, os.path.join(root, "model"))
+    if not tie_word_embeddings:  # the embedded model is tied: give it its own (different) output layer
+        from transformers import AutoModelForCausalLM
+
+        tied = AutoModelForCausalLM.from_pretrained(path)
+        tied.config.tie_word_embeddings = False
+        untied = AutoModelForCausalLM.from_config(tied.config)
+        untied.load_state_dict(tied.state_dict())
+        with torch.no_grad():
+            untied.lm_head.weight.copy_(torch.randn(untied.lm_head.weight.shape,
+                                                    generator=torch.Generator().manual_seed(3)) * 0.02)
+        untied.save_pretrained(path)
+    return path
 
 
 def test_logprobs_match_the_hf_model(tmp_path):
@@ -178,7 +190,7 @@ def _rank_batch(rank):
     return batch
 
 
-def _compare_with_torch(fabric, model_dir, tp, out):
+def _compare_with_torch(fabric, model_dir, tp, pp, out):
     torch_backend = TorchBackend(lr=1e-2, micro_batch_size=2)
     torch_backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
     batch = _rank_batch(fabric.global_rank)
@@ -188,7 +200,7 @@ def _compare_with_torch(fabric, model_dir, tp, out):
 
     from gcore.backends.megatron import MegatronBackend
 
-    backend = MegatronBackend(tensor_parallel_size=tp, lr=1e-2, micro_batch_size=3)
+    backend = MegatronBackend(tensor_parallel_size=tp, pipeline_parallel_size=pp, lr=1e-2, micro_batch_size=3)
     backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
     logprobs = backend.compute_logprobs(batch, "policy")
     metrics = backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=8)
@@ -206,15 +218,17 @@ def _compare_with_torch(fabric, model_dir, tp, out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2])
-def test_train_step_matches_the_torch_backend(tmp_path, tp):
+@pytest.mark.parametrize(("tp", "pp", "tied"), [(1, 1, True), (2, 1, True), (1, 2, True), (1, 2, False)])
+def test_train_step_matches_the_torch_backend(tmp_path, tp, pp, tied):
+    """TP=1 (DP=2: the distributed optimizer), TP=2, and PP=2 (two stages, 1F1B over gloo; with the
+    embedding tied across the stages or not) each give the torch backend's step."""
     _megatron()
     from transformers import AutoModelForCausalLM
 
-    model_dir = _model_dir(str(tmp_path))
+    model_dir = _model_dir(str(tmp_path), tie_word_embeddings=tied)
     torch.save(AutoModelForCausalLM.from_pretrained(model_dir).state_dict(), tmp_path / "initial.pt")
     out = str(tmp_path / "result")
-    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_compare_with_torch, model_dir, tp, out)
+    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_compare_with_torch, model_dir, tp, pp, out)
     for rank in range(2):
         result = torch.load(f"{out}.{rank}")
         assert result["names"]
@@ -284,8 +298,9 @@ def test_unsupported_parallel_sizes_are_one_line():
     backend_class = _megatron()
     with pytest.raises(ConfigError, match="pipeline_parallel_size 2: only 1 is supported"):
         backend_class(pipeline_parallel_size=2)
-    with pytest.raises(ConfigError, match="context_parallel_size 2: only 1 is supported"):
-        backend_class(context_parallel_size=2)
+    with pytest.raises(ConfigError, match="sequence_parallel_size 2: the megatron backend supports only 1.*"
+                                          "Transformer Engine"):
+        backend_class(sequence_parallel_size=2)
 
 
 def _checkpoint_manager(fabric, root):

@@ -14,11 +14,13 @@ These adaptations are only installed when the run is on CPU (``install_cpu_adapt
    first forward pass. The model's instance gets a ``get_emb`` that computes the same embedding
    where the frequencies are (non-interleaved RoPE, as Llama and Qwen2 use).
 
-4. megatron's ``DistributedDataParallel`` grad/param buffers and ``DistributedOptimizer`` allocate
-   on ``torch.cuda.current_device()`` or ``device="cuda"`` and accept only parameters whose
-   ``Tensor.type()`` is ``torch.cuda.*Tensor``. ``cuda_calls_on_cpu()`` runs those calls (construction,
-   gradient reduce-scatter, optimizer step) with CUDA device requests sent to the CPU and CPU tensors
-   reporting a CUDA type name; nothing outside the block is affected.
+4. megatron's ``DistributedDataParallel`` grad/param buffers, ``DistributedOptimizer`` and the
+   pipeline schedules' send/receive buffers allocate on ``torch.cuda.current_device()`` or
+   ``device="cuda"``, call ``torch.cuda.synchronize()``, and the optimizer accepts only parameters
+   whose ``Tensor.type()`` is ``torch.cuda.*Tensor``. ``cuda_calls_on_cpu()`` runs those calls
+   (construction, gradient reduce-scatter, optimizer step, pipeline schedule) with CUDA device
+   requests sent to the CPU and CPU tensors reporting a CUDA type name; nothing outside the block
+   is affected.
 
 A fifth spot, the default causal mask (``get_default_causal_mask`` builds it on ``"cuda"``), needs
 no patch: the backend always passes its own causal mask. ``tests/test_megatron.py`` checks each
@@ -150,15 +152,17 @@ class _CudaCallsOnCPU(TorchFunctionMode):
 def cuda_calls_on_cpu() -> Iterator[None]:
     """Run megatron-core's distributed-optimizer code (which assumes CUDA) on CPU tensors.
 
-    Inside the block ``torch.cuda.current_device()`` returns the CPU device, ``device="cuda"``
+    Inside the block ``torch.cuda.current_device()`` returns the CPU device, ``torch.cuda.synchronize()``
+    does nothing (the pipeline's shape exchange calls it), ``device="cuda"``
     arguments become the CPU, ``Tensor.cuda()`` returns the tensor itself and ``Tensor.type()``
     reports ``torch.cuda.<Type>`` for CPU tensors. Only for CPU runs; not thread-safe (it swaps a
     module attribute for the duration of the block).
     """
-    saved = torch.cuda.current_device
+    saved = torch.cuda.current_device, torch.cuda.synchronize
     torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda device=None: None  # CPU work is done when the call returns
     try:
         with _CudaCallsOnCPU():
             yield
     finally:
-        torch.cuda.current_device = saved
+        torch.cuda.current_device, torch.cuda.synchronize = saved
