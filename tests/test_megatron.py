@@ -358,6 +358,45 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1(tmp_path):
     backend.train(_rank_batch(0), GRPO(kl_coef=0.0), max_new_tokens=8)  # training goes on from there
 
 
+def _save_without_a_peer(fabric, model_dir, out):
+    import time
+
+    from gcore.backends.megatron import MegatronBackend
+    from gcore.errors import GcoreError
+
+    backend = MegatronBackend(tensor_parallel_size=2)
+    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    if fabric.global_rank == 1:
+        time.sleep(25)  # never joins the checkpoint's gathers
+        return
+    start = time.monotonic()
+    try:
+        backend.state_dict()
+        result = "no error"
+    except GcoreError as err:
+        result = str(err)
+    torch.save({"error": result, "seconds": time.monotonic() - start}, out)
+
+
+@pytest.mark.slow
+def test_checkpoint_gather_without_a_peer_fails_within_the_timeout(tmp_path):
+    """The issue's hung TP=2 save: a rank that never joins the state gathers now fails the others
+    with a one-line error after the launcher's collective timeout (here 8 s), not after 30 minutes."""
+    _megatron()
+    from datetime import timedelta
+
+    from lightning.fabric.strategies import DDPStrategy
+
+    model_dir = _model_dir(str(tmp_path))
+    out = str(tmp_path / "result")
+    strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=8))
+    Fabric(accelerator="cpu", devices=2, strategy=strategy).launch(_save_without_a_peer, model_dir, out)
+    result = torch.load(out)
+    assert "every rank must save together" in result["error"], result
+    assert "at most 8 s" in result["error"], result
+    assert result["seconds"] < 25, result  # failed on the timeout, not when the peer went away
+
+
 @pytest.mark.slow
 def test_grpo_reward_rises_with_the_megatron_backend(tmp_path):
     backend_class = _megatron()

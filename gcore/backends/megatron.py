@@ -32,7 +32,7 @@ from gcore.backends.megatron_convert import (
     megatron_shards_to_hf,
 )
 from gcore.backends.torch import token_logprobs
-from gcore.errors import ConfigError
+from gcore.errors import ConfigError, GcoreError
 from gcore.types import RolloutBatch
 
 _LAYER_INDEX = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
@@ -217,11 +217,16 @@ class MegatronBackend(TrainingBackend):
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", rank=0, world_size=1)
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
+        # megatron's groups get the launcher's collective timeout (--trainer.collective_timeout), not
+        # torch's 30-minute default for new groups: a rank that never joins fails the others in time
+        timeout = getattr(fabric.strategy, "_timeout", None)
+        self.collective_timeout_s = timeout.total_seconds() if timeout is not None else 1800.0
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=self.tensor_parallel_size,
             pipeline_model_parallel_size=self.pipeline_parallel_size,
             context_parallel_size=self.context_parallel_size,
             create_gloo_process_groups=False,
+            distributed_timeout_minutes=self.collective_timeout_s / 60,  # (a timedelta(minutes=...) inside)
         )
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
@@ -745,8 +750,20 @@ class MegatronBackend(TrainingBackend):
         or without the distributed optimizer.
 
         Every rank holds the same full tensors (DCP writes replicated tensors once). This is a
-        collective over the tensor-parallel (and, with the distributed optimizer, data-parallel) group.
+        collective over the tensor-parallel and pipeline groups (and, with the distributed optimizer,
+        the data-parallel group); a peer that does not join within the collective timeout fails it
+        with a ``GcoreError`` instead of a hang.
         """
+        try:
+            return self._state_dict()
+        except (RuntimeError, dist.DistError) as err:
+            raise GcoreError(
+                f"megatron backend: gathering the checkpoint state over the model-parallel ranks failed after at "
+                f"most {self.collective_timeout_s:.0f} s (--trainer.collective_timeout); every rank must save "
+                f"together ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+            ) from err
+
+    def _state_dict(self) -> dict:
         weights = {n: p.data.clone() for n, p in self.policy.named_parameters()}  # a snapshot, not live views
         model = self._hf_tensors(weights)
         moments, step = self._adam_moments()
