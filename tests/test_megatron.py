@@ -316,10 +316,10 @@ def _checkpoint_manager(fabric, root):
                              barrier=fabric.barrier, process_group=group)
 
 
-def _save_at_tp2(fabric, model_dir, root):
+def _save_at(fabric, model_dir, root, tp, pp):
     from gcore.backends.megatron import MegatronBackend
 
-    backend = MegatronBackend(tensor_parallel_size=2, lr=1e-2)
+    backend = MegatronBackend(tensor_parallel_size=tp, pipeline_parallel_size=pp, lr=1e-2)
     backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
     backend.train(_rank_batch(fabric.global_rank), GRPO(kl_coef=0.0), max_new_tokens=8)
     manager = _checkpoint_manager(fabric, root)
@@ -332,14 +332,15 @@ def _save_at_tp2(fabric, model_dir, root):
 
 
 @pytest.mark.slow
-def test_checkpoint_saved_at_tp2_loads_at_tp1(tmp_path):
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_checkpoint_saved_at_tp2_or_pp2_loads_at_tp1(tmp_path, tp, pp):
     backend_class = _megatron()
     from gcore.checkpoint import latest_checkpoint
 
     model_dir = _model_dir(str(tmp_path))
     root = str(tmp_path / "ckpt")
     os.makedirs(root)
-    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_save_at_tp2, model_dir, root)
+    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_save_at, model_dir, root, tp, pp)
     fabric = Fabric(accelerator="cpu", devices=1)
     backend = backend_class(tensor_parallel_size=1, lr=1e-2)
     backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)

@@ -138,6 +138,9 @@ class MegatronBackend(TrainingBackend):
 
         self.fabric = fabric
         self.device = fabric.device
+        if getattr(algorithm, "entropy_coef", 0.0) and self.tensor_parallel_size > 1:
+            raise ConfigError("--algorithm.entropy_coef with --backend megatron needs --backend.tensor_parallel_size 1: "
+                              "the vocabulary-parallel entropy is computed without its gradient")
         world, tp, pp = fabric.world_size, self.tensor_parallel_size, self.pipeline_parallel_size
         if world % tp:
             raise ConfigError(f"--backend.tensor_parallel_size {tp} does not divide the number of ranks ({world})")
