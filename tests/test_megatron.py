@@ -296,8 +296,8 @@ def test_distributed_optimizer_matches_adamw(tmp_path):
 
 def test_unsupported_parallel_sizes_are_one_line():
     backend_class = _megatron()
-    with pytest.raises(ConfigError, match="pipeline_parallel_size 2: only 1 is supported"):
-        backend_class(pipeline_parallel_size=2)
+    with pytest.raises(ConfigError, match="pipeline_parallel_size must be >= 1, got 0"):
+        backend_class(pipeline_parallel_size=0)
     with pytest.raises(ConfigError, match="sequence_parallel_size 2: the megatron backend supports only 1.*"
                                           "Transformer Engine"):
         backend_class(sequence_parallel_size=2)
@@ -414,12 +414,13 @@ def test_grpo_reward_rises_with_the_megatron_backend(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_fit_at_tensor_parallel_2_saves_an_hf_model(gcore_cli, tmp_path):
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_cli_fit_at_tensor_or_pipeline_parallel_2_saves_an_hf_model(gcore_cli, tmp_path, parallel):
     _megatron()
     from transformers import AutoModelForCausalLM
 
-    run = gcore_cli("--backend", "megatron", "--backend.tensor_parallel_size", "2", "--trainer.devices", "2",
-                    "--trainer.accelerator", "cpu")
+    run = gcore_cli("--backend", "megatron", f"--backend.{parallel}", "2", "--trainer.devices", "2",
+                    "--trainer.accelerator", "cpu", "--model.num_hidden_layers", "2")
     assert run.returncode == 0, run.stderr[-3000:]
     final = next((tmp_path / "runs").rglob("final"))
     AutoModelForCausalLM.from_pretrained(final)  # the gathered weights load as an HF checkpoint
@@ -430,3 +431,19 @@ def test_cli_rejects_a_tensor_parallel_size_that_does_not_divide_the_ranks(gcore
     run = gcore_cli("--backend", "megatron", "--backend.tensor_parallel_size", "2", "--trainer.accelerator", "cpu")
     assert run.returncode != 0
     assert "tensor_parallel_size 2 does not divide the number of ranks (1)" in run.stderr
+
+
+def test_cli_rejects_sequence_parallel_with_the_reason(gcore_cli):
+    _megatron()
+    run = gcore_cli("--backend", "megatron", "--backend.sequence_parallel_size", "2", "--trainer.accelerator", "cpu")
+    assert run.returncode != 0
+    assert "sequence_parallel_size 2: the megatron backend supports only 1" in run.stderr
+    assert "Transformer Engine" in run.stderr
+
+
+def test_cli_rejects_a_pipeline_size_that_does_not_divide_the_layers(gcore_cli):
+    _megatron()
+    run = gcore_cli("--backend", "megatron", "--backend.pipeline_parallel_size", "2", "--trainer.devices", "2",
+                    "--trainer.accelerator", "cpu", "--model.num_hidden_layers", "3")
+    assert run.returncode != 0
+    assert "pipeline_parallel_size 2 does not divide the model's 3 layers" in run.stderr
