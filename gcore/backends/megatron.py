@@ -48,7 +48,7 @@ def _require_megatron() -> None:
 
 
 class MegatronBackend(TrainingBackend):
-    """Trains the policy as a megatron-core ``GPTModel`` (Llama/Qwen2 families) with AdamW.
+    """Trains the policy as a megatron-core ``GPTModel`` (Llama/Qwen2 families): TP, PP, DP, Adam.
 
     Args:
         tensor_parallel_size: ranks that split every layer (must divide the world size, the
