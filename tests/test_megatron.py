@@ -218,18 +218,20 @@ def _compare_with_torch(fabric, model_dir, tp, pp, out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tp", "pp", "tied"), [(1, 1, True), (2, 1, True), (1, 2, True), (1, 2, False)])
-def test_train_step_matches_the_torch_backend(tmp_path, tp, pp, tied):
-    """TP=1 (DP=2: the distributed optimizer), TP=2, and PP=2 (two stages, 1F1B over gloo; with the
-    embedding tied across the stages or not) each give the torch backend's step."""
+@pytest.mark.parametrize(("tp", "pp", "tied", "ranks"),
+                         [(1, 1, True, 2), (2, 1, True, 2), (1, 2, True, 2), (1, 2, False, 2), (1, 2, True, 4)])
+def test_train_step_matches_the_torch_backend(tmp_path, tp, pp, tied, ranks):
+    """TP=1 (DP=2: the distributed optimizer), TP=2, PP=2 (two stages, 1F1B over gloo; with the
+    embedding tied across the stages or not) and PP=2 x DP=2 (4 ranks: pipeline with the
+    distributed optimizer) each give the torch backend's step."""
     _megatron()
     from transformers import AutoModelForCausalLM
 
     model_dir = _model_dir(str(tmp_path), tie_word_embeddings=tied)
     torch.save(AutoModelForCausalLM.from_pretrained(model_dir).state_dict(), tmp_path / "initial.pt")
     out = str(tmp_path / "result")
-    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_compare_with_torch, model_dir, tp, pp, out)
-    for rank in range(2):
+    Fabric(accelerator="cpu", devices=ranks, strategy="ddp_spawn").launch(_compare_with_torch, model_dir, tp, pp, out)
+    for rank in range(ranks):
         result = torch.load(f"{out}.{rank}")
         assert result["names"]
         assert result["logprobs"] < LOGPROB_TOL, result
