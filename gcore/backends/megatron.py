@@ -1,10 +1,12 @@
-"""``megatron`` backend: megatron-core's GPT model with tensor and data parallelism.
+"""``megatron`` backend: megatron-core's GPT model with tensor, pipeline and data parallelism.
 
 One launcher: Lightning Fabric starts the processes and the default process group; ``setup``
-calls ``parallel_state.initialize_model_parallel`` on top of it. The ranks of one tensor-parallel
-group are separate controllers with separate samples; they train on the union of their batches
-(gathered before each forward pass), and each gets back its own rows' log-probabilities. Gradients
-are summed over the data-parallel group only; the loss follows ``Algorithm.loss`` and
+calls ``parallel_state.initialize_model_parallel`` on top of it. The ranks that hold one copy of
+the model (tensor x pipeline group) are separate controllers with separate samples; they train on
+the union of their batches (gathered before each forward pass), and each gets back its own rows'
+log-probabilities. With pipeline stages, micro-batches go through megatron-core's 1F1B schedule.
+Gradients are summed over the data-parallel group only (by megatron's distributed optimizer when
+DP > 1, else an all-reduce before torch AdamW); the loss follows ``Algorithm.loss`` and
 ``LossScale`` exactly as in the torch backend, so both backends compute the same update.
 
 What is supported and what is not: ``docs/megatron.md``.
