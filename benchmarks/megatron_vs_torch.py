@@ -6,6 +6,8 @@ first step of each fit is dropped) and the megatron / torch ratio.
 
     # CPU (default: the embedded tiny model, 1 process)
     python benchmarks/megatron_vs_torch.py --steps 4 --repeats 2
+    # CPU, 2 processes: megatron at DP=2 uses its distributed optimizer (or --pp 2: two pipeline stages)
+    python benchmarks/megatron_vs_torch.py --devices 2 --steps 4 --repeats 2
     # GPU: a Qwen2.5-0.5B-shaped model, 2 GPUs, megatron at tensor parallel size 2
     python benchmarks/megatron_vs_torch.py --model qwen2.5-0.5b --accelerator cuda --devices 2 --tp 2 \
         --precision bf16-mixed --max_new_tokens 64
@@ -35,7 +37,8 @@ def fit_once(args: argparse.Namespace) -> None:
     from gcore.backends.megatron import MegatronBackend
     from gcore.backends.torch import TorchBackend
 
-    backend = (MegatronBackend(tensor_parallel_size=args.tp, micro_batch_size=args.micro_batch_size)
+    backend = (MegatronBackend(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+                               micro_batch_size=args.micro_batch_size)
                if args.one == "megatron" else TorchBackend(micro_batch_size=args.micro_batch_size))
     with tempfile.TemporaryDirectory() as root:
         result = Trainer(
@@ -55,7 +58,7 @@ def fit_once(args: argparse.Namespace) -> None:
 def run(backend: str, args: argparse.Namespace) -> dict[str, float]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         child = [sys.executable, os.path.abspath(__file__), "--one", backend, "--out", out.name]
-        for key in ("steps", "model", "accelerator", "devices", "tp", "precision", "prompts", "n",
+        for key in ("steps", "model", "accelerator", "devices", "tp", "pp", "precision", "prompts", "n",
                     "max_new_tokens", "micro_batch_size"):
             child += [f"--{key}", str(getattr(args, key))]
         subprocess.run(child, check=True, stdout=subprocess.DEVNULL)
@@ -75,6 +78,7 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1, help="megatron tensor parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="megatron pipeline parallel size")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=8)
@@ -93,7 +97,10 @@ def main() -> None:
     for _ in range(args.repeats):
         for backend in ("torch", "megatron"):  # A B A B
             runs[backend].append(run(backend, args))
-    print(f"| metric (median s) | torch (DDP) | megatron (TP={args.tp}) | megatron / torch |")
+    dp = args.devices // (args.tp * args.pp)
+    optimizer = "distributed optimizer" if dp > 1 else "AdamW"
+    print(f"| metric (median s) | torch (DDP) | megatron (TP={args.tp}, PP={args.pp}, DP={dp}, {optimizer}) "
+          "| megatron / torch |")
     print("| --- | ---: | ---: | ---: |")
     for key in (*STAGES, "reward_last"):
         a = statistics.median(r[key] for r in runs["torch"])

@@ -142,9 +142,21 @@ def test_cpu_adaptations_match_the_pinned_version():
     assert torch.equal(first, torch.rand(3, generator=torch.Generator().manual_seed(7)))
 
 
-def _model_dir(root, **config):
-    return materialize(ModelConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, **config),
+def _model_dir(root, tie_word_embeddings=True, **config):
+    path = materialize(ModelConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, **config),
                        char_tokenizer(), 0, os.path.join(root, "model"))
+    if not tie_word_embeddings:  # the embedded model is tied: give it its own (different) output layer
+        from transformers import AutoModelForCausalLM
+
+        tied = AutoModelForCausalLM.from_pretrained(path)
+        tied.config.tie_word_embeddings = False
+        untied = AutoModelForCausalLM.from_config(tied.config)
+        untied.load_state_dict(tied.state_dict())
+        with torch.no_grad():
+            untied.lm_head.weight.copy_(torch.randn(untied.lm_head.weight.shape,
+                                                    generator=torch.Generator().manual_seed(3)) * 0.02)
+        untied.save_pretrained(path)
+    return path
 
 
 def test_logprobs_match_the_hf_model(tmp_path):
@@ -178,7 +190,7 @@ def _rank_batch(rank):
     return batch
 
 
-def _compare_with_torch(fabric, model_dir, tp, out):
+def _compare_with_torch(fabric, model_dir, tp, pp, out):
     torch_backend = TorchBackend(lr=1e-2, micro_batch_size=2)
     torch_backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
     batch = _rank_batch(fabric.global_rank)
@@ -188,7 +200,7 @@ def _compare_with_torch(fabric, model_dir, tp, out):
 
     from gcore.backends.megatron import MegatronBackend
 
-    backend = MegatronBackend(tensor_parallel_size=tp, lr=1e-2, micro_batch_size=3)
+    backend = MegatronBackend(tensor_parallel_size=tp, pipeline_parallel_size=pp, lr=1e-2, micro_batch_size=3)
     backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
     logprobs = backend.compute_logprobs(batch, "policy")
     metrics = backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=8)
@@ -206,16 +218,20 @@ def _compare_with_torch(fabric, model_dir, tp, out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2])
-def test_train_step_matches_the_torch_backend(tmp_path, tp):
+@pytest.mark.parametrize(("tp", "pp", "tied", "ranks"),
+                         [(1, 1, True, 2), (2, 1, True, 2), (1, 2, True, 2), (1, 2, False, 2), (1, 2, True, 4)])
+def test_train_step_matches_the_torch_backend(tmp_path, tp, pp, tied, ranks):
+    """TP=1 (DP=2: the distributed optimizer), TP=2, PP=2 (two stages, 1F1B over gloo; with the
+    embedding tied across the stages or not) and PP=2 x DP=2 (4 ranks: pipeline with the
+    distributed optimizer) each give the torch backend's step."""
     _megatron()
     from transformers import AutoModelForCausalLM
 
-    model_dir = _model_dir(str(tmp_path))
+    model_dir = _model_dir(str(tmp_path), tie_word_embeddings=tied)
     torch.save(AutoModelForCausalLM.from_pretrained(model_dir).state_dict(), tmp_path / "initial.pt")
     out = str(tmp_path / "result")
-    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_compare_with_torch, model_dir, tp, out)
-    for rank in range(2):
+    Fabric(accelerator="cpu", devices=ranks, strategy="ddp_spawn").launch(_compare_with_torch, model_dir, tp, pp, out)
+    for rank in range(ranks):
         result = torch.load(f"{out}.{rank}")
         assert result["names"]
         assert result["logprobs"] < LOGPROB_TOL, result
@@ -225,12 +241,68 @@ def test_train_step_matches_the_torch_backend(tmp_path, tp):
         assert result["weights"] < WEIGHT_TOL, result
 
 
+def _compare_optimizers(fabric, model_dir, out):
+    """Two steps with torch AdamW and with megatron's distributed optimizer (DP=2); then the
+    distributed optimizer resumed from the AdamW run's state after step 1 takes step 2."""
+    from gcore.backends.megatron import MegatronBackend
+
+    rank = fabric.global_rank
+    runs = {}
+    for name, distributed, resume_from in (("plain", False, None), ("distributed", True, None),
+                                           ("resumed", True, "plain")):
+        backend = MegatronBackend(lr=1e-2, micro_batch_size=3, warmup_steps=2, distributed_optimizer=distributed)
+        backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+        if resume_from:
+            backend.load_state_dict(runs[resume_from]["state"])
+            first = runs[resume_from]["first"]
+        else:
+            first = backend.train(_rank_batch(rank), GRPO(kl_coef=0.0), max_new_tokens=8)
+        state = backend.state_dict()
+        second = backend.train(_rank_batch(1 - rank), GRPO(kl_coef=0.0), max_new_tokens=8)
+        slots = backend._adam_slots()
+        held = sum(len(range(p.numel())[s]) if s is not None else p.numel() for p, _, s in slots.values())
+        runs[name] = {"first": first, "second": second, "state": state, "weights": dict(backend.named_weights()),
+                      "held": held, "total": sum(p.numel() for p in backend.policy.parameters()),
+                      "type": type(backend.optimizer).__name__}
+    torch.save({k: {key: v for key, v in run.items()} for k, run in runs.items()}, f"{out}.{rank}")
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_matches_adamw(tmp_path):
+    _megatron()
+    model_dir = _model_dir(str(tmp_path))
+    out = str(tmp_path / "result")
+    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_compare_optimizers, model_dir, out)
+    ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    for runs in ranks:
+        plain = runs["plain"]
+        assert plain["type"] == "AdamW" and runs["distributed"]["type"] == "ChainedOptimizer"
+        assert plain["held"] == plain["total"]
+        assert runs["distributed"]["held"] < 0.6 * plain["total"]  # Adam state sharded over the 2 DP ranks
+        for name in ("distributed", "resumed"):
+            run = runs[name]
+            for step in ("first", "second"):
+                assert abs(run[step]["loss"] - plain[step]["loss"]) < LOSS_TOL, (name, step)
+                assert abs(run[step]["grad_norm"] - plain[step]["grad_norm"]) < 1e-4, (name, step)
+                assert run[step]["lr"] == plain[step]["lr"]
+            for key, tensor in plain["weights"].items():
+                assert (run["weights"][key] - tensor).abs().max() < WEIGHT_TOL, (name, key)
+        for key in ("exp_avg", "exp_avg_sq"):  # the gathered moments after step 1 equal AdamW's
+            for hf_name, tensor in plain["state"]["optim"][key].items():
+                assert (runs["distributed"]["state"]["optim"][key][hf_name] - tensor).abs().max() < 1e-6, hf_name
+        assert float(runs["distributed"]["state"]["optim"]["step"]) == 1.0
+    assert plain["first"]["lr"] == 1e-2  # the next update's lr: warm-up 5e-3, 1e-2 over 2 updates
+    for key, tensor in ranks[0]["distributed"]["weights"].items():  # every rank got the all-gathered weights
+        assert torch.equal(ranks[1]["distributed"]["weights"][key], tensor), key
+
+
 def test_unsupported_parallel_sizes_are_one_line():
     backend_class = _megatron()
-    with pytest.raises(ConfigError, match="pipeline_parallel_size 2: only 1 is supported"):
-        backend_class(pipeline_parallel_size=2)
-    with pytest.raises(ConfigError, match="context_parallel_size 2: only 1 is supported"):
-        backend_class(context_parallel_size=2)
+    with pytest.raises(ConfigError, match="pipeline_parallel_size must be >= 1, got 0"):
+        backend_class(pipeline_parallel_size=0)
+    with pytest.raises(ConfigError, match="sequence_parallel_size 2: the megatron backend supports only 1.*"
+                                          "Transformer Engine"):
+        backend_class(sequence_parallel_size=2)
 
 
 def _checkpoint_manager(fabric, root):
@@ -246,10 +318,10 @@ def _checkpoint_manager(fabric, root):
                              barrier=fabric.barrier, process_group=group)
 
 
-def _save_at_tp2(fabric, model_dir, root):
+def _save_at(fabric, model_dir, root, tp, pp):
     from gcore.backends.megatron import MegatronBackend
 
-    backend = MegatronBackend(tensor_parallel_size=2, lr=1e-2)
+    backend = MegatronBackend(tensor_parallel_size=tp, pipeline_parallel_size=pp, lr=1e-2)
     backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
     backend.train(_rank_batch(fabric.global_rank), GRPO(kl_coef=0.0), max_new_tokens=8)
     manager = _checkpoint_manager(fabric, root)
@@ -262,14 +334,15 @@ def _save_at_tp2(fabric, model_dir, root):
 
 
 @pytest.mark.slow
-def test_checkpoint_saved_at_tp2_loads_at_tp1(tmp_path):
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_checkpoint_saved_at_tp2_or_pp2_loads_at_tp1(tmp_path, tp, pp):
     backend_class = _megatron()
     from gcore.checkpoint import latest_checkpoint
 
     model_dir = _model_dir(str(tmp_path))
     root = str(tmp_path / "ckpt")
     os.makedirs(root)
-    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_save_at_tp2, model_dir, root)
+    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_save_at, model_dir, root, tp, pp)
     fabric = Fabric(accelerator="cpu", devices=1)
     backend = backend_class(tensor_parallel_size=1, lr=1e-2)
     backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
@@ -288,6 +361,45 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1(tmp_path):
     backend.train(_rank_batch(0), GRPO(kl_coef=0.0), max_new_tokens=8)  # training goes on from there
 
 
+def _save_without_a_peer(fabric, model_dir, out):
+    import time
+
+    from gcore.backends.megatron import MegatronBackend
+    from gcore.errors import GcoreError
+
+    backend = MegatronBackend(tensor_parallel_size=2)
+    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    if fabric.global_rank == 1:
+        time.sleep(25)  # never joins the checkpoint's gathers
+        return
+    start = time.monotonic()
+    try:
+        backend.state_dict()
+        result = "no error"
+    except GcoreError as err:
+        result = str(err)
+    torch.save({"error": result, "seconds": time.monotonic() - start}, out)
+
+
+@pytest.mark.slow
+def test_checkpoint_gather_without_a_peer_fails_within_the_timeout(tmp_path):
+    """The issue's hung TP=2 save: a rank that never joins the state gathers now fails the others
+    with a one-line error after the launcher's collective timeout (here 8 s), not after 30 minutes."""
+    _megatron()
+    from datetime import timedelta
+
+    from lightning.fabric.strategies import DDPStrategy
+
+    model_dir = _model_dir(str(tmp_path))
+    out = str(tmp_path / "result")
+    strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=8))
+    Fabric(accelerator="cpu", devices=2, strategy=strategy).launch(_save_without_a_peer, model_dir, out)
+    result = torch.load(out)
+    assert "every rank must save together" in result["error"], result
+    assert "at most 8 s" in result["error"], result
+    assert result["seconds"] < 25, result  # failed on the timeout, not when the peer went away
+
+
 @pytest.mark.slow
 def test_grpo_reward_rises_with_the_megatron_backend(tmp_path):
     backend_class = _megatron()
@@ -304,12 +416,13 @@ def test_grpo_reward_rises_with_the_megatron_backend(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_fit_at_tensor_parallel_2_saves_an_hf_model(gcore_cli, tmp_path):
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_cli_fit_at_tensor_or_pipeline_parallel_2_saves_an_hf_model(gcore_cli, tmp_path, parallel):
     _megatron()
     from transformers import AutoModelForCausalLM
 
-    run = gcore_cli("--backend", "megatron", "--backend.tensor_parallel_size", "2", "--trainer.devices", "2",
-                    "--trainer.accelerator", "cpu")
+    run = gcore_cli("--backend", "megatron", f"--backend.{parallel}", "2", "--trainer.devices", "2",
+                    "--trainer.accelerator", "cpu", "--model.num_hidden_layers", "2")
     assert run.returncode == 0, run.stderr[-3000:]
     final = next((tmp_path / "runs").rglob("final"))
     AutoModelForCausalLM.from_pretrained(final)  # the gathered weights load as an HF checkpoint
@@ -320,3 +433,19 @@ def test_cli_rejects_a_tensor_parallel_size_that_does_not_divide_the_ranks(gcore
     run = gcore_cli("--backend", "megatron", "--backend.tensor_parallel_size", "2", "--trainer.accelerator", "cpu")
     assert run.returncode != 0
     assert "tensor_parallel_size 2 does not divide the number of ranks (1)" in run.stderr
+
+
+def test_cli_rejects_sequence_parallel_with_the_reason(gcore_cli):
+    _megatron()
+    run = gcore_cli("--backend", "megatron", "--backend.sequence_parallel_size", "2", "--trainer.accelerator", "cpu")
+    assert run.returncode != 0
+    assert "sequence_parallel_size 2: the megatron backend supports only 1" in run.stderr
+    assert "Transformer Engine" in run.stderr
+
+
+def test_cli_rejects_a_pipeline_size_that_does_not_divide_the_layers(gcore_cli):
+    _megatron()
+    run = gcore_cli("--backend", "megatron", "--backend.pipeline_parallel_size", "2", "--trainer.devices", "2",
+                    "--trainer.accelerator", "cpu", "--model.num_hidden_layers", "3")
+    assert run.returncode != 0
+    assert "pipeline_parallel_size 2 does not divide the model's 3 layers" in run.stderr

@@ -62,7 +62,7 @@ def test_logprobs_match_hf_on_gpu(tmp_path, transformer_engine):
         assert torch.equal(tensor.cpu(), hf.state_dict()[name].cpu()), name
 
 
-def _compare(fabric, model_dir, tp, out):
+def _compare(fabric, model_dir, tp, out, pp=1, distributed_optimizer=None):
     from gcore.backends.megatron import MegatronBackend
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -71,7 +71,8 @@ def _compare(fabric, model_dir, tp, out):
     reference.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
     ref_metrics = reference.train(batch, GRPO(kl_coef=0.0), max_new_tokens=23)
     ref_weights = {k: v.cpu() for k, v in reference.named_weights()}
-    backend = MegatronBackend(tensor_parallel_size=tp, lr=1e-5)
+    backend = MegatronBackend(tensor_parallel_size=tp, pipeline_parallel_size=pp, lr=1e-5,
+                              distributed_optimizer=distributed_optimizer)
     backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
     metrics = backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=23)
     weights = {k: v.cpu() for k, v in backend.named_weights()}
@@ -89,6 +90,23 @@ def test_train_step_matches_torch_on_gpus(tmp_path, tp):
     model_dir = _model_dir(tmp_path, **{**QWEN25_05B, "num_hidden_layers": 4})
     out = str(tmp_path / "result")
     Fabric(accelerator="cuda", devices=devices, strategy="ddp_spawn").launch(_compare, model_dir, tp, out)
+    for rank in range(devices):
+        result = torch.load(f"{out}.{rank}")
+        assert result["loss"] < 1e-4 and result["weights"] < 1e-4, result
+
+
+@pytest.mark.parametrize(("pp", "distributed_optimizer"), [(1, True), (2, None)])
+def test_distributed_optimizer_and_pipeline_on_gpus(tmp_path, pp, distributed_optimizer):
+    """megatron's own CUDA paths (no CPU adaptation): the distributed optimizer (forced on at DP=1 on
+    one GPU, DP=2 on two) and two pipeline stages, each equal to the torch backend's step."""
+    pytest.importorskip("megatron.core")
+    devices = 2 if pp == 2 or torch.cuda.device_count() >= 2 else 1
+    if torch.cuda.device_count() < devices:
+        pytest.skip(f"needs {devices} GPUs")
+    model_dir = _model_dir(tmp_path, **{**QWEN25_05B, "num_hidden_layers": 4})
+    out = str(tmp_path / "result")
+    launch = dict(strategy="ddp_spawn") if devices > 1 else {}
+    Fabric(accelerator="cuda", devices=devices, **launch).launch(_compare, model_dir, 1, out, pp, distributed_optimizer)
     for rank in range(devices):
         result = torch.load(f"{out}.{rank}")
         assert result["loss"] < 1e-4 and result["weights"] < 1e-4, result

@@ -14,7 +14,15 @@ These adaptations are only installed when the run is on CPU (``install_cpu_adapt
    first forward pass. The model's instance gets a ``get_emb`` that computes the same embedding
    where the frequencies are (non-interleaved RoPE, as Llama and Qwen2 use).
 
-A fourth spot, the default causal mask (``get_default_causal_mask`` builds it on ``"cuda"``), needs
+4. megatron's ``DistributedDataParallel`` grad/param buffers, ``DistributedOptimizer`` and the
+   pipeline schedules' send/receive buffers allocate on ``torch.cuda.current_device()`` or
+   ``device="cuda"``, call ``torch.cuda.synchronize()``, and the optimizer accepts only parameters
+   whose ``Tensor.type()`` is ``torch.cuda.*Tensor``. ``cuda_calls_on_cpu()`` runs those calls
+   (construction, gradient reduce-scatter, optimizer step, pipeline schedule) with CUDA device
+   requests sent to the CPU and CPU tensors reporting a CUDA type name; nothing outside the block
+   is affected.
+
+A fifth spot, the default causal mask (``get_default_causal_mask`` builds it on ``"cuda"``), needs
 no patch: the backend always passes its own causal mask. ``tests/test_megatron.py`` checks each
 adaptation against the pinned version (``MEGATRON_CORE_VERSION``).
 """
@@ -27,6 +35,7 @@ from collections.abc import Iterator
 from functools import reduce
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 MEGATRON_CORE_VERSION = "0.16.1"
 
@@ -116,3 +125,44 @@ def keep_rotary_on_cpu(model) -> None:  # noqa: ANN001
         return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
 
     rotary.get_emb = get_emb
+
+
+def _cpu_if_cuda(device):  # noqa: ANN001, ANN202
+    if device is None or isinstance(device, int):
+        return torch.device("cpu") if device is not None else None
+    return torch.device("cpu") if torch.device(device).type == "cuda" else device
+
+
+class _CudaCallsOnCPU(TorchFunctionMode):
+    """Torch calls that ask for a CUDA device get the CPU; ``Tensor.type()`` names a CUDA type."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": _cpu_if_cuda(kwargs["device"])}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)  # e.g. torch.FloatTensor: megatron checks for torch.cuda.FloatTensor
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_calls_on_cpu() -> Iterator[None]:
+    """Run megatron-core's distributed-optimizer code (which assumes CUDA) on CPU tensors.
+
+    Inside the block ``torch.cuda.current_device()`` returns the CPU device, ``torch.cuda.synchronize()``
+    does nothing (the pipeline's shape exchange calls it), ``device="cuda"``
+    arguments become the CPU, ``Tensor.cuda()`` returns the tensor itself and ``Tensor.type()``
+    reports ``torch.cuda.<Type>`` for CPU tensors. Only for CPU runs; not thread-safe (it swaps a
+    module attribute for the duration of the block).
+    """
+    saved = torch.cuda.current_device, torch.cuda.synchronize
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda device=None: None  # CPU work is done when the call returns
+    try:
+        with _CudaCallsOnCPU():
+            yield
+    finally:
+        torch.cuda.current_device, torch.cuda.synchronize = saved

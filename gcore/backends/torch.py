@@ -1,4 +1,4 @@
-"""``torch`` backend: a transformers model trained under Lightning Fabric (DDP on CPU and GPU)."""
+"""``torch`` backend: a transformers model trained under Lightning Fabric (DDP on CPU and GPU, FSDP on GPU)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from gcore.algorithms.base import Algorithm, LossScale
 from gcore.backends import sequence_parallel as seqpar
 from gcore.backends.base import TrainingBackend
 from gcore.balance import micro_batches_by_length, padding_fraction
+from gcore.errors import ConfigError
 from gcore.types import RolloutBatch
 
 
@@ -68,6 +69,9 @@ class TorchBackend(TrainingBackend):
         sequence_parallel_mode: ``ring`` (any head count) or ``ulysses`` (heads divisible by the size).
         packing: concatenate each micro-batch's samples into one row without padding (position
             ids restart per sample); ``None``: on with sequence parallelism, off without.
+        strategy: ``ddp`` (every rank holds the whole model; CPU and GPU) or ``fsdp`` (Fabric's
+            ``FSDPStrategy``: parameters, gradients and optimizer state sharded over the ranks, one
+            FSDP unit per decoder layer; GPU only, as Lightning refuses FSDP on CPU).
     """
 
     supports_critic = True
@@ -85,9 +89,14 @@ class TorchBackend(TrainingBackend):
         sequence_parallel_size: int = 1,
         sequence_parallel_mode: Literal["ring", "ulysses"] = "ring",
         packing: bool | None = None,
+        strategy: Literal["ddp", "fsdp"] = "ddp",
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError("micro_batch_size must be >= 1")
+        if strategy not in ("ddp", "fsdp"):
+            raise ConfigError(f"--backend.strategy {strategy!r}: valid choices: ddp, fsdp")
+        self.fsdp = strategy == "fsdp"
+        self._synced: dict[str, torch.Tensor] | None = None  # FSDP: the full weights of the last sync
         if sequence_parallel_size < 1:
             raise seqpar.ConfigError(f"--backend.sequence_parallel_size {sequence_parallel_size} must be >= 1")
         self.sequence_parallel_size = sequence_parallel_size
@@ -110,6 +119,23 @@ class TorchBackend(TrainingBackend):
         self.critic_optimizer = None
         self.optimizer = None
         self.scheduler = None
+
+    def strategy(self, world_size: int, device_type: str):  # noqa: ANN201
+        if not self.fsdp:
+            return super().strategy(world_size, device_type)
+        if device_type != "cuda":
+            raise ConfigError(
+                "--backend.strategy fsdp needs CUDA GPUs: Lightning Fabric's FSDPStrategy refuses the CPU "
+                "accelerator (FSDP is only available on GPU); use --backend.strategy ddp on CPU"
+            )
+        from functools import partial
+
+        from lightning.fabric.strategies import FSDPStrategy
+        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+        # one FSDP unit per transformer block (transformers names them *DecoderLayer)
+        per_layer = partial(lambda_auto_wrap_policy, lambda_fn=lambda module: type(module).__name__.endswith("DecoderLayer"))
+        return FSDPStrategy(auto_wrap_policy=per_layer, state_dict_type="sharded")
 
     def setup(self, fabric, model_path: str, dtype: torch.dtype, trust_remote_code: bool,  # noqa: ANN001
               algorithm: Algorithm, embedded: bool) -> None:
@@ -306,11 +332,32 @@ class TorchBackend(TrainingBackend):
 
     # SYNC and SAVE ---------------------------------------------------------------------------
 
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """FSDP: the policy's full (unsharded) weights with HF names on every rank (a collective)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        weights = get_model_state_dict(self.policy.module, options=StateDictOptions(full_state_dict=True))
+        if getattr(self.hf_model.config, "tie_word_embeddings", False) and "lm_head.weight" not in weights:
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        return weights
+
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's full weights (under FSDP gathered from the shards: every rank calls it)."""
+        if self.fsdp:
+            self._synced = self._full_state_dict()
+            yield from self._synced.items()
+            return
         for name, tensor in self.hf_model.state_dict().items():
             yield name, tensor.detach()
 
     def save_pretrained(self, path: str) -> None:
+        """Write an HF checkpoint (rank 0 alone; under FSDP the weights of the last ``named_weights`` call,
+        which the controller makes after every update)."""
+        if self.fsdp:
+            if self._synced is None:
+                raise RuntimeError("save_pretrained under FSDP needs a named_weights() call on every rank first")
+            self.hf_model.save_pretrained(path, state_dict={k: v.cpu() for k, v in self._synced.items()})
+            return
         self.hf_model.save_pretrained(path)
 
     # CHECKPOINT ------------------------------------------------------------------------------
@@ -318,17 +365,22 @@ class TorchBackend(TrainingBackend):
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model, optim = get_state_dict(self.hf_model, self.optimizer.optimizer)
+        # under FSDP the wrapped root gives sharded tensors, which DCP writes shard by shard
+        model, optim = get_state_dict(self._policy_root(), self.optimizer.optimizer)
         state = {"model": model, "optim": optim, "scheduler": self.scheduler.state_dict()}
         if self.critic is not None:
             critic, critic_optim = get_state_dict(self.critic.module, self.critic_optimizer.optimizer)
             state.update(critic=critic, critic_optim=critic_optim)
         return state
 
+    def _policy_root(self) -> torch.nn.Module:
+        """The module whose state dict holds the policy: the FSDP root under FSDP, else the HF model."""
+        return self.policy.module if self.fsdp else self.hf_model
+
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(self.hf_model, self.optimizer.optimizer,
+        set_state_dict(self._policy_root(), self.optimizer.optimizer,
                        model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.critic is not None:
