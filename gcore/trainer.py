@@ -314,11 +314,12 @@ class Trainer:
         c = self.config
         group = None
         if fabric.world_size > 1 and (c.checkpoint_every or c.resume):
-            import torch.distributed as dist
-
             from datetime import timedelta
 
-            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=c.collective_timeout))  # DCP's background collectives stay off the training group
+            import torch.distributed as dist
+
+            # DCP's background collectives stay off the training group
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=c.collective_timeout))
         root = os.path.join(c.default_root_dir, c.name, "checkpoints")
         return CheckpointManager(root, c.keep_checkpoints, fabric.global_rank, fabric.world_size,
                                  barrier=fabric.barrier, process_group=group)
