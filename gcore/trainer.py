@@ -136,6 +136,7 @@ class Trainer:
         self.algorithm = algorithm or GRPO()
         self.placement = placement or StaticPlacement()
         self.backend = backend or TorchBackend()
+        self.rollout_engine: Engine = self.engine  # what the controller calls; set by the placement's launch
         self._validate()
 
     def _validate(self) -> None:
@@ -203,6 +204,7 @@ class Trainer:
                 _report_rank_failure(fabric.global_rank, err)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+            self.placement.shutdown()
             self.engine.shutdown()
 
     def _fit(self, fabric, device_type: str, tokenizer, model_path: str) -> FitResult:  # noqa: ANN001
@@ -218,14 +220,15 @@ class Trainer:
         self.placement.setup(fabric.world_size, device_type)
         self.backend.setup(fabric, model_path, self.model_config.torch_dtype, trust, self.algorithm,
                            embedded=self.model_config.embedded)
-        self.engine.setup(model_path, fabric.device, self.model_config.torch_dtype, trust)
-        self.reward.setup(fabric.device)
+        # the placement policy starts the engines where it places them (in this process by default)
+        self.rollout_engine = self.placement.launch(self.engine, self.reward, model_path, self.model_config.torch_dtype,
+                                                    trust, fabric.device, seed=c.seed + 1000 * rank)
         balancer = CostBalancer(prompts, self.sampling.n, self.sampling.max_new_tokens) if self.data_config.balance else None
         sampler = PromptSampler(len(prompts), self.data_config.prompts_per_step, rank, fabric.world_size,
                                 c.seed, self.data_config.shuffle, balancer)
         # dynamic sampling draws extra prompts from a stream of this rank's own (no other rank waits)
         extra = PromptSampler(len(prompts), 1, 0, 1, c.seed + 7919 * (rank + 1), self.data_config.shuffle)
-        controller = Controller(fabric, self.engine, self.reward, self.algorithm, self.backend,
+        controller = Controller(fabric, self.rollout_engine, self.reward, self.algorithm, self.backend,
                                 self.placement, tokenizer, self.sampling,
                                 draw_prompts=lambda k: [prompts[extra.next_global()[0]] for _ in range(k)])
         checkpoints = self._checkpoint_manager(fabric)
@@ -318,7 +321,7 @@ class Trainer:
             set_rng_state(rank_state["rng"])  # same rank count: continue exactly
         else:
             fabric.seed_everything(c.seed + rank + 100_003 * start, verbose=False)  # resharded: reseed
-        self.engine.update_weights(self.backend.named_weights())
+        self.rollout_engine.update_weights(self.backend.named_weights())
         if rank == 0:
             print(f"resumed from {path} at step {start}")
         return start
