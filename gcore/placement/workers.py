@@ -101,6 +101,7 @@ def _worker_main(index: int, threads: int, seed: int, specs: bytes, role: str, w
         import transformers
 
         transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
         runtime = _WorkerRuntime(pickle.loads(specs), release)
         runtime.switch(role, weights)
     except BaseException:  # report why it could not start, then exit
