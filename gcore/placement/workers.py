@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import pickle
-import queue
 import time
 import traceback
 from collections.abc import Iterable, Sequence
@@ -73,7 +72,7 @@ class SharedWeights:
         return (self.path, self.nbytes, self.layout, self.version)
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     """One request to a worker; ``workers`` are the ones allowed to serve it."""
 
@@ -90,10 +89,11 @@ class Job:
     result: object = None
     busy_s: float = 0.0
     errors: list[str] = field(default_factory=list)
+    failed_on: set[int] = field(default_factory=set)
 
 
 def _worker_main(index: int, threads: int, seed: int, specs: bytes, role: str, weights: tuple | None,
-                 release: bool, requests, replies) -> None:  # noqa: ANN001 - multiprocessing queues
+                 release: bool, requests, replies) -> None:  # noqa: ANN001 - a queue in, this worker's own pipe out
     """The worker's loop: build its engine, then serve requests until told to stop."""
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -105,9 +105,9 @@ def _worker_main(index: int, threads: int, seed: int, specs: bytes, role: str, w
         runtime = _WorkerRuntime(pickle.loads(specs), release)
         runtime.switch(role, weights)
     except BaseException:  # report why it could not start, then exit
-        replies.put(("fatal", index, None, traceback.format_exc()))
+        replies.send(("fatal", index, None, traceback.format_exc()))
         return
-    replies.put(("ready", index, None, None))
+    replies.send(("ready", index, None, None))
     while True:
         message = requests.get()
         kind, job_id = message[0], message[1]
@@ -124,9 +124,9 @@ def _worker_main(index: int, threads: int, seed: int, specs: bytes, role: str, w
                 result = runtime.sync(message[2])
             else:
                 raise ValueError(f"unknown request {kind!r}")
-            replies.put(("result", index, job_id, (result, time.perf_counter() - started)))
+            replies.send(("result", index, job_id, (result, time.perf_counter() - started)))
         except Exception:  # an engine may fail in any way: the pool retries elsewhere or reports it
-            replies.put(("error", index, job_id, traceback.format_exc()))
+            replies.send(("error", index, job_id, traceback.format_exc()))
 
 
 class _WorkerRuntime:
@@ -145,10 +145,10 @@ class _WorkerRuntime:
             engine.update_weights(SharedWeights(*weights).views())
         return engine
 
-    def switch(self, role: str, weights: tuple | None) -> str:
-        """Make ``role`` the awake engine (sleep/release the other one)."""
+    def switch(self, role: str, weights: tuple | None) -> tuple[str, ...]:
+        """Make ``role`` the awake engine (sleep/release the other one); returns the engines held."""
         if role == self.role:
-            return role
+            return tuple(sorted(self.engines))
         if self.role is not None:
             old = self.engines[self.role]
             old.sleep()
@@ -162,7 +162,7 @@ class _WorkerRuntime:
         else:
             self.engines[role] = self._load(role, weights)
         self.role = role
-        return role
+        return tuple(sorted(self.engines))
 
     def generate(self, role: str, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
         if role != self.role:
@@ -205,7 +205,7 @@ class WorkerPool:
         self.job_timeout_s, self.retries, self.startup_timeout_s = job_timeout_s, retries, startup_timeout_s
         self._specs = pickle.dumps(specs)
         self._ctx = mp.get_context("spawn")
-        self._replies = self._ctx.Queue()
+        self._replies: list = [None] * size  # one pipe per worker: a worker killed mid-reply blocks no other
         self.roles: list[str] = list(roles)
         self.processes: list = [None] * size
         self._requests: list = [None] * size
@@ -218,6 +218,8 @@ class WorkerPool:
         self.busy: dict[str, float] = {}
         self.retried = 0
         self.respawned = 0
+        self.swaps = 0  # role changes done by workers
+        self.held: list[tuple[str, ...]] = [(role,) for role in roles]  # engines resident in each worker
         self.closed = False
         self._spawn(range(size))
         self._wait_ready(range(size))
@@ -226,14 +228,17 @@ class WorkerPool:
     def _spawn(self, indices: Iterable[int]) -> None:
         for i in indices:
             self._requests[i] = self._ctx.Queue()
+            self._replies[i], writer = self._ctx.Pipe(duplex=False)
             self._ready[i] = False
+            self.held[i] = (self.roles[i],)
             weights = self.weights.ref() if self.weights is not None else None
             process = self._ctx.Process(
                 target=_worker_main, name=f"gcore-engine-worker-{i}", daemon=True,
                 args=(i, self.threads, self.seed + i, self._specs, self.roles[i], weights, self.release,
-                      self._requests[i], self._replies),
+                      self._requests[i], writer),
             )
             process.start()
+            writer.close()  # the worker holds the only writing end: its death reads as end of file
             self.processes[i] = process
 
     def _wait_ready(self, indices: Iterable[int]) -> None:
@@ -247,7 +252,7 @@ class WorkerPool:
                 if self._ready[i]:
                     waiting.discard(i)
                 elif not self.processes[i].is_alive() and not self._ready[i]:
-                    self._drain()
+                    self._receive(0)
                     if not self._ready[i]:
                         raise GcoreError(f"engine worker {i} exited while starting (exit code "
                                          f"{self.processes[i].exitcode}); see its error above")
@@ -281,6 +286,9 @@ class WorkerPool:
                 if process.is_alive():
                     process.kill()
                     process.join(timeout=5)
+        for conn in self._replies:
+            if conn is not None:
+                conn.close()
         if self.weights is not None and os.path.exists(self.weights.path):
             os.unlink(self.weights.path)
 
@@ -363,8 +371,7 @@ class WorkerPool:
             free = [i for i in job.workers if self._ready[i] and self._busy_with[i] is None and self.alive(i)]
             if not free:
                 continue
-            tried = {int(e.split(":", 1)[0]) for e in job.errors if e[:1].isdigit()}
-            i = min(free, key=lambda w: (w in tried, w))  # a retry goes to another worker first
+            i = min(free, key=lambda w: (w in job.failed_on, w))  # a retry goes to another worker first
             job.worker, job.sent, job.attempts = i, time.monotonic(), job.attempts + 1
             self._busy_with[i] = job
             self._pending.remove(job)
@@ -372,17 +379,13 @@ class WorkerPool:
 
     def _pump(self, timeout: float) -> None:
         """Take replies, notice dead or hung workers, and send what waits."""
-        try:
-            self._handle(self._replies.get(timeout=timeout))
-            self._drain()
-        except queue.Empty:
-            pass
+        self._receive(timeout)
         now = time.monotonic()
         for i, job in enumerate(self._busy_with):
             if job is None:
                 continue
             if not self.alive(i):
-                self._drain()  # its last reply may still be in the queue
+                self._receive(0)  # its last reply may still be in its pipe
                 if self._busy_with[i] is job:
                     self._fail_worker(i, f"it died (exit code {self.processes[i].exitcode})")
             elif self.job_timeout_s and now - job.sent > self.job_timeout_s:
@@ -393,12 +396,24 @@ class WorkerPool:
         self._revive_if_stuck()
         self._dispatch()
 
-    def _drain(self) -> None:
+    def _receive(self, timeout: float) -> None:
+        """Handle every reply that is in (waiting up to ``timeout`` for the first)."""
+        from multiprocessing.connection import wait
+
         while True:
-            try:
-                self._handle(self._replies.get_nowait())
-            except queue.Empty:
+            readers = {conn: i for i, conn in enumerate(self._replies) if conn is not None}
+            ready = wait(list(readers), timeout) if readers else []
+            if not ready:
                 return
+            for conn in ready:
+                try:
+                    reply = conn.recv()
+                except (EOFError, OSError):  # the worker is gone (a cut reply counts as none)
+                    conn.close()
+                    self._replies[readers[conn]] = None
+                    continue
+                self._handle(reply)
+            timeout = 0
 
     def _handle(self, reply: tuple) -> None:
         kind, i, job_id, payload = reply
@@ -418,18 +433,22 @@ class WorkerPool:
             job.done = job.ok = True
             if job.kind == "generate":
                 self.busy[job.role] = self.busy.get(job.role, 0.0) + job.busy_s
+            elif job.kind == "role":
+                self.swaps += 1
+                self.held[i] = job.result
             del self._jobs[job.id]
         else:
-            self._retry(job, f"{i}: worker {i} raised:\n{payload}")
+            self._retry(job, i, f"engine worker {i} raised:\n{payload}")
 
     def _fail_worker(self, i: int, why: str) -> None:
         job, self._busy_with[i] = self._busy_with[i], None
         self._ready[i] = False
         if job is not None:
-            self._retry(job, f"{i}: engine worker {i} failed on a {job.kind} request ({why})")
+            self._retry(job, i, f"engine worker {i} failed on a {job.kind} request ({why})")
 
-    def _retry(self, job: Job, error: str) -> None:
+    def _retry(self, job: Job, worker: int, error: str) -> None:
         job.errors.append(error)
+        job.failed_on.add(worker)
         job.worker = None
         if job.kind != "generate":  # a role change or sync of a worker that died: it is respawned later
             job.done, job.ok = True, True
@@ -439,7 +458,7 @@ class WorkerPool:
             job.done, job.ok = True, False
             job.errors.append(
                 f"engine workers failed {job.attempts} times on a {job.role} request of {len(job.args[1])} "
-                f"prompts; no result of it was used. Last failure: {error.split(':', 1)[1].strip()}"
+                f"prompts; no result of it was used. Last failure: {error}"
             )
             del self._jobs[job.id]
             return
