@@ -49,9 +49,12 @@ class StaticPlacement(PlacementPolicy):
         self.workers, self.threads, self.release = workers, threads, release
         self.worker_timeout_s, self.retries = worker_timeout_s, retries
         self._offload = False
-        self.telemetry_keys = ("rollout", "idle_generate", "idle_reward") if workers else ()
         self.pool: WorkerPool | None = None
         self.judge_engine: PoolEngine | None = None
+
+    @property
+    def telemetry_keys(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("rollout", "idle_generate", "idle_reward") if self.workers else ()
 
     def setup(self, world_size: int, device_type: str) -> None:
         self._offload = self.offload if self.offload is not None else device_type == "cuda"
