@@ -9,7 +9,8 @@ splits the workers into a generation and a judge partition that run at once (eac
 group is judged while the others still generate) and re-sizes the split from measured idle time.
 
 Prints, per placement, medians over the steps after ``--warmup``: step time, the rollout phase
-(generate + judge) and swap time, and the idle share of the workers' time during rollout + swap,
+(generate + judge), swap time and the rest of the step (prepare + train + sync, which placement
+does not change: on a loaded machine it shows how much of a step-time difference is noise), and the idle share of the workers' time during rollout + swap,
 per role (generate, judge, swap); then the dynamic/static ratios. Record the output in
 BENCHMARKS.md with the date, the machine and the command.
 """
@@ -61,6 +62,7 @@ def run(placement, workers: int, judge_path: str, args: argparse.Namespace) -> d
         "step": median("time/step"),
         "rollout": median("time/rollout"),
         "swap": median("time/swap"),
+        "train": statistics.median(m["time/prepare"] + m["time/train"] + m["time/sync"] for m in steady),
         "idle_generate": share["generate"],
         "idle_judge": share["judge"],
         "idle_swap": share["swap"],
@@ -81,6 +83,7 @@ def main() -> None:
     parser.add_argument("--max_new_tokens", type=int, default=24, help="policy generation budget")
     parser.add_argument("--judge_tokens", type=int, default=16, help="tokens the judge writes per verdict")
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--dynamic_first", action="store_true", help="run dynamic before static")
     args = parser.parse_args()
     print(f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.workers} workers x "
           f"{args.threads} threads, {args.steps} steps ({args.warmup} warm-up), {args.prompts} prompts x {args.n} "
@@ -88,16 +91,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as models:
         judge = materialize(ModelConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128),
                             char_tokenizer(), seed=1, workdir=os.path.join(models, "judge"))
-        rows = {
-            "static": run(StaticPlacement(workers=args.workers, threads=args.threads), args.workers, judge, args),
-            "dynamic": run(DynamicPlacement(devices=args.workers, threads=args.threads, judge_fraction=0.34,
-                                            min_fraction=0.3), args.workers, judge, args),
+        placements = {
+            "static": lambda: StaticPlacement(workers=args.workers, threads=args.threads),
+            "dynamic": lambda: DynamicPlacement(devices=args.workers, threads=args.threads, judge_fraction=0.34,
+                                                min_fraction=0.3),
         }
-    print("| placement | step s | rollout s | swap s | idle: generate | idle: judge | idle: swap | idle: all "
+        order = ["dynamic", "static"] if args.dynamic_first else ["static", "dynamic"]
+        rows = {name: run(placements[name](), args.workers, judge, args) for name in order}
+    print("| placement | step s | rollout s | swap s | prepare+train+sync s | idle: generate | idle: judge | idle: swap | idle: all "
           "| judge workers per step | run wall s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     for name, r in rows.items():
-        print(f"| {name} | {r['step']:.3f} | {r['rollout']:.3f} | {r['swap']:.3f} | {r['idle_generate']:.2f} | "
+        print(f"| {name} | {r['step']:.3f} | {r['rollout']:.3f} | {r['swap']:.3f} | {r['train']:.3f} | {r['idle_generate']:.2f} | "
               f"{r['idle_judge']:.2f} | {r['idle_swap']:.2f} | {r['idle']:.2f} | {r['judge_devices']} | "
               f"{r['wall']:.0f} |")
     s, d = rows["static"], rows["dynamic"]
