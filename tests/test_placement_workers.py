@@ -162,3 +162,17 @@ def test_fit_cli_dynamic_placement_with_generative_judge(models, gcore_cli, tmp_
     rows = list(csv.DictReader(metrics.open()))
     assert rows and all(float(r["placement/judge_devices"]) >= 1 for r in rows if r.get("placement/judge_devices"))
     assert any(float(r["time/rollout"]) > 0 for r in rows if r.get("time/rollout"))
+
+
+@pytest.mark.slow
+def test_fit_cli_dynamic_placement_over_two_controllers(models, gcore_cli, tmp_path):
+    """Each controller splits its own workers; the split comes from telemetry gathered from both."""
+    import csv
+
+    _, judge_path = models
+    result = gcore_cli("--trainer.devices", "2", "--trainer.accelerator", "cpu", "--placement", "dynamic",
+                       "--placement.devices", "2", "--reward", "generative", "--reward.path", judge_path,
+                       "--reward.max_new_tokens", "2", timeout=1500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader(next((tmp_path / "runs").rglob("metrics.csv")).open()))
+    assert len([r for r in rows if r.get("placement/judge_devices")]) == 2  # one split per step, logged on rank 0
