@@ -220,6 +220,7 @@ class WorkerPool:
         self.respawned = 0
         self.swaps = 0  # role changes done by workers
         self.held: list[tuple[str, ...]] = [(role,) for role in roles]  # engines resident in each worker
+        self._fatal: dict[int, str] = {}  # why a worker could not start
         self.closed = False
         self._spawn(range(size))
         self._wait_ready(range(size))
@@ -227,6 +228,8 @@ class WorkerPool:
     # -- processes ---------------------------------------------------------------------------
     def _spawn(self, indices: Iterable[int]) -> None:
         for i in indices:
+            if self._replies[i] is not None:  # a dead worker's pipe
+                self._replies[i].close()
             self._requests[i] = self._ctx.Queue()
             self._replies[i], writer = self._ctx.Pipe(duplex=False)
             self._ready[i] = False
@@ -254,8 +257,9 @@ class WorkerPool:
                 elif not self.processes[i].is_alive() and not self._ready[i]:
                     self._receive(0)
                     if not self._ready[i]:
+                        why = self._fatal.get(i, "").strip().splitlines()[-1:] or ["no error reported"]
                         raise GcoreError(f"engine worker {i} exited while starting (exit code "
-                                         f"{self.processes[i].exitcode}); see its error above")
+                                         f"{self.processes[i].exitcode}): {why[0]}")
 
     def alive(self, i: int) -> bool:
         return self.processes[i] is not None and self.processes[i].is_alive()
@@ -422,6 +426,7 @@ class WorkerPool:
             return
         if kind == "fatal":
             log.error("engine worker %d failed to start:\n%s", i, payload)
+            self._fatal[i] = payload
             self._ready[i] = False
             return
         job = self._jobs.get(job_id)
