@@ -20,7 +20,7 @@ from gcore.backends.base import TrainingBackend
 from gcore.engines.base import Engine
 from gcore.placement.base import PlacementPolicy, Telemetry
 from gcore.rewards.base import RewardModel
-from gcore.types import Prompt, Sample, SamplingParams, collate
+from gcore.types import Generation, Prompt, Sample, SamplingParams, collate
 
 STAGES = ("generate", "reward", "swap", "prepare", "train", "sync")
 LOCAL_STAGES = ("generate", "reward", "swap", "prepare")  # no collective inside: a controller's own work
@@ -41,7 +41,10 @@ class StageTimer:
         try:
             yield
         finally:
-            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+            self.add(stage, time.perf_counter() - start)
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
 
 @dataclass
@@ -62,10 +65,12 @@ class Controller:
 
     def __post_init__(self) -> None:
         self.algorithm.setup(self.sampling.max_new_tokens)
+        self._reward_errors = 0
 
     def step(self, step: int, prompts: list[Prompt], on_stage: Callable[[str], None] | None = None) -> dict[str, float]:
         timer = StageTimer(on_stage)
         step_start = time.perf_counter()
+        self._reward_errors = 0
 
         # GENERATE and REWARD: n samples per prompt from the rollout engine, scored and shaped
         samples = self._rollout(prompts, timer, first_group=0)
@@ -99,21 +104,28 @@ class Controller:
             synced_bytes = self.engine.update_weights(self.backend.named_weights())
 
         self.last_samples = samples
+        return self._step_metrics(step, timer, step_start, samples, len(kept), [filter_metrics, train_metrics],
+                                  synced_bytes)
+
+    def _step_metrics(self, step: int, timer: StageTimer, step_start: float, samples: list[Sample], kept: int,
+                      parts: list[dict[str, float]], synced_bytes: int) -> dict[str, float]:
+        """The step's metrics over every rank: samples, the stages' ``parts``, telemetry, weight sync."""
         timer.seconds["step"] = time.perf_counter() - step_start
-        metrics = self._global_sample_metrics(samples, len(kept))
-        metrics.update(filter_metrics)
-        metrics.update(train_metrics)
+        metrics = self._global_sample_metrics(samples, kept)
+        for part in parts:
+            metrics.update(part)
         metrics.update(self._telemetry(step, timer.seconds))
         metrics["sync/gb_per_s"] = synced_bytes / 1e9 / max(timer.seconds["sync"], 1e-9)
         metrics["sync/gb"] = synced_bytes / 1e9
         return metrics
 
     def _rollout(self, prompts: list[Prompt], timer: StageTimer, first_group: int) -> list[Sample]:
-        """Generate ``n`` samples per prompt and score them; groups are numbered from ``first_group``."""
-        with timer("generate"):
-            self.placement.before_generate(self.engine)
-            outputs = self.engine.generate([p.token_ids for p in prompts], self.sampling)
-        samples = [
+        """GENERATE and REWARD, run by the placement policy (which decides where and in what order)."""
+        return self.placement.rollout(self, prompts, timer, first_group)
+
+    def make_samples(self, prompts: list[Prompt], outputs: list[list[Generation]], first_group: int) -> list[Sample]:
+        """One ``Sample`` per generation; the groups of ``prompts`` are numbered from ``first_group``."""
+        return [
             Sample(
                 prompt=prompt,
                 group=first_group + group,
@@ -125,15 +137,15 @@ class Controller:
             for group, (prompt, generations) in enumerate(zip(prompts, outputs))
             for g in generations
         ]
-        with timer("reward"):
-            raw = self.reward.score(samples)
-            for sample, value in zip(samples, raw):
-                sample.reward_info["raw"] = value
-                sample.reward = value
-                sample.reward = float(self.algorithm.shape_reward(sample))
-        with timer("swap"):
-            self.placement.after_generate(self.engine)
-        return samples
+
+    def score(self, samples: list[Sample]) -> None:
+        """Reward the samples: the raw score is kept in ``reward_info["raw"]``, the algorithm shapes it."""
+        raw = self.reward.score(samples)
+        self._reward_errors += getattr(self.reward, "last_errors", 0)
+        for sample, value in zip(samples, raw):
+            sample.reward_info["raw"] = value
+            sample.reward = value
+            sample.reward = float(self.algorithm.shape_reward(sample))
 
     def _fill_batch(
         self, prompts: list[Prompt], samples: list[Sample], timer: StageTimer
@@ -192,7 +204,7 @@ class Controller:
             lengths.sum(),
             sum(not s.finished for s in samples),
             kept,
-            getattr(self.reward, "last_errors", 0),
+            self._reward_errors,
         ], dtype=torch.float64)
         total = self._all_reduce(local, "sum")
         count = max(float(total[0]), 1.0)
@@ -212,7 +224,7 @@ class Controller:
 
     def _telemetry(self, step: int, seconds: dict[str, float]) -> dict[str, float]:
         """Every rank's stage times; logged as the slowest rank's, with the imbalance between ranks."""
-        names = (*STAGES, "step")
+        names = (*STAGES, "step", *self.placement.telemetry_keys)
         local = torch.tensor([*(seconds.get(s, 0.0) for s in names), _peak_rss_gb()], dtype=torch.float64)
         if self.fabric.world_size > 1:
             gathered = self.fabric.all_gather(local).reshape(self.fabric.world_size, len(names) + 1)
@@ -225,7 +237,7 @@ class Controller:
         # busy time: the stages a controller runs alone (the step time also holds the waits in collectives)
         busy = sum(gathered[:, names.index(stage)] for stage in LOCAL_STAGES)
         metrics["time/imbalance"] = float(busy.max() / busy.mean().clamp(min=1e-9))
-        metrics.update({f"placement/{k}": v for k, v in updates.items()})
+        metrics.update({k if k.startswith("placement/") else f"placement/{k}": v for k, v in updates.items()})
         metrics["memory/peak_rss_gb"] = float(rss.max())  # the busiest process's high-water mark
         metrics["memory/rank0_peak_rss_gb"] = float(rss[0])
         return metrics

@@ -182,6 +182,7 @@ class SingleController(Controller):
     def step(self, step: int, prompts: list[Prompt], on_stage: Callable[[str], None] | None = None) -> dict[str, float]:
         timer = StageTimer(on_stage)
         step_start = time.perf_counter()
+        self._reward_errors = 0
         if self.rank == 0:
             self.engine.sent_bytes = 0
             samples = self._rollout(prompts, timer, first_group=0)  # every rank generates a part
@@ -208,13 +209,8 @@ class SingleController(Controller):
             synced_bytes = engine.update_weights(self.backend.named_weights())
 
         self.last_samples = samples
-        timer.seconds["step"] = time.perf_counter() - step_start
-        metrics = self._global_sample_metrics(samples, len(kept))
-        metrics.update(filter_metrics)
-        metrics.update(train_metrics)
-        metrics.update(self._telemetry(step, timer.seconds))
-        metrics["sync/gb_per_s"] = synced_bytes / 1e9 / max(timer.seconds["sync"], 1e-9)
-        metrics["sync/gb"] = synced_bytes / 1e9
+        metrics = self._step_metrics(step, timer, step_start, samples, len(kept), [filter_metrics, train_metrics],
+                                     synced_bytes)
         sent = self.engine.sent_bytes if self.rank == 0 else 0
         metrics["controller/sent_gb"] = float(self._all_reduce(torch.tensor([float(sent)]), "sum")[0]) / 1e9
         return metrics

@@ -143,6 +143,7 @@ class Trainer:
         self.algorithm = algorithm or GRPO()
         self.placement = placement or StaticPlacement()
         self.backend = backend or TorchBackend()
+        self.rollout_engine: Engine = self.engine  # what the controller calls; set by the placement's launch
         self._validate()
 
     def _validate(self) -> None:
@@ -217,6 +218,7 @@ class Trainer:
                 _report_rank_failure(fabric.global_rank, err, watch)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+            self.placement.shutdown()
             self.engine.shutdown()
 
     def _fit(self, fabric, device_type: str, tokenizer, model_path: str) -> FitResult:  # noqa: ANN001
@@ -233,8 +235,9 @@ class Trainer:
         self.placement.setup(fabric.world_size, device_type)
         self.backend.setup(fabric, model_path, self.model_config.torch_dtype, trust, self.algorithm,
                            embedded=self.model_config.embedded)
-        self.engine.setup(model_path, fabric.device, self.model_config.torch_dtype, trust)
-        self.reward.setup(fabric.device)
+        # the placement policy starts the engines where it places them (in this process by default)
+        self.rollout_engine = self.placement.launch(self.engine, self.reward, model_path, self.model_config.torch_dtype,
+                                                    trust, fabric.device, seed=c.seed + 1000 * rank)
         balancer = CostBalancer(prompts, self.sampling.n, self.sampling.max_new_tokens) if self.data_config.balance else None
         # with one controller, rank 0 takes every step's whole batch and the other ranks take none
         shard_rank, shards = (0, 1) if central else (rank, fabric.world_size)
@@ -252,7 +255,7 @@ class Trainer:
             from gcore.single_controller import SingleController
 
             controller_class = SingleController
-        controller = controller_class(fabric, self.engine, self.reward, self.algorithm, self.backend,
+        controller = controller_class(fabric, self.rollout_engine, self.reward, self.algorithm, self.backend,
                                       self.placement, tokenizer, self.sampling,
                                       draw_prompts=lambda k: take([extra.next_global()[0] for _ in range(k)]))
         checkpoints = self._checkpoint_manager(fabric)
@@ -306,6 +309,9 @@ class Trainer:
             raise ConfigError(f"--trainer.controllers {controllers}: valid choices are 1 (one controller drives "
                               f"every process) or {world_size} (one per process, the default)")
         central = controllers == 1 and world_size > 1
+        if central and (type(self.placement).__name__ == "DynamicPlacement" or getattr(self.placement, "workers", 0)):
+            raise ConfigError("--trainer.controllers 1 runs with --placement static and no --placement.workers "
+                              "(the engine worker pools are per controller)")
         if central and getattr(self.backend, "sequence_parallel_size", 1) > 1:
             raise ConfigError("--trainer.controllers 1 does not support --backend.sequence_parallel_size > 1")
         return central
@@ -382,8 +388,8 @@ class Trainer:
         if saved_world == fabric.world_size:
             set_rng_state(rank_state["rng"])  # same rank count: continue exactly
         else:
-            fabric.seed_everything(c.seed + rank + 100_003 * start, verbose=False)
-        self.engine.update_weights(self.backend.named_weights())
+            fabric.seed_everything(c.seed + rank + 100_003 * start, verbose=False)  # resharded: reseed
+        self.rollout_engine.update_weights(self.backend.named_weights())
         if rank == 0:
             print(f"resumed from {path} at step {start}")
             if saved_world != fabric.world_size:

@@ -74,7 +74,7 @@ def test_help_shows_plugin_options():
         (["--engine=nope"], "unknown engine 'nope'; valid choices: hf"),
         (["--model.path", "/does/not/exist"], "--model.path '/does/not/exist' is not a directory"),
         (["--data.path", "missing.jsonl"], "--data.path missing.jsonl: no such file"),
-        (["--placement", "dynamic"], "--placement dynamic runs in `gcore simulate` only so far"),
+        (["--placement", "dynamic"], "--placement dynamic needs at least 2 devices"),
         (["--sampling.n", "0"], "--sampling.n must be >= 1"),
         (["--reward", "regex", "--reward.pattern", "("], "is not a valid regular expression"),
     ],

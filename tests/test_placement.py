@@ -48,8 +48,8 @@ def test_placement_that_cannot_fit_fails_before_work():
         DynamicPlacement().setup(1, "simulated")
     with pytest.raises(ConfigError, match="no room"):
         DynamicPlacement(min_fraction=0.6).setup(4, "simulated")
-    with pytest.raises(ConfigError, match="simulate"):
-        DynamicPlacement().setup(4, "cpu")
+    with pytest.raises(ConfigError, match="GPU partitions"):
+        DynamicPlacement().setup(4, "cuda")
 
 
 def test_simulator_dynamic_follows_judge_cost(tmp_path):

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
 
 from gcore.engines.base import Engine
+from gcore.rewards.base import RewardModel
+from gcore.types import Prompt, Sample
+
+if TYPE_CHECKING:
+    from gcore.controller import Controller, StageTimer
 
 
 @dataclass
@@ -22,14 +30,41 @@ class Telemetry:
 class PlacementPolicy(ABC):
     """Decides how roles (policy generation, judge, training) share the devices.
 
-    ``before_generate``/``after_generate`` run around the generation stage of every step on every
-    controller; ``update`` gets the step's gathered telemetry and returns what to log. Decisions
-    must be computed identically on every rank from the same telemetry: there is no master.
+    ``launch`` starts the engines where the policy places them and returns the rollout engine the
+    controller calls; ``rollout`` runs the GENERATE and REWARD stages of a step (the default:
+    generate everything, then score it), with ``before_generate``/``after_generate`` around them;
+    ``update`` gets the step's gathered telemetry and returns what to log. Decisions must be
+    computed identically on every rank from the same telemetry: there is no master.
     """
+
+    #: extra per-rank numbers this policy writes into the step's timer; gathered and logged as ``time/<key>``
+    telemetry_keys: tuple[str, ...] = ()
 
     @abstractmethod
     def setup(self, world_size: int, device_type: str) -> None:
         """Check that the roles fit the devices; raise a ``GcoreError`` before any work if not."""
+
+    def launch(self, engine: Engine, reward: RewardModel, model_path: str, dtype: torch.dtype,
+               trust_remote_code: bool, device: torch.device, seed: int) -> Engine:
+        """Set up the engines and the reward; returns the rollout engine. Default: both in this process."""
+        engine.setup(model_path, device, dtype, trust_remote_code)
+        reward.setup(device)
+        return engine
+
+    def rollout(self, controller: Controller, prompts: list[Prompt], timer: StageTimer, first_group: int) -> list[Sample]:
+        """Generate ``n`` samples per prompt and score them (groups numbered from ``first_group``)."""
+        with timer("generate"):
+            self.before_generate(controller.engine)
+            outputs = controller.engine.generate([p.token_ids for p in prompts], controller.sampling)
+        samples = controller.make_samples(prompts, outputs, first_group)
+        with timer("reward"):
+            controller.score(samples)
+        with timer("swap"):
+            self.after_generate(controller.engine)
+        return samples
+
+    def shutdown(self) -> None:
+        """Stop whatever ``launch`` started."""
 
     def before_generate(self, engine: Engine) -> None:
         """Called right before generation."""

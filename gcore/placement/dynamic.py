@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import math
+import time
+from typing import TYPE_CHECKING
 
+import torch
+
+from gcore.engines.base import Engine
 from gcore.errors import ConfigError
 from gcore.placement.base import PlacementPolicy, Telemetry
+from gcore.rewards.base import RewardModel
+from gcore.types import Prompt, Sample
+
+if TYPE_CHECKING:
+    from gcore.controller import Controller, StageTimer
+    from gcore.placement.workers import PoolEngine, WorkerPool
 
 GENERATE, JUDGE = "generate", "reward"
 
@@ -18,14 +29,27 @@ class DynamicPlacement(PlacementPolicy):
     the shortest predicted rollout: without a reported generation floor, the split that balances the
     measured work; with one (a long tail that more devices cannot shorten), more judge devices.
 
+    In the trainer (CPU) a device is an engine worker process, and each controller splits its own
+    ``devices`` workers the same way. Generation requests (``stream_groups`` prompt groups each) go
+    to the generation partition; each finished group is judged on the judge partition while the
+    rest is still generating. A worker that changes partition swaps engines (``time/swap``).
+
     Args:
-        devices: devices to split (0: the world size). On CPU a device is an engine worker process.
+        devices: devices to split (0: the world size). In the trainer: engine worker processes per
+            controller.
         judge_fraction: the judge partition's share at the start.
         min_fraction: smallest share of devices either partition may get (at least one device).
         hysteresis: move only when the two roles' idle times differ by more than this share of the
             rollout phase.
         max_move_fraction: move at most this share of the devices in one step (at least one).
+        threads: torch threads of each engine worker (trainer only).
+        stream_groups: prompt groups per generation request: the unit that streams to the judge.
+        worker_timeout_s: a worker that does not answer a request in this time is killed and the
+            request sent to another worker.
+        retries: further attempts for a failed worker request before the step fails.
     """
+
+    telemetry_keys = ("rollout", "idle_generate", "idle_reward")
 
     def __init__(
         self,
@@ -34,6 +58,10 @@ class DynamicPlacement(PlacementPolicy):
         min_fraction: float = 0.125,
         hysteresis: float = 0.1,
         max_move_fraction: float = 0.125,
+        threads: int = 1,
+        stream_groups: int = 1,
+        worker_timeout_s: float = 600.0,
+        retries: int = 2,
     ) -> None:
         for name, value in (("judge_fraction", judge_fraction), ("min_fraction", min_fraction)):
             if not 0 < value < 1:
@@ -42,8 +70,16 @@ class DynamicPlacement(PlacementPolicy):
             raise ConfigError("--placement.hysteresis must be >= 0 and max_move_fraction in (0, 1]")
         self.devices, self.judge_fraction, self.min_fraction = devices, judge_fraction, min_fraction
         self.hysteresis, self.max_move_fraction = hysteresis, max_move_fraction
+        if threads < 1 or stream_groups < 1 or retries < 0:
+            raise ConfigError(f"--placement.threads and stream_groups must be >= 1, retries >= 0, got "
+                              f"{threads}, {stream_groups}, {retries}")
+        self.threads, self.stream_groups = threads, stream_groups
+        self.worker_timeout_s, self.retries = worker_timeout_s, retries
         self.total = 0
         self.judge_devices = 0
+        self.pool: WorkerPool | None = None
+        self.policy_engine: PoolEngine | None = None
+        self.judge_engine: PoolEngine | None = None
 
     @property
     def generate_devices(self) -> int:
@@ -54,10 +90,11 @@ class DynamicPlacement(PlacementPolicy):
         return max(1, math.ceil(self.min_fraction * self.total))
 
     def setup(self, world_size: int, device_type: str) -> None:
-        if device_type != "simulated":
+        if device_type not in ("simulated", "cpu"):
             raise ConfigError(
-                "--placement dynamic runs in `gcore simulate` only so far: the trainer does not yet run "
-                "generation and judge on separate worker partitions; use --placement static"
+                f"--placement dynamic runs on CPU engine workers and in `gcore simulate`; on {device_type} "
+                "the generation and judge partitions need engine servers on GPU partitions, not built yet: "
+                "use --placement static"
             )
         self.total = self.devices or world_size
         if self.total < 2:
@@ -71,6 +108,64 @@ class DynamicPlacement(PlacementPolicy):
             )
         wanted = round(self.judge_fraction * self.total)
         self.judge_devices = min(max(wanted, self.min_devices), self.total - self.min_devices)
+
+    def launch(self, engine: Engine, reward: RewardModel, model_path: str, dtype: torch.dtype,
+               trust_remote_code: bool, device: torch.device, seed: int) -> Engine:
+        """Start ``devices`` engine workers: the first ``generate_devices`` hold the policy, the rest the judge."""
+        from gcore.placement.workers import launch_workers
+
+        if self.total == 0:
+            raise RuntimeError("DynamicPlacement.launch called before setup")
+        self.pool, self.policy_engine, self.judge_engine = launch_workers(
+            "--placement dynamic", engine, reward, model_path, dtype, trust_remote_code, device,
+            self._roles(), self.threads, seed, True, self.worker_timeout_s, self.retries)
+        return self.policy_engine
+
+    def _roles(self) -> list[str]:
+        from gcore.placement.workers import JUDGE, POLICY
+
+        return [POLICY] * self.generate_devices + [JUDGE] * self.judge_devices
+
+    def rollout(self, controller: Controller, prompts: list[Prompt], timer: StageTimer, first_group: int) -> list[Sample]:
+        """Generate on one partition and judge on the other at once: each finished request is judged
+        while the rest is still generating. Writes per-device busy seconds for ``update``."""
+        from gcore.placement.workers import POLICY
+
+        pool = self.pool
+        if pool is None:
+            raise RuntimeError("DynamicPlacement.rollout called before launch")
+        pool.revive()
+        with timer("swap"):  # the workers that changed partition since the last step swap engines
+            pool.assign(self._roles())
+        generators = list(range(self.generate_devices))
+        self.policy_engine.workers = generators
+        self.judge_engine.workers = list(range(self.generate_devices, self.total))
+        pool.busy.clear()
+        started = time.perf_counter()
+        chunks = {start: prompts[start : start + self.stream_groups] for start in range(0, len(prompts), self.stream_groups)}
+        jobs = {start: pool.submit("generate", (POLICY, [p.token_ids for p in chunk], controller.sampling),
+                                   generators, POLICY) for start, chunk in chunks.items()}
+        by_chunk: dict[int, list[Sample]] = {}
+        while len(by_chunk) < len(jobs):
+            pool.wait([job for start, job in jobs.items() if start not in by_chunk], first=True)
+            finished = []
+            for start, job in jobs.items():
+                if job.done and start not in by_chunk:
+                    by_chunk[start] = controller.make_samples(chunks[start], job.result, first_group + start)
+                    finished += by_chunk[start]
+            controller.score(finished)  # on the judge partition, while generation goes on
+        wall = time.perf_counter() - started
+        busy_generate, busy_judge = pool.busy.get(POLICY, 0.0), pool.busy.get("judge", 0.0)
+        timer.add("generate", busy_generate / self.generate_devices)
+        timer.add("reward", busy_judge / self.judge_devices)
+        timer.add("rollout", wall)
+        timer.add("idle_generate", self.generate_devices * wall - busy_generate)
+        timer.add("idle_reward", self.judge_devices * wall - busy_judge)
+        return [sample for start in sorted(by_chunk) for sample in by_chunk[start]]
+
+    def shutdown(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
 
     def state_dict(self) -> dict:
         return {"total": self.total, "judge_devices": self.judge_devices}

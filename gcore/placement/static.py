@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
 from gcore.engines.base import Engine
+from gcore.errors import ConfigError
 from gcore.placement.base import PlacementPolicy
+from gcore.rewards.base import RewardModel
+from gcore.types import Prompt, Sample
+
+if TYPE_CHECKING:
+    from gcore.controller import Controller, StageTimer
+    from gcore.placement.workers import PoolEngine, WorkerPool
 
 
 class StaticPlacement(PlacementPolicy):
@@ -12,17 +24,85 @@ class StaticPlacement(PlacementPolicy):
     The engine wakes up before the weight sync, so new weights are copied device to device
     (measured on an H100: 175 GB/s into an awake engine versus 11 GB/s into a sleeping one).
 
+    With ``workers`` > 0 (CPU), the engines run in that many worker processes per controller, all
+    time-shared: generate on all of them, swap the policy engine out and the judge in (timed as
+    ``time/swap``), judge on all, swap back, then prepare and train.
+
     Args:
         offload: put the rollout engine to sleep (release device memory) while training. ``auto``
             does so on GPUs only, where memory is shared with the trainer.
+        workers: engine worker processes per controller (0: engines in the controller's process).
+        threads: torch threads of each worker.
+        release: on a swap, free the sleeping engine's memory and reload it on wake-up (the policy
+            then takes the latest weights from shared memory); ``false``: ``Engine.sleep`` only.
+        worker_timeout_s: a worker that does not answer a request in this time is killed and the
+            request sent to another worker.
+        retries: further attempts for a failed worker request before the step fails.
     """
 
-    def __init__(self, offload: bool | None = None) -> None:
+    def __init__(self, offload: bool | None = None, workers: int = 0, threads: int = 1, release: bool = True,
+                 worker_timeout_s: float = 600.0, retries: int = 2) -> None:
+        if workers < 0 or threads < 1 or retries < 0:
+            raise ConfigError(f"--placement.workers must be >= 0, threads >= 1 and retries >= 0, got "
+                              f"{workers}, {threads}, {retries}")
         self.offload = offload
+        self.workers, self.threads, self.release = workers, threads, release
+        self.worker_timeout_s, self.retries = worker_timeout_s, retries
         self._offload = False
+        self.pool: WorkerPool | None = None
+        self.judge_engine: PoolEngine | None = None
+
+    @property
+    def telemetry_keys(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("rollout", "idle_generate", "idle_reward") if self.workers else ()
 
     def setup(self, world_size: int, device_type: str) -> None:
         self._offload = self.offload if self.offload is not None else device_type == "cuda"
+
+    def launch(self, engine: Engine, reward: RewardModel, model_path: str, dtype: torch.dtype,
+               trust_remote_code: bool, device: torch.device, seed: int) -> Engine:
+        if not self.workers:
+            return super().launch(engine, reward, model_path, dtype, trust_remote_code, device, seed)
+        from gcore.placement.workers import POLICY, launch_workers
+
+        self.pool, policy, self.judge_engine = launch_workers(
+            "--placement.workers", engine, reward, model_path, dtype, trust_remote_code, device,
+            [POLICY] * self.workers, self.threads, seed, self.release, self.worker_timeout_s, self.retries)
+        return policy
+
+    def rollout(self, controller: Controller, prompts: list[Prompt], timer: StageTimer, first_group: int) -> list[Sample]:
+        if self.pool is None:
+            return super().rollout(controller, prompts, timer, first_group)
+        from gcore.placement.workers import JUDGE, POLICY
+
+        pool, everyone = self.pool, list(range(self.pool.size))
+        pool.revive()
+        pool.busy.clear()
+        with timer("generate"):
+            started = time.perf_counter()
+            outputs = pool.generate(POLICY, [p.token_ids for p in prompts], controller.sampling, everyone)
+            generate_s = time.perf_counter() - started
+        samples = controller.make_samples(prompts, outputs, first_group)
+        if self.judge_engine is not None:
+            with timer("swap"):
+                pool.assign([JUDGE] * pool.size)
+            self.judge_engine.workers = everyone
+        with timer("reward"):
+            started = time.perf_counter()
+            controller.score(samples)
+            reward_s = time.perf_counter() - started
+        if self.judge_engine is not None:
+            with timer("swap"):
+                pool.assign([POLICY] * pool.size)
+        timer.add("rollout", generate_s + reward_s)
+        timer.add("idle_generate", pool.size * generate_s - pool.busy.get(POLICY, 0.0))
+        if self.judge_engine is not None:
+            timer.add("idle_reward", pool.size * reward_s - pool.busy.get(JUDGE, 0.0))
+        return samples
+
+    def shutdown(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
 
     def before_generate(self, engine: Engine) -> None:
         if self._offload:

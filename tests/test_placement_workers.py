@@ -1,0 +1,178 @@
+"""Engine worker processes: shared-memory weight sync, real swaps, faults, and dynamic placement in the trainer."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from gcore.engines.hf import HFEngine
+from gcore.errors import ConfigError, GcoreError, RewardError
+from gcore.model import ModelConfig, char_tokenizer, materialize
+from gcore.placement.dynamic import DynamicPlacement
+from gcore.placement.static import StaticPlacement
+from gcore.placement.workers import JUDGE, POLICY, PoolEngine, RoleSpec, WorkerPool
+from gcore.rewards.generative import GenerativeReward
+from gcore.rewards.rule import TargetCharReward
+from gcore.testing import make_sample, tiny_fit
+from gcore.types import SamplingParams
+
+TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+GREEDY = SamplingParams(n=1, max_new_tokens=6, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tokenizer = char_tokenizer()
+    root = tmp_path_factory.mktemp("models")
+    policy = materialize(ModelConfig(**TINY), tokenizer, seed=0, workdir=str(root / "policy"))
+    judge = materialize(ModelConfig(**TINY), tokenizer, seed=1, workdir=str(root / "judge"))
+    return policy, judge
+
+
+def local_engine(path: str) -> HFEngine:
+    engine = HFEngine()
+    engine.setup(path, torch.device("cpu"), torch.float32, False)
+    return engine
+
+
+def tokens(outputs):
+    return [o[0].token_ids for o in outputs]
+
+
+def test_placement_that_cannot_fit_fails_before_work(models):
+    with pytest.raises(ConfigError, match="at least 2 devices"):
+        DynamicPlacement().setup(1, "cpu")
+    with pytest.raises(ConfigError, match="GPU partitions"):
+        DynamicPlacement(devices=4).setup(1, "cuda")
+    with pytest.raises(ConfigError, match="needs a generative judge"):  # before any worker starts
+        tiny_fit(steps=1, placement=DynamicPlacement(devices=2))
+
+
+@pytest.mark.slow
+def test_pool_syncs_weights_and_survives_dead_and_hung_workers(models):
+    policy_path, judge_path = models
+    prompts = [[5, 6, 7], [8, 9]]
+    pool = WorkerPool(3, {POLICY: RoleSpec(HFEngine(), policy_path), JUDGE: RoleSpec(HFEngine(), judge_path)},
+                      [POLICY, JUDGE, JUDGE], retries=1)
+    try:
+        # weight sync through shared memory: the worker samples exactly as an engine holding the new weights
+        reference = local_engine(policy_path)
+        new = [(name, t + 0.05 * torch.randn_like(t)) for name, t in reference.model.state_dict().items()
+               if name != "lm_head.weight"]
+        sync = pool.sync_weights(new)
+        reference.update_weights(new)
+        assert sync["bytes"] == sync["shm_bytes"] > 0 and sync["s"] > 0
+        assert tokens(pool.generate(POLICY, prompts, GREEDY, [0])) == tokens(reference.generate(prompts, GREEDY))
+
+        judge = local_engine(judge_path)
+        expected = tokens(judge.generate(prompts, GREEDY))
+        # a judge worker killed in the middle of a request: the request is served by another worker
+        os.kill(pool.processes[1].pid, signal.SIGSTOP)
+        job = pool.submit("generate", (JUDGE, prompts, GREEDY), [1, 2], JUDGE)
+        assert job.worker == 1
+        os.kill(pool.processes[1].pid, signal.SIGKILL)
+        pool.wait([job])
+        assert tokens(job.result) == expected and job.worker == 2 and pool.retried == 1
+
+        # a hung judge worker (its only peer is dead): killed at the timeout, both respawned, request retried
+        pool.job_timeout_s = 3.0
+        os.kill(pool.processes[2].pid, signal.SIGSTOP)
+        job = pool.submit("generate", (JUDGE, prompts, GREEDY), [1, 2], JUDGE)
+        pool.wait([job])
+        assert tokens(job.result) == expected and pool.retried == 2 and pool.respawned == 2
+        assert "did not answer within job_timeout_s" in job.errors[0]
+        # a respawned worker holding the policy takes the latest weights from shared memory
+        pool.assign([POLICY, POLICY, JUDGE])
+        assert tokens(pool.generate(POLICY, prompts, GREEDY, [1])) == tokens(reference.generate(prompts, GREEDY))
+
+        # no attempts left: the step fails, and no sample gets a reward it was not given
+        pool.retries = 0
+        reward = GenerativeReward(judge_path, engine=PoolEngine(pool, JUDGE, [2]), max_new_tokens=4, retries=0)
+        reward.setup("cpu")
+        os.kill(pool.processes[2].pid, signal.SIGSTOP)
+        samples = [make_sample("q", "r1", "1"), make_sample("q", "r2", "2")]
+        with pytest.raises(RewardError, match=r"(?s)failed 1 times.*job_timeout_s.*no reward was given"):
+            reward.score(samples)
+        assert all(s.reward == 0.0 and not s.reward_info for s in samples)
+        with pytest.raises(GcoreError, match="no engine worker"):
+            pool.submit("generate", (JUDGE, prompts, GREEDY), [], JUDGE)
+    finally:
+        pool.close()
+    assert not any(p.is_alive() for p in pool.processes) and not os.path.exists(pool.weights.path)
+
+
+@pytest.mark.slow
+def test_static_swaps_policy_and_judge_on_every_worker(models):
+    _, judge_path = models
+    placement = StaticPlacement(workers=2)
+    reward = GenerativeReward(judge_path, max_new_tokens=4, batch_size=64)
+    history = tiny_fit(steps=2, reward=reward, placement=placement).history
+    pool = placement.pool
+    assert pool.swaps == 2 * 2 * 2  # policy -> judge -> policy on 2 workers, for 2 steps
+    assert pool.held == [(POLICY,), (POLICY,)]  # the judge was released, not kept beside the policy
+    for metrics in history:
+        assert metrics["time/swap"] > 0 and metrics["time/reward"] > 0
+        assert metrics["reward/errors"] == metrics["samples/total"]  # a random judge: every verdict unparsable
+        assert metrics["sync/gb"] > 0
+
+
+class JudgeCostSchedule(DynamicPlacement):
+    """Dynamic placement whose judge writes ``lengths[step]`` tokens per verdict: its cost rises, then falls."""
+
+    def __init__(self, lengths: list[int], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.lengths, self.steps = lengths, 0
+
+    def rollout(self, controller, prompts, timer, first_group):
+        controller.reward.params.max_new_tokens = self.lengths[min(self.steps, len(self.lengths) - 1)]
+        self.steps += 1
+        return super().rollout(controller, prompts, timer, first_group)
+
+
+@pytest.mark.slow
+def test_dynamic_moves_a_worker_to_the_judge_when_its_cost_rises_and_back(models):
+    _, judge_path = models
+    lengths = [1, 1, 64, 64, 1, 1]
+    placement = JudgeCostSchedule(lengths, devices=3, judge_fraction=0.34, min_fraction=0.3)
+    reward = GenerativeReward(judge_path, max_new_tokens=1, batch_size=64)
+    history = tiny_fit(steps=len(lengths), reward=reward, placement=placement).history
+    judges = [int(m["placement/judge_devices"]) for m in history]  # the split decided after each step
+    assert judges[0] == 1
+    rise = judges.index(2)  # a worker moved to the judge after an expensive step ...
+    assert lengths[rise] == 64
+    assert judges[-1] == 1  # ... and back once the judge became cheap again
+    assert history[rise + 1]["time/swap"] > 0  # the moved worker swapped engines
+    assert placement.pool.swaps >= 2
+    for m in history:
+        assert m["time/rollout"] > 0 and m["time/idle_generate"] >= 0 and m["time/idle_reward"] >= -0.05
+
+
+@pytest.mark.slow
+def test_fit_cli_dynamic_placement_with_generative_judge(models, gcore_cli, tmp_path):
+    import csv
+
+    _, judge_path = models
+    result = gcore_cli("--placement", "dynamic", "--placement.devices", "2", "--reward", "generative",
+                       "--reward.path", judge_path, "--reward.max_new_tokens", "4", timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = next((tmp_path / "runs").rglob("metrics.csv"))
+    rows = list(csv.DictReader(metrics.open()))
+    assert rows and all(float(r["placement/judge_devices"]) >= 1 for r in rows if r.get("placement/judge_devices"))
+    assert any(float(r["time/rollout"]) > 0 for r in rows if r.get("time/rollout"))
+
+
+@pytest.mark.slow
+def test_fit_cli_dynamic_placement_over_two_controllers(models, gcore_cli, tmp_path):
+    """Each controller splits its own workers; the split comes from telemetry gathered from both."""
+    import csv
+
+    _, judge_path = models
+    result = gcore_cli("--trainer.devices", "2", "--trainer.accelerator", "cpu", "--placement", "dynamic",
+                       "--placement.devices", "2", "--reward", "generative", "--reward.path", judge_path,
+                       "--reward.max_new_tokens", "2", timeout=1500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader(next((tmp_path / "runs").rglob("metrics.csv")).open()))
+    assert len([r for r in rows if r.get("placement/judge_devices")]) == 2  # one split per step, logged on rank 0
