@@ -412,6 +412,15 @@ def sequence_parallel_logprobs(model, input_ids: torch.Tensor, attention_mask: t
     return gather_per_token(logprobs, rows), gather_per_token(entropy, rows)
 
 
+def sequence_parallel_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor,  # noqa: ANN001
+                             sp: SequenceParallelGroup, pack: bool) -> torch.Tensor:
+    """A value model's ``[B, L-1]`` values (position t: the state before token t+1) with 1/K of every row's
+    tokens on this rank; ``critic(input_ids, position_ids=..., sp_layout=...)`` returns one value per token."""
+    rows = shard_rows(input_ids, attention_mask, sp, pack)
+    values = critic(input_ids=rows.input_ids, position_ids=rows.position_ids, sp_layout=rows.layout)
+    return gather_per_token(values, rows)
+
+
 # ---------------------------------------------------------------------------------------------
 # Batches of the group
 # ---------------------------------------------------------------------------------------------
