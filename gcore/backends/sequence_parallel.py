@@ -29,7 +29,7 @@ import torch.distributed as dist
 from gcore.errors import ConfigError
 
 ATTENTION_NAME = "gcore_sp"
-QUERY_TILE = 1024  # ring attention: local queries per score matrix
+QUERY_TILE = 256  # ring attention: local queries per score matrix
 SequenceParallelMode = Literal["ring", "ulysses"]
 
 
