@@ -70,7 +70,8 @@ def _attention_inputs(heads: int, kv_heads: int):  # noqa: ANN202
     return q, k, v, weight
 
 
-def _sp_attention(rank, mode, heads, kv_heads):  # noqa: ANN001, ANN202
+def _sp_attention(rank, mode, heads, kv_heads, tile):  # noqa: ANN001, ANN202
+    seqpar.QUERY_TILE = tile
     sp = seqpar.SequenceParallelGroup.create(dist.get_world_size(), mode)
     q, k, v, weight = _attention_inputs(heads, kv_heads)
     ids = torch.ones(1, sum(LENGTHS), dtype=torch.long)
@@ -106,9 +107,12 @@ def _assemble(results, key, total):  # noqa: ANN001, ANN202
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,heads,kv_heads", [("ring", 4, 2), ("ring", 3, 1), ("ulysses", 4, 2), ("ulysses", 4, 1)])
-def test_attention_and_gradients_match_one_rank(mode, heads, kv_heads):
-    results = run_ranks(_sp_attention, mode, heads, kv_heads)
+@pytest.mark.parametrize("mode,heads,kv_heads,tile", [
+    ("ring", 4, 2, 1024), ("ring", 3, 1, 3),  # tile 3: 8 local queries in tiles of 3, 3 and 2
+    ("ulysses", 4, 2, 1024), ("ulysses", 4, 1, 1024),
+])
+def test_attention_and_gradients_match_one_rank(mode, heads, kv_heads, tile):
+    results = run_ranks(_sp_attention, mode, heads, kv_heads, tile)
     q, k, v, weight = _attention_inputs(heads, kv_heads)
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     expected = _reference_attention(q, k, v)
@@ -117,6 +121,24 @@ def test_attention_and_gradients_match_one_rank(mode, heads, kv_heads):
     torch.testing.assert_close(_assemble(results, "out", total), expected.detach(), atol=ATOL, rtol=RTOL)
     for name, ref in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
         torch.testing.assert_close(_assemble(results, name, total), ref, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+
+
+def test_segment_causal_attention_in_zigzag_order_matches_per_sample_attention():
+    q, k, v, weight = _attention_inputs(4, 4)
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    expected = _reference_attention(q, k, v)
+    index = seqpar.zigzag_indices(16, 2).reshape(-1)  # a shuffled token order
+    index = index[index < 15]  # the padding slot dropped
+    segment = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)])[index].unsqueeze(0)
+    out = seqpar.segment_causal_attention(q[:, :, index], k[:, :, index], v[:, :, index], index, segment, 8 ** -0.5)
+    torch.testing.assert_close(out, expected[:, :, index], atol=ATOL, rtol=RTOL)
+    (out * weight[:, :, index]).sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    (expected * weight).sum().backward()
+    for got, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(got, t.grad, atol=GRAD_ATOL, rtol=GRAD_RTOL)
 
 
 def test_zigzag_indices_balance_causal_work():

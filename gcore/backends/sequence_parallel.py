@@ -29,6 +29,7 @@ import torch.distributed as dist
 from gcore.errors import ConfigError
 
 ATTENTION_NAME = "gcore_sp"
+QUERY_TILE = 256  # ring attention: local queries per score matrix
 SequenceParallelMode = Literal["ring", "ulysses"]
 
 
@@ -189,21 +190,19 @@ class _RingAttention(torch.autograd.Function):
         cur_k, cur_v = k, v
         for step in range(sp.size):
             src = (sp.rank - step) % sp.size
-            nxt_kv = None
-            mask = visible(layout.index, layout.segment, layout.all_index[src], layout.all_segment[src])
-            if mask.any():
-                scores = (qf @ cur_k.float().transpose(-1, -2)) * scale
+            kf, vf = cur_k.float(), cur_v.float()
+            for tile, mask in _query_tiles(layout, src):
+                scores = (qf[:, :, tile] @ kf.transpose(-1, -2)) * scale
                 scores = scores.masked_fill(~mask[:, None], -torch.inf)
-                new_max = torch.maximum(running_max, scores.amax(-1))
+                new_max = torch.maximum(running_max[..., tile], scores.amax(-1))
                 safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
                 probs = torch.exp(scores - safe_max[..., None])
-                correction = torch.exp(running_max - safe_max)
-                denom = denom * correction + probs.sum(-1)
-                acc = acc * correction[..., None] + probs @ cur_v.float()
-                running_max = new_max
+                correction = torch.exp(running_max[..., tile] - safe_max)
+                denom[..., tile] = denom[..., tile] * correction + probs.sum(-1)
+                acc[:, :, tile] = acc[:, :, tile] * correction[..., None] + probs @ vf
+                running_max[..., tile] = new_max
             if step < sp.size - 1:
-                nxt_kv = _ring_exchange([cur_k, cur_v], sp)
-                cur_k, cur_v = nxt_kv
+                cur_k, cur_v = _ring_exchange([cur_k, cur_v], sp)
         out = acc / denom[..., None]
         lse = running_max + torch.log(denom)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -223,15 +222,15 @@ class _RingAttention(torch.autograd.Function):
         dv = torch.zeros(v.shape, device=v.device)
         for step in range(sp.size):
             src = (sp.rank - step) % sp.size
-            mask = visible(layout.index, layout.segment, layout.all_index[src], layout.all_segment[src])
-            if mask.any():
-                kf, vf = cur_k.float(), cur_v.float()
-                scores = (qf @ kf.transpose(-1, -2)) * scale
-                probs = torch.exp(scores - lse[..., None]).masked_fill(~mask[:, None], 0.0)
-                dv = dv + probs.transpose(-1, -2) @ dout
-                dscores = probs * (dout @ vf.transpose(-1, -2) - delta)
-                dq = dq + (dscores @ kf) * scale
-                dk = dk + (dscores.transpose(-1, -2) @ qf) * scale
+            kf, vf = cur_k.float(), cur_v.float()
+            for tile, mask in _query_tiles(layout, src):
+                q_tile, dout_tile = qf[:, :, tile], dout[:, :, tile]
+                scores = (q_tile @ kf.transpose(-1, -2)) * scale
+                probs = torch.exp(scores - lse[:, :, tile, None]).masked_fill(~mask[:, None], 0.0)
+                dv = dv + probs.transpose(-1, -2) @ dout_tile
+                dscores = probs * (dout_tile @ vf.transpose(-1, -2) - delta[:, :, tile])
+                dq[:, :, tile] += (dscores @ kf) * scale
+                dk = dk + (dscores.transpose(-1, -2) @ q_tile) * scale
             if sp.size > 1:  # K passes bring each block (and its gradient) back to its owner
                 if step < sp.size - 1:
                     cur_k, cur_v, dk, dv = _ring_exchange([cur_k, cur_v, dk, dv], sp)
@@ -240,12 +239,42 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
+def _query_tiles(layout: ShardLayout, src: int):  # noqa: ANN202
+    """``(slice, mask)`` for each tile of ``QUERY_TILE`` local queries that sees any key of rank ``src``'s
+    block; tiling bounds the score matrices at ``QUERY_TILE x S/K`` per head."""
+    length = layout.index.shape[1]
+    for start in range(0, length, QUERY_TILE):
+        tile = slice(start, min(start + QUERY_TILE, length))
+        mask = visible(layout.index[:, tile], layout.segment[:, tile], layout.all_index[src], layout.all_segment[src])
+        if mask.any():
+            yield tile, mask
+
+
 def _repeat_heads(x: torch.Tensor, times: int) -> torch.Tensor:
     return x if times == 1 else x.repeat_interleave(times, dim=1)
 
 
-def _masked_sdpa(q, k, v, mask, scale):  # noqa: ANN001, ANN202
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale)
+def segment_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+                             segment: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention within each segment of ``[R, H, S, D]`` tensors whose tokens sit at row positions
+    ``index`` (the same ``[S]`` order for every row) with segment ids ``segment`` ``[R, S]``.
+
+    Segments are contiguous runs in row order, so each one is a causal SDPA call of its own: the fused
+    kernel, with memory linear in the length (no ``S x S`` mask or score matrix is stored).
+    """
+    order = torch.argsort(index)
+    q, k, v = q[:, :, order], k[:, :, order], v[:, :, order]
+    rows = []
+    for r in range(q.shape[0]):
+        _, counts = torch.unique_consecutive(segment[r, order], return_counts=True)
+        parts, start = [], 0
+        for n in counts.tolist():
+            span = slice(start, start + n)
+            parts.append(torch.nn.functional.scaled_dot_product_attention(
+                q[r: r + 1, :, span], k[r: r + 1, :, span], v[r: r + 1, :, span], is_causal=True, scale=scale))
+            start += n
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows)[:, :, index]
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ShardLayout, scale: float) -> torch.Tensor:
@@ -253,8 +282,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sh
     groups = q.shape[1] // k.shape[1]
     k, v = _repeat_heads(k, groups), _repeat_heads(v, groups)
     if layout.sp.size == 1:
-        mask = visible(layout.index, layout.segment, layout.index, layout.segment)
-        return _masked_sdpa(q, k, v, mask, scale)
+        return segment_causal_attention(q, k, v, layout.index[0], layout.segment, scale)
     return _RingAttention.apply(q, k, v, layout, scale)
 
 
@@ -269,15 +297,13 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout:
         )
     if kv_heads % sp.size != 0:  # send repeated key/value heads so every rank gets whole groups
         k, v = _repeat_heads(k, heads // kv_heads), _repeat_heads(v, heads // kv_heads)
-    index = layout.all_index.permute(1, 0, 2).reshape(layout.all_index.shape[1], -1)  # rank order
-    segment = layout.all_segment.permute(1, 0, 2).reshape(index.shape)
-    mask = visible(index, segment, index, segment)
-    if sp.size == 1:
-        return _masked_sdpa(q, _repeat_heads(k, heads // k.shape[1]), _repeat_heads(v, heads // v.shape[1]), mask, scale)
-    q, k, v = (_AllToAll.apply(t, 1, 2, sp) for t in (q, k, v))  # [R, H/K, S, D]
+    index = layout.all_index[:, 0].reshape(-1)  # the gathered tokens' row positions, in rank order
+    segment = layout.all_segment.permute(1, 0, 2).reshape(layout.all_segment.shape[1], -1)
+    if sp.size > 1:
+        q, k, v = (_AllToAll.apply(t, 1, 2, sp) for t in (q, k, v))  # [R, H/K, S, D]
     k, v = _repeat_heads(k, q.shape[1] // k.shape[1]), _repeat_heads(v, q.shape[1] // v.shape[1])
-    out = _masked_sdpa(q, k, v, mask, scale)
-    return _AllToAll.apply(out, 2, 1, sp)  # [R, H, S/K, D]
+    out = segment_causal_attention(q, k, v, index, segment, scale)
+    return _AllToAll.apply(out, 2, 1, sp) if sp.size > 1 else out  # [R, H, S/K, D]
 
 
 def gcore_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,  # noqa: ANN001, ANN201
@@ -410,6 +436,15 @@ def sequence_parallel_logprobs(model, input_ids: torch.Tensor, attention_mask: t
     logits = model(input_ids=rows.input_ids, position_ids=rows.position_ids, sp_layout=rows.layout).logits
     logprobs, entropy = next_token_logprobs(logits, rows.targets, temperature)
     return gather_per_token(logprobs, rows), gather_per_token(entropy, rows)
+
+
+def sequence_parallel_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor,  # noqa: ANN001
+                             sp: SequenceParallelGroup, pack: bool) -> torch.Tensor:
+    """A value model's ``[B, L-1]`` values (position t: the state before token t+1) with 1/K of every row's
+    tokens on this rank; ``critic(input_ids, position_ids=..., sp_layout=...)`` returns one value per token."""
+    rows = shard_rows(input_ids, attention_mask, sp, pack)
+    values = critic(input_ids=rows.input_ids, position_ids=rows.position_ids, sp_layout=rows.layout)
+    return gather_per_token(values, rows)
 
 
 # ---------------------------------------------------------------------------------------------

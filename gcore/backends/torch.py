@@ -42,9 +42,15 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Values ``[B, L-1]``: position ``t`` values the state that predicts token ``t+1``."""
-        hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, sp_layout: seqpar.ShardLayout | None = None) -> torch.Tensor:
+        """Values ``[B, L-1]``: position ``t`` values the state that predicts token ``t+1``. With
+        ``sp_layout`` (sequence parallelism): one value per token of this rank's share, ``[R, S/K]``."""
+        extra = {} if sp_layout is None else {"sp_layout": sp_layout}
+        hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            **extra).last_hidden_state
+        if sp_layout is not None:
+            return self.head(hidden).squeeze(-1).float()
         return self.head(hidden[:, :-1]).squeeze(-1).float()
 
 
@@ -183,7 +189,7 @@ class TorchBackend(TrainingBackend):
                 f"--backend.sequence_parallel_mode ulysses needs the model's {heads} attention heads divisible by "
                 f"--backend.sequence_parallel_size {self.sequence_parallel_size}; use ring"
             )
-        for model in (self.hf_model, self.reference):
+        for model in (self.hf_model, self.reference, self.critic.module.trunk if self.critic is not None else None):
             if model is not None:
                 seqpar.use_sequence_parallel_attention(model)
 
@@ -193,8 +199,31 @@ class TorchBackend(TrainingBackend):
         if self.sp is None:
             logits = model(input_ids=input_ids, attention_mask=self.fabric.to_device(micro.attention_mask)).logits
             return token_logprobs(logits, input_ids, temperature)
-        pack = self.packing if self.packing is not None else self.sp.size > 1
-        return seqpar.sequence_parallel_logprobs(model, input_ids, micro.attention_mask, temperature, self.sp, pack)
+        return seqpar.sequence_parallel_logprobs(model, input_ids, micro.attention_mask, temperature, self.sp,
+                                                 self._pack())
+
+    def _forward_values(self, micro: RolloutBatch) -> torch.Tensor:
+        """The critic's values ``[B, L-1]`` of a micro-batch, through sequence parallelism / packing when set up."""
+        input_ids = self.fabric.to_device(micro.input_ids)
+        if self.sp is None:
+            return self.critic(input_ids=input_ids, attention_mask=self.fabric.to_device(micro.attention_mask))
+        return seqpar.sequence_parallel_values(self.critic, input_ids, micro.attention_mask, self.sp, self._pack())
+
+    def _pack(self) -> bool:
+        return self.packing if self.packing is not None else self.sp.size > 1
+
+    def _per_row_pass(self, batch: RolloutBatch, forward) -> torch.Tensor:  # noqa: ANN001
+        """``forward(micro)`` over the batch in micro-batches, masked to the response: ``[B, L-1]``. Under
+        sequence parallelism the group runs on the union of its members' batches; each rank gets its own rows."""
+        own, offset, count = batch, 0, len(batch)
+        if self.sp is not None:
+            batch, offset, count = seqpar.gather_group_batch(batch, self.sp)
+        out = torch.zeros_like(batch.response_mask)
+        for rows in torch.arange(len(batch)).split(self.micro_batch_size):
+            micro = batch.select(rows)
+            values = forward(micro)
+            out[rows, : values.shape[1]] = values.cpu() * micro.response_mask
+        return out[offset: offset + count, : own.response_mask.shape[1]]
 
     # PREPARE ---------------------------------------------------------------------------------
 
@@ -203,29 +232,13 @@ class TorchBackend(TrainingBackend):
         model = self.policy if role == "policy" else self.reference
         if model is None:
             raise RuntimeError(f"no {role} model: it was not set up")
-        own, offset, count = batch, 0, len(batch)
-        if self.sp is not None:  # the group works on the union of its members' batches
-            batch, offset, count = seqpar.gather_group_batch(batch, self.sp)
-        out = torch.zeros_like(batch.response_mask)
-        for rows in torch.arange(len(batch)).split(self.micro_batch_size):
-            micro = batch.select(rows)
-            logprobs, _ = self._forward_logprobs(model, micro, batch.temperature)
-            out[rows, : logprobs.shape[1]] = logprobs.cpu() * micro.response_mask
-        return out[offset: offset + count, : own.response_mask.shape[1]]
+        return self._per_row_pass(batch, lambda micro: self._forward_logprobs(model, micro, batch.temperature)[0])
 
     @torch.no_grad()
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         if self.critic is None:
             raise RuntimeError("no critic: it was not set up (the algorithm's needs_critic was False)")
-        out = torch.zeros_like(batch.response_mask)
-        for rows in torch.arange(len(batch)).split(self.micro_batch_size):
-            micro = batch.select(rows)
-            values = self.critic(
-                input_ids=self.fabric.to_device(micro.input_ids),
-                attention_mask=self.fabric.to_device(micro.attention_mask),
-            )
-            out[rows, : values.shape[1]] = values.cpu() * micro.response_mask
-        return out
+        return self._per_row_pass(batch, self._forward_values)
 
     # TRAIN -----------------------------------------------------------------------------------
 
@@ -314,7 +327,7 @@ class TorchBackend(TrainingBackend):
                 fabric.backward(loss * world)  # DDP averages over ranks; the loss is already a global sum
             if self.critic is not None:
                 with fabric.no_backward_sync(self.critic, enabled=i < n_micro - 1):
-                    values = self.critic(input_ids=micro.input_ids, attention_mask=micro.attention_mask)
+                    values = self._forward_values(micro)
                     value_loss, value_shares = algorithm.value_loss(values, micro, scale)
                     fabric.backward(value_loss * (world if real else 0.0))
                 shares.update(value_shares)
@@ -323,7 +336,8 @@ class TorchBackend(TrainingBackend):
                 shares["loss"] = loss.detach()
                 for key, value in shares.items():
                     local[key] = local.get(key, 0.0) + float(value)
-        local["padding_frac"] = padding_fraction(lengths, groups) / world  # mean over ranks after the sum
+        # the mean over ranks after the sum and the division by the replicas of each row
+        local["padding_frac"] = padding_fraction(lengths, groups) * replicas / world
         keys = sorted(set(local) | {"loss", "entropy"})
         if world > 1:
             values = fabric.all_reduce(torch.tensor([local.get(k, 0.0) for k in keys]), reduce_op="sum")
