@@ -309,7 +309,9 @@ class Trainer:
             raise ConfigError(f"--trainer.controllers {controllers}: valid choices are 1 (one controller drives "
                               f"every process) or {world_size} (one per process, the default)")
         central = controllers == 1 and world_size > 1
-        if central and (type(self.placement).__name__ == "DynamicPlacement" or getattr(self.placement, "workers", 0)):
+        from gcore.placement.dynamic import DynamicPlacement
+
+        if central and (isinstance(self.placement, DynamicPlacement) or getattr(self.placement, "workers", 0)):
             raise ConfigError("--trainer.controllers 1 runs with --placement static and no --placement.workers "
                               "(the engine worker pools are per controller)")
         if central and getattr(self.backend, "sequence_parallel_size", 1) > 1:
