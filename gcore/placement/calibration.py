@@ -76,7 +76,11 @@ def _features(s: Setting) -> dict[str, list[float]]:
 def fit_costs(settings: list[Setting]) -> dict[str, float]:
     """Per-token costs (seconds) that best explain the measured stage times of ``settings``."""
     import numpy as np
-    from scipy.optimize import nnls
+
+    try:
+        from scipy.optimize import nnls
+    except ImportError:
+        raise ConfigError("calibrating the simulator needs scipy: pip install 'gcore[simulate]'") from None
 
     if len(settings) < 3:
         raise ConfigError(f"calibration needs at least 3 measured settings to fit, got {len(settings)}")
