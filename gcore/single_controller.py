@@ -234,14 +234,14 @@ class SingleController(Controller):
         """Rank 0 collates every sample and computes advantages; each rank gets its rows, computes the
         log-probabilities and values the algorithm needs on its own shard, and sends them back first
         when the advantages depend on them."""
-        algorithm, backend = self.algorithm, self.backend
+        algorithm = self.algorithm
         needs_model = algorithm.needs_critic or algorithm.needs_old_logprobs or algorithm.needs_reference
         if self.rank == 0:
             batch = collate(samples, self.tokenizer.pad_token_id, self.sampling.temperature)
             if empty:
                 batch.response_mask.zero_()
             batch.response_mask = algorithm.loss_mask(batch)
-            parts = self._split(batch)
+            parts = list(torch.arange(len(batch)).tensor_split(self.world))  # contiguous rows per rank
             if not needs_model:
                 batch.advantages = algorithm.advantages(batch)
                 return self._scatter(batch, parts)
@@ -260,9 +260,6 @@ class SingleController(Controller):
                 setattr(batch, name, torch.cat([piece[i] for piece in pieces]))
         batch.advantages = algorithm.advantages(batch)
         return self._scatter(batch, parts)
-
-    def _split(self, batch: RolloutBatch) -> list[torch.Tensor]:
-        return list(torch.arange(len(batch)).tensor_split(self.world))
 
     def _scatter(self, batch: RolloutBatch, parts: list[torch.Tensor]) -> RolloutBatch:
         """Send every other rank its rows; return rank 0's own. A rank without rows gets one row with a
