@@ -19,7 +19,7 @@ pytestmark = pytest.mark.vllm
 PARITY = 1e-4  # max |engine - trainer| logprob in float32; measured about 5e-7 to 1e-6 on CPU
 
 
-def _engine_and_backend(tmp_path, device):
+def _engine_and_backend(tmp_path, device, **engine_args):
     from gcore.engines.vllm import VLLMEngine
 
     tokenizer = char_tokenizer()
@@ -27,7 +27,7 @@ def _engine_and_backend(tmp_path, device):
     fabric = Fabric(accelerator=device, devices=1)
     backend = TorchBackend(lr=1e-2)
     backend.setup(fabric, path, torch.float32, False, GRPO(), embedded=True)
-    engine = VLLMEngine(enforce_eager=True, max_model_len=256)
+    engine = VLLMEngine(enforce_eager=True, max_model_len=256, **engine_args)
     engine.setup(path, fabric.device, torch.float32, False)
     return tokenizer, engine, backend
 
@@ -65,6 +65,94 @@ def test_logprobs_match_the_trainer_before_and_after_a_weight_sync(tmp_path, dev
     assert received > 0
     gap, _ = _gap(engine, backend, tokenizer, params)
     assert gap < PARITY
+
+
+def _train_step(engine, backend, tokenizer, params):
+    """One GRPO step on the backend (the engine is not synced); the gap it leaves."""
+    _, batch = _gap(engine, backend, tokenizer, params)
+    batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
+    batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
+    backend.train(batch, GRPO(), params.max_new_tokens)
+    stale, _ = _gap(engine, backend, tokenizer, params)
+    return stale
+
+
+def test_weight_sync_across_processes_in_small_and_large_buckets(tmp_path):
+    """The model lives in vLLM's engine-core process; weights travel as broadcast buckets (gloo)."""
+    if torch.cuda.is_available():
+        pytest.skip("vLLM's CPU backend is not installed on GPU machines")
+    tokenizer, engine, backend = _engine_and_backend(tmp_path, "cpu", separate_process=True, sync_bucket_mb=0.01,
+                                                     sync_timeout_s=120)
+    try:
+        # the engine really is in another process: vLLM's multiprocess client, a live child process
+        client = engine.llm.llm_engine.engine_core
+        assert type(client).__name__ == "SyncMPClient", type(client)
+        params = SamplingParams(n=4, max_new_tokens=12, temperature=0.8, stop_token_ids=(tokenizer.eos_token_id,))
+        gap, _ = _gap(engine, backend, tokenizer, params)
+        assert gap < PARITY
+
+        # buckets of 10 KiB, smaller than the largest tensor: that one travels alone
+        largest = max(t.numel() * t.element_size() for _, t in backend.named_weights())
+        assert largest > engine.sender.bucket_bytes
+        assert _train_step(engine, backend, tokenizer, params) > 10 * PARITY
+        total = sum(t.numel() * t.element_size() for _, t in backend.named_weights())
+        assert engine.update_weights(backend.named_weights()) == total
+        assert engine.sender.last_buckets > 2
+        gap, _ = _gap(engine, backend, tokenizer, params)
+        assert gap < PARITY
+
+        # one bucket for the whole model
+        engine.sender.bucket_bytes = 2**30
+        assert _train_step(engine, backend, tokenizer, params) > 10 * PARITY
+        assert engine.update_weights(backend.named_weights()) == total
+        assert engine.sender.last_buckets == 1
+        gap, _ = _gap(engine, backend, tokenizer, params)
+        assert gap < PARITY
+    finally:
+        engine.shutdown()
+
+
+def test_cross_process_sync_times_out_clearly_when_the_receiver_never_joins():
+    """No worker ever joins the group: the sender gives up within the timeout, naming the flag."""
+    import time
+
+    from gcore.engines.vllm_sync import BroadcastSender
+    from gcore.errors import GcoreError
+
+    calls = []
+    sender = BroadcastSender(lambda method, **kw: calls.append(method), torch.device("cpu"), timeout_s=3,
+                             bucket_bytes=2**20)
+    start = time.perf_counter()
+    with pytest.raises(GcoreError, match=r"opening the sync group .* within 3 s \(--engine.sync_timeout_s\)"):
+        sender.connect()
+    assert time.perf_counter() - start < 3 + 2
+    assert calls == ["init_weight_transfer_engine"]
+
+
+def test_cross_process_bucket_times_out_clearly_when_the_receiver_does_not_receive():
+    """The group is open but the receiving side never takes the bucket: the send fails within the timeout."""
+    import time
+
+    from gcore.engines.vllm_sync import BroadcastSender
+    from gcore.errors import GcoreError
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    joined = []
+
+    def rpc(method, timeout=None, kwargs=None):  # a receiver that joins, then ignores every bucket
+        if method == "init_weight_transfer_engine":
+            info = kwargs["init_info"]
+            joined.append(stateless_init_torch_distributed_process_group(
+                info["host"], info["port"], 1, 2, info["backend"]))
+
+    sender = BroadcastSender(rpc, torch.device("cpu"), timeout_s=3, bucket_bytes=2**20)
+    sender.connect()
+    assert joined
+    weights = [(f"w{i}", torch.randn(256, 1024)) for i in range(4)]  # 1 MiB each
+    start = time.perf_counter()
+    with pytest.raises(GcoreError, match=r"bucket 1 .* within 3 s \(--engine.sync_timeout_s\)"):
+        sender.send(weights)
+    assert time.perf_counter() - start < 3 + 2
 
 
 @pytest.mark.slow

@@ -4,8 +4,14 @@ Uses vLLM's own API only: ``LLM.generate`` with token-id prompts, ``LLM.sleep``/
 co-location, and the workers' ``reload_weights`` (reached through ``LLM.collective_rpc``), vLLM's
 in-place reload for RL, which takes HF-named tensors, streams them layer by layer through the
 model's own ``load_weights`` and re-runs its post-load processing (repacking for CPU kernels,
-fusing QKV). The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a
-weight sync is an in-memory copy: no disk round trip and no serialisation.
+fusing QKV). By default the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+so a weight sync is an in-memory copy: no disk round trip and no serialisation.
+
+With ``separate_process=True`` the engine core (and its worker, which holds the model) runs in a
+child process, as vLLM does by default; the weights then travel through vLLM's weight-transfer API
+(``init_weight_transfer_engine``/``start_weight_update``/``update_weights``/``finish_weight_update``)
+with gcore's ``gcore_broadcast`` backend: packed buckets broadcast over a two-rank gloo (CPU) or
+NCCL (GPU) group. See :mod:`gcore.engines.vllm_sync`.
 """
 
 from __future__ import annotations
@@ -43,7 +49,12 @@ class VLLMEngine(Engine):
         sleep_level: 1 offloads weights to CPU and drops the KV cache when asleep; 2 drops the
             weights too (the next weight sync reloads them).
         cpu_kv_cache_gib: KV-cache space on CPU machines (``VLLM_CPU_KVCACHE_SPACE``).
-        sync_timeout_s: a weight sync that takes longer fails with a clear error.
+        sync_timeout_s: a weight sync (in the separate-process mode: the group's rendezvous, and each
+            bucket) that takes longer fails with a clear error.
+        separate_process: run vLLM's engine core in a child process and sync the weights across
+            processes (broadcast buckets) instead of in memory.
+        sync_bucket_mb: in the separate-process mode, weights travel in buckets of at most this many
+            MiB (a larger tensor travels alone).
         seed: vLLM's sampling seed (each controller adds its rank).
     """
 
@@ -55,6 +66,8 @@ class VLLMEngine(Engine):
         sleep_level: int = 1,
         cpu_kv_cache_gib: int = 1,
         sync_timeout_s: float = 600.0,
+        separate_process: bool = False,
+        sync_bucket_mb: float = 512.0,
         seed: int = 0,
     ) -> None:
         import importlib.util
@@ -63,23 +76,33 @@ class VLLMEngine(Engine):
             _import_vllm()  # raises the "install the extra" error before any work starts
         if sleep_level not in (1, 2):
             raise ConfigError("--engine.sleep_level must be 1 or 2")
+        if sync_bucket_mb <= 0:
+            raise ConfigError("--engine.sync_bucket_mb must be positive")
         self.gpu_memory_utilization = gpu_memory_utilization
         self.max_model_len = max_model_len
         self.enforce_eager = enforce_eager
         self.sleep_level = sleep_level
         self.cpu_kv_cache_gib = cpu_kv_cache_gib
         self.sync_timeout_s = sync_timeout_s
+        self.separate_process = separate_process
+        self.sync_bucket_mb = sync_bucket_mb
         self.seed = seed
+        self.sender = None
         self.llm = None
         self.device = torch.device("cpu")
         self.asleep = False
         self.last_sync_seconds = 0.0
 
     def setup(self, model_path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool) -> None:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in-process: in-memory sync
+        # the engine core in this process (in-memory sync) or in a child process (broadcast sync)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.separate_process else "0"
         if device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cpu_kv_cache_gib))
         vllm = _import_vllm()
+        import vllm.envs
+
+        if hasattr(vllm.envs, "disable_envs_cache"):
+            vllm.envs.disable_envs_cache()  # an engine built earlier in this process froze the variables above
         self.device = device
         rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
         kwargs = dict(
@@ -93,10 +116,21 @@ class VLLMEngine(Engine):
         )
         if device.type == "cuda":
             kwargs.update(gpu_memory_utilization=self.gpu_memory_utilization, enable_sleep_mode=True)
+        if self.separate_process:
+            from gcore.engines.vllm_sync import BACKEND, register
+
+            register()  # in the engine core process vLLM's plugin loader does it (gcore's vllm.general_plugins)
+            kwargs["weight_transfer_config"] = {"backend": BACKEND}
         try:
             self.llm = vllm.LLM(**kwargs)
         except Exception as err:
             raise GcoreError(f"vLLM could not load {model_path}: {type(err).__name__}: {err}") from err
+        if self.separate_process:
+            from gcore.engines.vllm_sync import BroadcastSender
+
+            self.sender = BroadcastSender(self.llm.collective_rpc, device, self.sync_timeout_s,
+                                          int(self.sync_bucket_mb * 2**20))
+            self.sender.connect()
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
         if self.llm is None:
@@ -121,6 +155,11 @@ class VLLMEngine(Engine):
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         if self.llm is None:
             raise RuntimeError("VLLMEngine.update_weights called before setup")
+        if self.sender is not None:  # the model lives in vLLM's engine process: broadcast buckets
+            start = time.perf_counter()
+            received = self.sender.send(weights)
+            self.last_sync_seconds = time.perf_counter() - start
+            return received
         start, received = time.perf_counter(), [0]
 
         def counted() -> Iterable[tuple[str, torch.Tensor]]:
@@ -135,7 +174,8 @@ class VLLMEngine(Engine):
                 kwargs={"weights_iterator": counted(), "is_checkpoint_format": True},
             )
         except TimeoutError as err:
-            raise GcoreError(f"vLLM weight sync did not finish within {self.sync_timeout_s} s") from err
+            raise GcoreError(f"vLLM weight sync did not finish within {self.sync_timeout_s} s "
+                             "(--engine.sync_timeout_s)") from err
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.last_sync_seconds = time.perf_counter() - start
@@ -152,6 +192,11 @@ class VLLMEngine(Engine):
             self.asleep = False
 
     def shutdown(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+        if self.llm is not None and self.separate_process:
+            self.llm.llm_engine.engine_core.shutdown()  # the child process
         self.llm = None
 
 
