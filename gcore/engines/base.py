@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -38,3 +38,17 @@ class Engine(ABC):
 
     def shutdown(self) -> None:
         """Free everything; the engine is not used again."""
+
+
+def buckets(weights: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group named tensors into lists of at most ``max_bytes`` (a larger tensor goes alone)."""
+    bucket, size = [], 0
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from gcore.engines.base import Engine
+from gcore.engines.base import Engine, buckets
 from gcore.errors import ConfigError, GcoreError
 from gcore.types import Generation, SamplingParams
 
@@ -79,20 +79,6 @@ def group_outputs(outputs: Sequence[dict[str, Any]], num_prompts: int, n: int) -
         raise GcoreError(f"SGLang returned {len(outputs)} outputs for {num_prompts} prompts x {n} samples")
     flat = [to_generation(o) for o in outputs]
     return [flat[i * n : (i + 1) * n] for i in range(num_prompts)]
-
-
-def buckets(weights: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterable[list[tuple[str, torch.Tensor]]]:
-    """Group named tensors into lists of at most ``max_bytes`` (a larger tensor goes alone)."""
-    bucket, size = [], 0
-    for name, tensor in weights:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > max_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 class SGLangEngine(Engine):

@@ -55,6 +55,9 @@ class VLLMEngine(Engine):
             processes (broadcast buckets) instead of in memory.
         sync_bucket_mb: in the separate-process mode, weights travel in buckets of at most this many
             MiB (a larger tensor travels alone).
+        sync_backend: in the separate-process mode, the group's backend: ``auto`` (NCCL on GPU,
+            gloo on CPU), ``nccl`` (needs the engine on another GPU than the trainer) or ``gloo``
+            (through host memory; works when both share one GPU).
         seed: vLLM's sampling seed (each controller adds its rank).
     """
 
@@ -68,6 +71,7 @@ class VLLMEngine(Engine):
         sync_timeout_s: float = 600.0,
         separate_process: bool = False,
         sync_bucket_mb: float = 512.0,
+        sync_backend: str = "auto",
         seed: int = 0,
     ) -> None:
         import importlib.util
@@ -78,6 +82,8 @@ class VLLMEngine(Engine):
             raise ConfigError("--engine.sleep_level must be 1 or 2")
         if sync_bucket_mb <= 0:
             raise ConfigError("--engine.sync_bucket_mb must be positive")
+        if sync_backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"--engine.sync_backend must be auto, gloo or nccl, not {sync_backend!r}")
         self.gpu_memory_utilization = gpu_memory_utilization
         self.max_model_len = max_model_len
         self.enforce_eager = enforce_eager
@@ -86,6 +92,7 @@ class VLLMEngine(Engine):
         self.sync_timeout_s = sync_timeout_s
         self.separate_process = separate_process
         self.sync_bucket_mb = sync_bucket_mb
+        self.sync_backend = sync_backend
         self.seed = seed
         self.sender = None
         self.llm = None
@@ -129,7 +136,7 @@ class VLLMEngine(Engine):
             from gcore.engines.vllm_sync import BroadcastSender
 
             self.sender = BroadcastSender(self.llm.collective_rpc, device, self.sync_timeout_s,
-                                          int(self.sync_bucket_mb * 2**20))
+                                          int(self.sync_bucket_mb * 2**20), self.sync_backend)
             self.sender.connect()
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:

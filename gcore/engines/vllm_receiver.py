@@ -52,12 +52,14 @@ class BroadcastReceiver(WeightTransferEngine[BroadcastInitInfo, BroadcastUpdateI
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group = None
+        self.backend = "gloo"
         self.timeout = timedelta(seconds=600)
 
     def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
         self.timeout = timedelta(seconds=init_info.timeout_s)
+        self.backend = init_info.backend
         self.group = stateless_init_torch_distributed_process_group(
             init_info.host, init_info.port, 1, init_info.world_size, init_info.backend, timeout=self.timeout)
 
@@ -84,7 +86,8 @@ class BroadcastReceiver(WeightTransferEngine[BroadcastInitInfo, BroadcastUpdateI
         options = BroadcastOptions()
         options.rootRank = 0
         options.timeout = self.timeout
-        buffer = torch.empty(update_info.num_bytes, dtype=torch.uint8, device=self.device)
+        device = self.device if self.backend == "nccl" else torch.device("cpu")  # gloo: host memory
+        buffer = torch.empty(update_info.num_bytes, dtype=torch.uint8, device=device)
         self.group.broadcast([buffer], options).wait()
         self.model.load_weights(unpack(buffer, update_info.names, update_info.dtype_names, update_info.shapes))
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from gcore.engines.base import buckets
 from gcore.errors import GcoreError
 
 BACKEND = "gcore_broadcast"
@@ -42,24 +43,22 @@ def register() -> None:
         pass
 
 
-def buckets(weights: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group named tensors into lists of at most ``max_bytes`` (a larger tensor goes alone)."""
-    bucket, size = [], 0
-    for name, tensor in weights:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > max_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+ALIGN = 16  # every tensor starts at a multiple of this many bytes in a bucket, so any dtype can view it
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def pack(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, dict[str, Any]]:
     """One flat byte buffer on ``device`` holding the bucket's tensors, and the metadata to cut it up."""
-    flats = [t.detach().to(device).contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
-    buffer = flats[0] if len(flats) == 1 else torch.cat(flats)
+    sizes = [t.numel() * t.element_size() for _, t in bucket]
+    buffer = torch.empty(sum(_padded(n) for n in sizes), dtype=torch.uint8, device=device)
+    offset = 0
+    for (_, tensor), nbytes in zip(bucket, sizes):
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        buffer[offset : offset + nbytes].copy_(flat)
+        offset += _padded(nbytes)
     meta = {
         "names": [name for name, _ in bucket],
         "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
@@ -80,7 +79,7 @@ def unpack(buffer: torch.Tensor, names: list[str], dtype_names: list[str],
             numel *= dim
         nbytes = numel * dtype.itemsize
         out.append((name, buffer[offset : offset + nbytes].view(dtype).view(shape)))
-        offset += nbytes
+        offset += _padded(nbytes)
     if offset != buffer.numel():
         raise GcoreError(f"weight bucket holds {buffer.numel()} bytes, its metadata describes {offset}")
     return out
@@ -122,17 +121,24 @@ class BroadcastSender:
     Args:
         rpc: calls a method on the vLLM workers (``LLM.collective_rpc``'s signature:
             ``rpc(method, timeout=..., kwargs=...)``).
-        device: where the buckets are packed; picks the group's backend (NCCL on CUDA, else gloo).
+        device: the trainer's device; picks the group's backend when ``backend`` is ``auto``.
         timeout_s: limit for the rendezvous and for every bucket.
         bucket_bytes: buckets hold at most this many bytes (a larger tensor travels alone).
+        backend: ``auto`` (NCCL on CUDA, gloo otherwise), ``nccl`` or ``gloo``. NCCL needs the
+            trainer and the engine on different GPUs; gloo works anywhere (through host memory).
     """
 
-    def __init__(self, rpc: Callable[..., Any], device: torch.device, timeout_s: float, bucket_bytes: int) -> None:
+    def __init__(self, rpc: Callable[..., Any], device: torch.device, timeout_s: float, bucket_bytes: int,
+                 backend: str = "auto") -> None:
+        if backend not in ("auto", "gloo", "nccl"):
+            raise GcoreError(f"--engine.sync_backend must be auto, gloo or nccl, not {backend!r}")
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
         self.rpc = rpc
-        self.device = device
+        self.backend = backend
+        self.device = device if backend == "nccl" else torch.device("cpu")  # where the buckets are packed
         self.timeout_s = timeout_s
         self.bucket_bytes = max(1, int(bucket_bytes))
-        self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.group = None
         self.last_buckets = 0
 
@@ -204,7 +210,7 @@ class BroadcastSender:
             if "error" in receiving:
                 err = receiving["error"]
                 raise GcoreError(f"vLLM weight sync: the workers failed on {what}: {type(err).__name__}: {err}")
-            sent += meta["num_bytes"]
+            sent += sum(t.numel() * t.element_size() for _, t in bucket)
             count += 1
         self._call_workers("finish_weight_update")
         if self.device.type == "cuda":
