@@ -4,8 +4,12 @@ CP with gcore's ring/Ulysses attention as the layers' ``core_attention`` (gcore/
 With 2 gloo processes on CPU (CP=2, TP=1), on the same 7-row batch (rows of length 7, not a
 multiple of 2*CP, two of them padded shorter; each rank brings its own rows): per-token
 log-probabilities equal the one-process megatron backend's (CP=1) and the torch backend's within
-1e-5, and one train step gives the same loss and entropy (rel 1e-4) and the same weights (atol 2e-5,
-as tests/test_sequence_parallel_training.py: 0.2 % of an lr-1e-2 AdamW step).
+1e-5, and one train step gives the same loss, entropy and gradient norm (rel 1e-4) and the same
+weights: atol 2e-5 against the torch backend (as tests/test_sequence_parallel_training.py: 0.2 % of
+an lr-1e-2 AdamW step), 3e-5 against megatron at CP=1, whose local attention (baddbmm, then softmax)
+rounds differently from the SDPA / online-softmax kernels gcore's attention and torch use.
+Measured (2026-11-23, this 2-core CPU): log-probabilities <= 4.8e-7 off; weights 7.2e-6 off the torch
+backend's and 1.6e-5 off megatron CP=1's; loss rel 5e-8; grad norm rel 1e-7.
 """
 
 import os
@@ -20,7 +24,7 @@ from gcore.model import char_tokenizer, materialize
 from gcore.testing import make_batch
 
 LOGPROB_TOL = 1e-5
-WEIGHT_ATOL = 2e-5
+WEIGHT_ATOL = {"torch": 2e-5, "megatron": 3e-5}
 METRIC_REL = 1e-4
 
 
@@ -105,7 +109,8 @@ def _batch():
     batch.attention_mask[4, 6:] = 0
     batch.response_mask[4, 5:] = 0
     batch.input_ids[4, 6:] = 0
-    batch.advantages = GRPO(kl_coef=0.0).advantages(batch)
+    # fixed advantages that do not sum to zero, so the first step's loss is not ~0
+    batch.advantages = torch.tensor([1.0, -0.5, 0.8, 0.3, -0.2, 0.6, 0.4])
     return batch
 
 
@@ -174,7 +179,7 @@ def test_context_parallel_step_matches_one_process(tmp_path, references, mode, d
                     (name, key)
             moved = 0
             for key, tensor in reference["weights"].items():
-                torch.testing.assert_close(result["weights"][key], tensor, rtol=0, atol=WEIGHT_ATOL, msg=key)
+                torch.testing.assert_close(result["weights"][key], tensor, rtol=0, atol=WEIGHT_ATOL[name], msg=key)
                 moved += not torch.allclose(references["initial"][key], tensor)
             assert moved > 0  # the step changed the weights: not a comparison of two untouched models
     assert ranks[0]["logprobs"].abs().sum() > 0  # padded rows give zeros past their length, others do not
