@@ -68,7 +68,7 @@ def test_sizes_that_do_not_divide_the_ranks_are_refused(tmp_path):
     backend_class = _megatron()
     model_dir = _model_dir(tmp_path)
     backend = backend_class(sequence_parallel_size=2)
-    with pytest.raises(ConfigError, match="tensor_parallel_size 1 times --backend.sequence_parallel_size 2 does not "
+    with pytest.raises(ConfigError, match="sequence_parallel_size 2 times --backend.tensor_parallel_size 1 does not "
                                           r"divide the number of ranks \(1\)"):
         backend.setup(Fabric(accelerator="cpu", devices=1), model_dir, torch.float32, False, GRPO(kl_coef=0.0),
                       embedded=True)

@@ -1,12 +1,15 @@
-"""``megatron`` backend: megatron-core's GPT model with tensor, pipeline and data parallelism.
+"""``megatron`` backend: megatron-core's GPT model with tensor, pipeline, context and data parallelism.
 
 One launcher: Lightning Fabric starts the processes and the default process group; ``setup``
 calls ``parallel_state.initialize_model_parallel`` on top of it. The ranks that hold one copy of
 the model (tensor x pipeline group) are separate controllers with separate samples; they train on
 the union of their batches (gathered before each forward pass), and each gets back its own rows'
 log-probabilities. With pipeline stages, micro-batches go through megatron-core's 1F1B schedule.
-Gradients are summed over the data-parallel group only (by megatron's distributed optimizer when
-DP > 1, else an all-reduce before torch AdamW); the loss follows ``Algorithm.loss`` and
+With context parallelism (``--backend.sequence_parallel_size``) the tensor x context group shares
+one union of batches and every row is split zig-zag over the context ranks, with gcore's
+distributed attention inside megatron's layers (``megatron_cp.py``).
+Gradients are summed over the data-parallel (x context-parallel) group only (by megatron's
+distributed optimizer when DP > 1, else an all-reduce before torch AdamW); the loss follows ``Algorithm.loss`` and
 ``LossScale`` exactly as in the torch backend, so both backends compute the same update.
 
 What is supported and what is not: ``docs/megatron.md``.
@@ -62,7 +65,7 @@ class MegatronBackend(TrainingBackend):
             backend's; it is megatron-core's ``context_parallel_size`` (zig-zag split of each row in
             2*K chunks), with gcore's distributed attention as the layers' ``core_attention`` (CPU and
             GPU, no Transformer Engine; ``gcore/backends/megatron_cp.py``). Not with pipeline
-            parallelism; ``tensor x pipeline x sequence`` sizes must divide the number of ranks.
+            parallelism; tensor x sequence size must divide the number of ranks (the rest are data parallel).
         sequence_parallel_mode: the distributed attention with ``sequence_parallel_size`` > 1: ``ring``
             (any head count) or ``ulysses`` (attention heads per tensor-parallel rank divisible by the size).
         lr: learning rate; ``None`` picks 1e-6 for a checkpoint given with ``--model.path`` and
@@ -163,8 +166,8 @@ class MegatronBackend(TrainingBackend):
         if world % (tp * pp):
             raise ConfigError(f"--backend.tensor_parallel_size {tp} times --backend.pipeline_parallel_size {pp} "
                               f"does not divide the number of ranks ({world})")
-        if world % (tp * pp * cp):
-            raise ConfigError(f"--backend.tensor_parallel_size {tp} times --backend.sequence_parallel_size {cp} "
+        if world % (tp * pp * cp):  # (cp > 1: pp is 1)
+            raise ConfigError(f"--backend.sequence_parallel_size {cp} times --backend.tensor_parallel_size {tp} "
                               f"does not divide the number of ranks ({world})")
         self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.layout = layout_from_hf(self.hf_config, tp)
