@@ -123,16 +123,19 @@ def _step(backend, fabric, model_dir, rows):
     return {"logprobs": logprobs, "metrics": metrics, "weights": weights}
 
 
-def _context_parallel(fabric, model_dir, out, mode, distributed):
+ROWS = {2: [[0, 1, 2, 3], [4, 5, 6]], 4: [[0, 1], [2, 3], [4, 5], [6]]}  # each rank brings its own rows
+
+
+def _context_parallel(fabric, model_dir, out, mode, distributed, tp):
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from gcore.backends.megatron import MegatronBackend
     from gcore.backends.sequence_parallel import zigzag_indices
 
-    rows = [0, 1, 2, 3] if fabric.global_rank == 0 else [4, 5, 6]  # each rank brings its own rows
-    backend = MegatronBackend(sequence_parallel_size=2, sequence_parallel_mode=mode, lr=1e-2, micro_batch_size=3,
-                              distributed_optimizer=distributed)
+    rows = ROWS[fabric.world_size][fabric.global_rank]
+    backend = MegatronBackend(tensor_parallel_size=tp, sequence_parallel_size=2, sequence_parallel_mode=mode, lr=1e-2,
+                              micro_batch_size=3, distributed_optimizer=distributed)
     result = _step(backend, fabric, model_dir, rows)
     # megatron's own split of a batch over the CP group (get_batch_on_this_cp_rank) is gcore's zig-zag split
     split = get_batch_on_this_cp_rank({"tokens": torch.arange(12).view(1, 12)},
@@ -159,18 +162,22 @@ def references(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("mode", "distributed"), [("ring", False), ("ulysses", False), ("ring", True)])
-def test_context_parallel_step_matches_one_process(tmp_path, references, mode, distributed):
+@pytest.mark.parametrize(("mode", "distributed", "tp"),
+                         [("ring", False, 1), ("ulysses", False, 1), ("ring", True, 1), ("ring", False, 2)])
+def test_context_parallel_step_matches_one_process(tmp_path, references, mode, distributed, tp):
     """CP=2 on 2 ranks (torch AdamW with gradients all-reduced over DP x CP, or megatron's distributed
-    optimizer, whose grad buffers reduce over DP x CP) gives the logprobs, loss and update of one process."""
+    optimizer, whose grad buffers reduce over DP x CP), and TP=2 x CP=2 on 4 ranks (vocabulary-parallel
+    log-probabilities of the split rows), give the logprobs, loss and update of one process."""
     out = str(tmp_path / "result")
-    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(
-        _context_parallel, references["model_dir"], out, mode, distributed)
-    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    world = 2 * tp
+    Fabric(accelerator="cpu", devices=world, strategy="ddp_spawn").launch(
+        _context_parallel, references["model_dir"], out, mode, distributed, tp)
+    ranks = [torch.load(f"{out}.{r}") for r in range(world)]
     for r, result in enumerate(ranks):
         assert result["cp_size"] == 2 and result["megatron_split"]
         assert result["optimizer"] == ("ChainedOptimizer" if distributed else "AdamW")
-        own = slice(0, 4) if r == 0 else slice(4, 7)
+        start = sum(len(rows) for rows in ROWS[world][:r])
+        own = slice(start, start + len(ROWS[world][r]))
         for name in ("megatron", "torch"):
             reference = references[name]
             assert (result["logprobs"] - reference["logprobs"][own]).abs().max() < LOGPROB_TOL, name
@@ -184,8 +191,9 @@ def test_context_parallel_step_matches_one_process(tmp_path, references, mode, d
             assert moved > 0  # the step changed the weights: not a comparison of two untouched models
     assert ranks[0]["logprobs"].abs().sum() > 0  # padded rows give zeros past their length, others do not
     assert (ranks[0]["logprobs"][1, 4:] == 0).all()
-    for key, tensor in ranks[0]["weights"].items():  # the CP ranks hold one model
-        assert torch.equal(ranks[1]["weights"][key], tensor), key
+    for result in ranks[1:]:  # the CP (and TP) ranks hold one model
+        for key, tensor in ranks[0]["weights"].items():
+            assert torch.equal(result["weights"][key], tensor), key
 
 
 @pytest.mark.slow
