@@ -540,7 +540,8 @@ class MegatronBackend(TrainingBackend):
     # batches across the tensor-parallel group -------------------------------------------------
 
     def _mp_union(self, batch: RolloutBatch) -> tuple[RolloutBatch, int]:
-        """The concatenation of every peer's batch (the TP x PP, or TP x CP, group), and where this rank's rows start."""
+        """The concatenation of every peer's batch (the TP x PP, or TP x CP, group), and where this
+        rank's rows start."""
         if self.data_size == 1:
             return batch, 0
         parts: list[RolloutBatch | None] = [None] * self.data_size
@@ -694,7 +695,8 @@ class MegatronBackend(TrainingBackend):
         return sorted({k for ks in everyone for k in ks})
 
     def _reduce_and_clip_gradients(self) -> float:
-        """Sum gradients over data-parallel (x context-parallel) ranks, then clip by the global norm; returns the norm."""
+        """Sum gradients over data-parallel (x context-parallel) ranks, then clip by the global norm;
+        returns the norm."""
         named = [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

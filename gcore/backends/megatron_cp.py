@@ -92,8 +92,8 @@ def _core_attention_class():  # noqa: ANN202
             head_dim = config.kv_channels
             self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
 
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,  # noqa: ANN001, ANN201
-                    packed_seq_params=None):  # noqa: ANN001
+        def forward(self, query, key, value, attention_mask,  # noqa: ANN001, ANN201
+                    attn_mask_type=None, attention_bias=None, packed_seq_params=None):  # noqa: ANN001
             if packed_seq_params is not None or attention_bias is not None:
                 raise ValueError("gcore's context-parallel attention takes neither packed_seq_params nor a bias")
             if not _LAYOUT:

@@ -126,7 +126,8 @@ def keep_rotary_on_cpu(model) -> None:  # noqa: ANN001
         freqs = rotary.get_freqs_non_repeated(max_seq_len, offset)  # [seq, dim/2] on inv_freq's device
         return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
 
-    def forward(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:  # noqa: ANN001
+    def forward(max_seq_len: int, offset: int = 0, packed_seq: bool = False,
+                cp_group=None) -> torch.Tensor:  # noqa: ANN001
         # RotaryEmbedding.forward, whose context-parallel slice (get_pos_emb_on_this_cp_rank) builds
         # a pinned CUDA index: the same zig-zag selection on the CPU
         from gcore.backends.megatron_cp import rotary_on_this_cp_rank
