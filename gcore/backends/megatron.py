@@ -1,12 +1,15 @@
-"""``megatron`` backend: megatron-core's GPT model with tensor, pipeline and data parallelism.
+"""``megatron`` backend: megatron-core's GPT model with tensor, pipeline, context and data parallelism.
 
 One launcher: Lightning Fabric starts the processes and the default process group; ``setup``
 calls ``parallel_state.initialize_model_parallel`` on top of it. The ranks that hold one copy of
 the model (tensor x pipeline group) are separate controllers with separate samples; they train on
 the union of their batches (gathered before each forward pass), and each gets back its own rows'
 log-probabilities. With pipeline stages, micro-batches go through megatron-core's 1F1B schedule.
-Gradients are summed over the data-parallel group only (by megatron's distributed optimizer when
-DP > 1, else an all-reduce before torch AdamW); the loss follows ``Algorithm.loss`` and
+With context parallelism (``--backend.sequence_parallel_size``) the tensor x context group shares
+one union of batches and every row is split zig-zag over the context ranks, with gcore's
+distributed attention inside megatron's layers (``megatron_cp.py``).
+Gradients are summed over the data-parallel (x context-parallel) group only (by megatron's
+distributed optimizer when DP > 1, else an all-reduce before torch AdamW); the loss follows ``Algorithm.loss`` and
 ``LossScale`` exactly as in the torch backend, so both backends compute the same update.
 
 What is supported and what is not: ``docs/megatron.md``.
@@ -59,8 +62,12 @@ class MegatronBackend(TrainingBackend):
             number of layers and, times the tensor-parallel size, the world size). Micro-batches go
             through megatron-core's pipeline schedule (1F1B).
         sequence_parallel_size: split every sequence over this many ranks, the same flag as the torch
-            backend's; it maps to megatron-core's context parallelism, which needs Transformer Engine's
-            attention (CUDA only). Only 1 is supported: see docs/megatron.md.
+            backend's; it is megatron-core's ``context_parallel_size`` (zig-zag split of each row in
+            2*K chunks), with gcore's distributed attention as the layers' ``core_attention`` (CPU and
+            GPU, no Transformer Engine; ``gcore/backends/megatron_cp.py``). Not with pipeline
+            parallelism; tensor x sequence size must divide the number of ranks (the rest are data parallel).
+        sequence_parallel_mode: the distributed attention with ``sequence_parallel_size`` > 1: ``ring``
+            (any head count) or ``ulysses`` (attention heads per tensor-parallel rank divisible by the size).
         lr: learning rate; ``None`` picks 1e-6 for a checkpoint given with ``--model.path`` and
             5e-3 for the embedded tiny model.
         weight_decay: AdamW weight decay.
@@ -81,6 +88,7 @@ class MegatronBackend(TrainingBackend):
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         sequence_parallel_size: int = 1,
+        sequence_parallel_mode: Literal["ring", "ulysses"] = "ring",
         lr: float | None = None,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -95,19 +103,27 @@ class MegatronBackend(TrainingBackend):
             raise ConfigError(f"--backend.tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         if pipeline_parallel_size < 1:
             raise ConfigError(f"--backend.pipeline_parallel_size must be >= 1, got {pipeline_parallel_size}")
-        if sequence_parallel_size != 1:
+        if sequence_parallel_size < 1:
+            raise ConfigError(f"--backend.sequence_parallel_size must be >= 1, got {sequence_parallel_size}")
+        if sequence_parallel_mode not in ("ring", "ulysses"):
+            raise ConfigError(f"--backend.sequence_parallel_mode {sequence_parallel_mode!r}: valid choices are "
+                              "ring, ulysses")
+        if sequence_parallel_size > 1 and pipeline_parallel_size > 1:
             raise ConfigError(
-                f"--backend.sequence_parallel_size {sequence_parallel_size}: the megatron backend supports only 1. "
-                "It would be megatron-core's context parallelism, which needs Transformer Engine's attention "
-                "(TEDotProductAttention: CUDA and transformer_engine; megatron-core's local attention refuses "
-                "context_parallel_size > 1) and is not wired up in gcore; use --backend torch "
-                "--backend.sequence_parallel_size for sequence parallelism (ring/ulysses, CPU and GPU)"
-            )
+                f"--backend.sequence_parallel_size {sequence_parallel_size} with --backend.pipeline_parallel_size "
+                f"{pipeline_parallel_size}: the megatron backend's context parallelism runs without pipeline stages; "
+                "set one of them to 1")
+        if sequence_parallel_size > 1 and transformer_engine == "true":
+            raise ConfigError(
+                f"--backend.sequence_parallel_size {sequence_parallel_size} with --backend.transformer_engine true: "
+                "context parallelism uses gcore's attention in megatron-core's local layer spec, not Transformer "
+                "Engine's; use --backend.transformer_engine auto or false")
         if micro_batch_size < 1:
             raise ConfigError(f"--backend.micro_batch_size must be >= 1, got {micro_batch_size}")
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
         self.sequence_parallel_size = sequence_parallel_size
+        self.sequence_parallel_mode = sequence_parallel_mode
         self.context_parallel_size = sequence_parallel_size  # megatron-core's name
         self.lr = lr
         self.weight_decay = weight_decay
@@ -143,14 +159,23 @@ class MegatronBackend(TrainingBackend):
         if getattr(algorithm, "entropy_coef", 0.0) and self.tensor_parallel_size > 1:
             raise ConfigError("--algorithm.entropy_coef with --backend megatron needs --backend.tensor_parallel_size 1: "
                               "the vocabulary-parallel entropy is computed without its gradient")
-        world, tp, pp = fabric.world_size, self.tensor_parallel_size, self.pipeline_parallel_size
+        world, tp, pp, cp = (fabric.world_size, self.tensor_parallel_size, self.pipeline_parallel_size,
+                             self.context_parallel_size)
         if world % tp:
             raise ConfigError(f"--backend.tensor_parallel_size {tp} does not divide the number of ranks ({world})")
         if world % (tp * pp):
             raise ConfigError(f"--backend.tensor_parallel_size {tp} times --backend.pipeline_parallel_size {pp} "
                               f"does not divide the number of ranks ({world})")
+        if world % (tp * pp * cp):  # (cp > 1: pp is 1)
+            raise ConfigError(f"--backend.sequence_parallel_size {cp} times --backend.tensor_parallel_size {tp} "
+                              f"does not divide the number of ranks ({world})")
         self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.layout = layout_from_hf(self.hf_config, tp)
+        if cp > 1 and self.sequence_parallel_mode == "ulysses" and (self.layout.num_heads // tp) % cp:
+            raise ConfigError(
+                f"--backend.sequence_parallel_mode ulysses needs the attention heads per tensor-parallel rank "
+                f"({self.layout.num_heads} / {tp}) divisible by --backend.sequence_parallel_size {cp}; "
+                "use --backend.sequence_parallel_mode ring")
         if self.layout.num_layers % pp:
             raise ConfigError(f"--backend.pipeline_parallel_size {pp} does not divide the model's "
                               f"{self.layout.num_layers} layers")
@@ -247,6 +272,20 @@ class MegatronBackend(TrainingBackend):
         self.dp_group = parallel_state.get_data_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
+        # gradients are summed over data-parallel x context-parallel ranks (megatron's DDP does the same)
+        self.dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self.dp_cp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        # the ranks that train on one union of batches: tensor x pipeline, or tensor x context (no PP with CP)
+        if self.context_parallel_size > 1:
+            from gcore.backends.megatron_cp import context_parallel_group
+
+            self.cp = context_parallel_group(self.sequence_parallel_mode)
+            self.data_group = parallel_state.get_tensor_and_context_parallel_group()
+        else:
+            self.cp = None
+            self.data_group = self.mp_group
+        self.data_size = dist.get_world_size(self.data_group)
+        self.data_rank = dist.get_rank(self.data_group)
         if self.device.type == "cpu":
             from gcore.backends.megatron_cpu import install_cpu_adaptations
 
@@ -316,8 +355,14 @@ class MegatronBackend(TrainingBackend):
             moe_token_dispatcher_type="alltoall",  # (no experts; megatron's check of variable_seq_lengths)
             batch_p2p_sync=not on_cpu,  # (a torch.cuda.synchronize after pipeline sends)
         )
-        spec = (get_gpt_layer_with_transformer_engine_spec() if self._use_transformer_engine()
-                else get_gpt_layer_local_spec(normalization="RMSNorm"))
+        if self.context_parallel_size > 1:  # gcore's ring/Ulysses attention: megatron_cp.py
+            from gcore.backends.megatron_cp import context_parallel_layer_spec
+
+            spec = context_parallel_layer_spec()
+        elif self._use_transformer_engine():
+            spec = get_gpt_layer_with_transformer_engine_spec()
+        else:
+            spec = get_gpt_layer_local_spec(normalization="RMSNorm")
         rope = _rope(c)
         with self._cuda_calls() if pipelined else contextlib.nullcontext():  # (a .cuda() on the tied embedding)
             model = GPTModel(
@@ -385,10 +430,36 @@ class MegatronBackend(TrainingBackend):
             return token_logprobs(logits[..., : self.layout.vocab_size], input_ids, temperature)
         return self._vocab_parallel_logprobs(logits, input_ids, temperature)
 
-    def _forward_logprobs(self, model, input_ids: torch.Tensor, temperature: float  # noqa: ANN001
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_logprobs(self, model, input_ids: torch.Tensor, temperature: float,  # noqa: ANN001
+                          attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probabilities and entropies of a whole (unpipelined) model."""
+        if self.cp is not None:
+            if attention_mask is None:
+                attention_mask = torch.ones_like(input_ids)
+            return self._context_parallel_logprobs(model, input_ids, attention_mask, temperature)
         return self._logprobs_from_logits(self._stage_forward(model, input_ids), input_ids, temperature)
+
+    def _context_parallel_logprobs(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor,  # noqa: ANN001
+                                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, L-1]`` log-probabilities and entropies with this rank holding 1/CP of every row.
+
+        Each right-padded row is padded to a multiple of 2*CP and split zig-zag (megatron's split;
+        megatron's rotary embedding picks the same chunks of its table, so positions are the row's);
+        gcore's attention joins the CP ranks; the per-token results are gathered back to whole rows
+        on every CP rank (backward: each rank keeps its own tokens' gradient).
+        """
+        from gcore.backends import sequence_parallel as seqpar
+        from gcore.backends.megatron_cp import attention_layout
+
+        rows = seqpar.shard_rows(input_ids.to(self.device), attention_mask.to(self.device), self.cp, pack=False)
+        with self.fabric.autocast(), attention_layout(rows.layout):
+            logits = model(rows.input_ids, rows.position_ids, None)  # [B, S/CP, V/tp]
+        if self.tensor_parallel_size == 1:
+            logprobs, entropy = seqpar.next_token_logprobs(logits[..., : self.layout.vocab_size], rows.targets,
+                                                           temperature)
+        else:
+            logprobs, entropy = self._vocab_parallel_target_logprobs(logits, rows.targets, temperature)
+        return seqpar.gather_per_token(logprobs, rows), seqpar.gather_per_token(entropy, rows)
 
     def _run_micro_batches(self, model, micros: list[RolloutBatch], temperature: float,  # noqa: ANN001
                            loss_fn, forward_only: bool) -> list[dict]:  # noqa: ANN001
@@ -402,7 +473,7 @@ class MegatronBackend(TrainingBackend):
         results: list[dict] = []
         if self.pipeline_parallel_size == 1:
             for micro in micros:
-                logprobs, entropy = self._forward_logprobs(model, micro.input_ids, temperature)
+                logprobs, entropy = self._forward_logprobs(model, micro.input_ids, temperature, micro.attention_mask)
                 loss, outputs = loss_fn(logprobs, entropy, micro)
                 if not forward_only:
                     loss.backward()
@@ -436,9 +507,14 @@ class MegatronBackend(TrainingBackend):
     def _vocab_parallel_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor, temperature: float
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """``token_logprobs`` on vocabulary shards: megatron's vocab-parallel cross-entropy."""
+        return self._vocab_parallel_target_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+
+    def _vocab_parallel_target_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float
+                                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probabilities of ``targets`` (aligned with ``logits``) and entropies, on vocabulary shards."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        logits = logits[:, :-1].float()
+        logits = logits.float()
         if temperature not in (0.0, 1.0):
             logits = logits / temperature
         shard = logits.shape[-1]
@@ -446,7 +522,6 @@ class MegatronBackend(TrainingBackend):
         if start + shard > self.layout.vocab_size:  # vocabulary padding on the last ranks
             padding = torch.arange(start, start + shard, device=logits.device) >= self.layout.vocab_size
             logits = logits.masked_fill(padding, _MASKED_LOGIT)
-        targets = input_ids[:, 1:]
         with torch.no_grad():
             entropy = self._vocab_parallel_entropy(logits.detach())
         # the cross-entropy works on its input in place: give it its own copy
@@ -465,12 +540,13 @@ class MegatronBackend(TrainingBackend):
     # batches across the tensor-parallel group -------------------------------------------------
 
     def _mp_union(self, batch: RolloutBatch) -> tuple[RolloutBatch, int]:
-        """The concatenation of every model-parallel (TP x PP) peer's batch, and where this rank's rows start."""
-        if self.mp_size == 1:
+        """The concatenation of every peer's batch (the TP x PP, or TP x CP, group), and where this
+        rank's rows start."""
+        if self.data_size == 1:
             return batch, 0
-        parts: list[RolloutBatch | None] = [None] * self.mp_size
-        dist.all_gather_object(parts, _to_cpu(batch), group=self.mp_group)
-        offset = sum(len(p) for p in parts[: self.mp_rank])
+        parts: list[RolloutBatch | None] = [None] * self.data_size
+        dist.all_gather_object(parts, _to_cpu(batch), group=self.data_group)
+        offset = sum(len(p) for p in parts[: self.data_rank])
         return _concat_batches(parts), offset
 
     # PREPARE ---------------------------------------------------------------------------------
@@ -571,9 +647,9 @@ class MegatronBackend(TrainingBackend):
         counts = self._all_reduce(torch.tensor([
             float(batch.response_mask[rows].sum()), float(len(rows))], dtype=torch.float64))
         scale = LossScale(tokens=float(counts[0]), sequences=float(counts[1]), max_length=float(max_new_tokens))
-        if self.mp_size > 1:
-            parts: list[RolloutBatch | None] = [None] * self.mp_size
-            dist.all_gather_object(parts, _to_cpu(own) if own is not None else None, group=self.mp_group)
+        if self.data_size > 1:
+            parts: list[RolloutBatch | None] = [None] * self.data_size
+            dist.all_gather_object(parts, _to_cpu(own) if own is not None else None, group=self.data_group)
             parts = [p for p in parts if p is not None]
             union = _concat_batches(parts) if parts else None
         else:
@@ -592,8 +668,8 @@ class MegatronBackend(TrainingBackend):
             for shares in self._run_micro_batches(self.policy, micros, batch.temperature, loss_fn, forward_only=False):
                 for key, value in shares.items():
                     local[key] = local.get(key, 0.0) + value
-        # every model-parallel peer trained on the same union; the last pipeline stage has its metrics:
-        # sum over data-parallel ranks, then take the last stage's
+        # every model-parallel (and context-parallel) peer trained on the same union; the last pipeline
+        # stage has its metrics: sum over data-parallel ranks, then take the last stage's
         keys = sorted(set(local) | {"loss", "entropy"})
         keys = self._agree_on_keys(keys)
         values = self._all_reduce(torch.tensor([local.get(k, 0.0) for k in keys], dtype=torch.float64),
@@ -619,13 +695,14 @@ class MegatronBackend(TrainingBackend):
         return sorted({k for ks in everyone for k in ks})
 
     def _reduce_and_clip_gradients(self) -> float:
-        """Sum gradients over data-parallel ranks, then clip by the global norm; returns the norm."""
+        """Sum gradients over data-parallel (x context-parallel) ranks, then clip by the global norm;
+        returns the norm."""
         named = [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        if self.dp_size > 1:
+        if self.dp_cp_size > 1:  # each context-parallel rank holds its tokens' share of the gradient
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.dp_group)
+            dist.all_reduce(flat, group=self.dp_cp_group)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset: offset + g.numel()].view_as(g))
@@ -737,16 +814,16 @@ class MegatronBackend(TrainingBackend):
                 if key in held:
                     full[owned if owned is not None else slice(None)] = held[key].reshape(-1)
                 moments[key][name] = full.view(param.shape)
-        if self.grad_buffers is not None and self.dp_size > 1:
+        if self.grad_buffers is not None and self.dp_cp_size > 1:  # megatron shards over DP x CP
             for key, per_param in moments.items():
                 flat = torch.cat([t.reshape(-1) for t in per_param.values()])
-                dist.all_reduce(flat, group=self.dp_group)
+                dist.all_reduce(flat, group=self.dp_cp_group)
                 offset = 0
                 for name, tensor in per_param.items():
                     tensor.copy_(flat[offset: offset + tensor.numel()].view_as(tensor))
                     offset += tensor.numel()
             top = torch.tensor([step], device=self.device)
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.dp_group)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.dp_cp_group)
             step = float(top[0])
         return moments, step
 

@@ -12,7 +12,9 @@ These adaptations are only installed when the run is on CPU (``install_cpu_adapt
    forks the CPU generator.
 3. ``RotaryEmbedding.get_emb`` moves its inverse frequencies to the current CUDA device on the
    first forward pass. The model's instance gets a ``get_emb`` that computes the same embedding
-   where the frequencies are (non-interleaved RoPE, as Llama and Qwen2 use).
+   where the frequencies are (non-interleaved RoPE, as Llama and Qwen2 use), and a ``forward``
+   whose context-parallel slice (``get_pos_emb_on_this_cp_rank`` allocates a pinned CUDA index)
+   selects the same zig-zag chunks on the CPU (``megatron_cp.rotary_on_this_cp_rank``).
 
 4. megatron's ``DistributedDataParallel`` grad/param buffers, ``DistributedOptimizer`` and the
    pipeline schedules' send/receive buffers allocate on ``torch.cuda.current_device()`` or
@@ -124,7 +126,20 @@ def keep_rotary_on_cpu(model) -> None:  # noqa: ANN001
         freqs = rotary.get_freqs_non_repeated(max_seq_len, offset)  # [seq, dim/2] on inv_freq's device
         return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
 
+    def forward(max_seq_len: int, offset: int = 0, packed_seq: bool = False,
+                cp_group=None) -> torch.Tensor:  # noqa: ANN001
+        # RotaryEmbedding.forward, whose context-parallel slice (get_pos_emb_on_this_cp_rank) builds
+        # a pinned CUDA index: the same zig-zag selection on the CPU
+        from gcore.backends.megatron_cp import rotary_on_this_cp_rank
+
+        emb = get_emb(max_seq_len, offset)
+        group = cp_group if cp_group is not None else rotary.cp_group
+        if group is not None and group.size() > 1 and not packed_seq:
+            emb = rotary_on_this_cp_rank(emb, group.size(), group.rank())
+        return emb
+
     rotary.get_emb = get_emb
+    rotary.forward = forward
 
 
 def _cpu_if_cuda(device):  # noqa: ANN001, ANN202
