@@ -53,11 +53,13 @@ def run_gcore(args: argparse.Namespace) -> dict:
     from gcore.controller import Controller
 
     ends: list[float] = []
+    cpu_ends: list[float] = []
     step = Controller.step
 
     def timed_step(self, *a, **kw):  # noqa: ANN001, ANN202 - wall clock between step ends, as for TRL
         out = step(self, *a, **kw)
         ends.append(time.perf_counter())
+        cpu_ends.append(time.process_time())
         return out
 
     Controller.step = timed_step
@@ -79,6 +81,7 @@ def run_gcore(args: argparse.Namespace) -> dict:
     history = result.history
     return {
         "step_ends": ends,
+        "cpu_ends": cpu_ends,
         "start": start,
         "total_s": total,
         "reward": [m["reward/mean"] for m in history],
@@ -100,11 +103,13 @@ def run_trl(args: argparse.Namespace) -> dict:
 
     transformers.utils.logging.set_verbosity_error()
     ends: list[float] = []
+    cpu_ends: list[float] = []
     records: list[dict] = []
 
     class Clock(TrainerCallback):
         def on_step_end(self, args_, state, control, **kw):  # noqa: ANN001, ANN201
             ends.append(time.perf_counter())
+            cpu_ends.append(time.process_time())
 
         def on_log(self, args_, state, control, logs=None, **kw):  # noqa: ANN001, ANN201
             if logs and "reward" in logs:
@@ -163,6 +168,7 @@ def run_trl(args: argparse.Namespace) -> dict:
     records.sort(key=lambda e: e["step"])
     return {
         "step_ends": ends,
+        "cpu_ends": cpu_ends,
         "start": start,
         "total_s": total,
         "reward": [e["reward"] for e in records],
@@ -177,8 +183,10 @@ def run_trl(args: argparse.Namespace) -> dict:
 # --------------------------------------------------------------------------------------------- #
 
 
-def step_times(run: dict, warmup: int) -> list[float]:
-    ends = run["step_ends"]
+def step_times(run: dict, warmup: int, clock: str = "step_ends") -> list[float]:
+    """Seconds between consecutive step ends after ``warmup`` steps; ``clock="cpu_ends"``: this process's
+    CPU seconds instead of wall-clock (less sensitive to other jobs on a shared machine)."""
+    ends = run[clock]
     return [b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:])] if warmup >= 1 else [
         b - a for a, b in zip([run["start"], *ends[:-1]], ends)
     ]
@@ -193,6 +201,7 @@ def spread(values: list[float]) -> str:
 
 def summarize(name: str, runs: list[dict], warmup: int) -> dict:
     times = [t for r in runs for t in step_times(r, warmup)]
+    cpu_times = [t for r in runs for t in step_times(r, warmup, "cpu_ends")]
     run_medians = [statistics.median(step_times(r, warmup)) for r in runs]
     tokens = [sum(r["completion_tokens"][warmup:]) / sum(step_times(r, warmup)) for r in runs]
     steps = len(runs[0]["reward"])
@@ -201,6 +210,8 @@ def summarize(name: str, runs: list[dict], warmup: int) -> dict:
     return {
         "name": name,
         "median_step_s": statistics.median(times),
+        "median_step_cpu_s": statistics.median(cpu_times),
+        "cpu_times": cpu_times,
         "run_medians": run_medians,
         "times": times,
         "tokens_per_s": statistics.median(tokens),
@@ -279,6 +290,7 @@ def main() -> None:
     for s in summaries.values():
         print(f"\n== {s['name']}")
         print(f"  step time: {spread(s['times'])}; per-run medians {', '.join(f'{t:.3f}' for t in s['run_medians'])}")
+        print(f"  step CPU time (this process): {spread(s['cpu_times'])}")
         print(f"  completion tokens/s: {s['tokens_per_s']:.0f}")
         print(f"  peak RSS: {s['peak_rss_mb']:.0f} MB; whole run (incl. start-up): {s['total_s']:.1f} s")
         print("  last-5-step reward per run: " + ", ".join(f"{x:.3f}" for x in s["last5_runs"]))
@@ -302,6 +314,7 @@ def main() -> None:
         print(f"\n== {name} / TRL")
         print(f"  median step time: {g['median_step_s'] / t['median_step_s']:.2f}x  (goal <= 0.67x); "
               f"per-repeat ratios {', '.join(f'{a / b:.2f}' for a, b in zip(g['run_medians'], t['run_medians']))}")
+        print(f"  median step CPU time: {g['median_step_cpu_s'] / t['median_step_cpu_s']:.2f}x")
         print(f"  completion tokens/s: {g['tokens_per_s'] / t['tokens_per_s']:.2f}x")
         print(f"  peak RSS: {g['peak_rss_mb'] / t['peak_rss_mb']:.2f}x")
         print(f"  reward last 5 steps: {name} {g['last5']:.3f} vs TRL {t['last5']:.3f}; "

@@ -46,12 +46,16 @@ class ValueModel(torch.nn.Module):
                 position_ids: torch.Tensor | None = None, sp_layout: seqpar.ShardLayout | None = None) -> torch.Tensor:
         """Values ``[B, L-1]``: position ``t`` values the state that predicts token ``t+1``. With
         ``sp_layout`` (sequence parallelism): one value per token of this rank's share, ``[R, S/K]``."""
-        extra = {} if sp_layout is None else {"sp_layout": sp_layout}
-        hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            **extra).last_hidden_state
         if sp_layout is not None:
+            hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                sp_layout=sp_layout, use_cache=False).last_hidden_state
             return self.head(hidden).squeeze(-1).float()
-        return self.head(hidden[:, :-1]).squeeze(-1).float()
+        # the last position is never valued and (causal attention) never read: leave it out
+        hidden = self.trunk(input_ids=input_ids[:, :-1],
+                            attention_mask=None if attention_mask is None else attention_mask[:, :-1],
+                            position_ids=None if position_ids is None else position_ids[:, :-1],
+                            use_cache=False).last_hidden_state
+        return self.head(hidden).squeeze(-1).float()
 
 
 class TorchBackend(TrainingBackend):
@@ -197,8 +201,11 @@ class TorchBackend(TrainingBackend):
         """``token_logprobs`` of a micro-batch, through sequence parallelism / packing when set up."""
         input_ids = self.fabric.to_device(micro.input_ids)
         if self.sp is None:
-            logits = model(input_ids=input_ids, attention_mask=self.fabric.to_device(micro.attention_mask)).logits
-            return token_logprobs(logits, input_ids, temperature)
+            # the last position predicts no token of the batch and, the attention being causal, no other
+            # position reads it: leave it out. No KV cache either (HF builds one by default).
+            attention_mask = self.fabric.to_device(micro.attention_mask)
+            logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], use_cache=False).logits
+            return seqpar.next_token_logprobs(logits, input_ids[:, 1:], temperature)
         return seqpar.sequence_parallel_logprobs(model, input_ids, micro.attention_mask, temperature, self.sp,
                                                  self._pack())
 
