@@ -158,7 +158,7 @@ class TorchBackend(TrainingBackend):
             self.hf_model.gradient_checkpointing_enable()
         self.hf_model.train()
         lr = self.lr if self.lr is not None else (5e-3 if embedded else 1e-6)
-        optimizer = torch.optim.AdamW(
+        optimizer = _adamw(
             self.hf_model.parameters(), lr=lr, betas=self.betas, weight_decay=self.weight_decay
         )
         self.policy, self.optimizer = fabric.setup(self.hf_model, optimizer)
@@ -175,7 +175,7 @@ class TorchBackend(TrainingBackend):
             if self.gradient_checkpointing:
                 critic.trunk.gradient_checkpointing_enable()
             critic.train()
-            critic_optimizer = torch.optim.AdamW(
+            critic_optimizer = _adamw(
                 critic.parameters(), lr=self.critic_lr if self.critic_lr is not None else lr, betas=self.betas,
                 weight_decay=self.weight_decay,
             )
@@ -407,6 +407,14 @@ class TorchBackend(TrainingBackend):
         if self.critic is not None:
             set_state_dict(self.critic.module, self.critic_optimizer.optimizer,
                            model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
+
+
+def _adamw(params: Iterator[torch.nn.Parameter], **kwargs: object) -> torch.optim.AdamW:
+    """AdamW with torch's fused kernel where it has one (floating-point parameters on CPU or CUDA): one
+    op per parameter instead of a dozen, the default of transformers' Trainer (and so of TRL)."""
+    params = list(params)
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(params, fused=True if fused else None, **kwargs)
 
 
 def _to_device(batch: RolloutBatch, fabric) -> RolloutBatch:  # noqa: ANN001
