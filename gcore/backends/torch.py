@@ -82,6 +82,10 @@ class TorchBackend(TrainingBackend):
         strategy: ``ddp`` (every rank holds the whole model; CPU and GPU) or ``fsdp`` (Fabric's
             ``FSDPStrategy``: parameters, gradients and optimizer state sharded over the ranks, one
             FSDP unit per decoder layer; GPU only, as Lightning refuses FSDP on CPU).
+        skip_inert_rows: run no forward/backward for rows whose loss and gradient are exactly zero
+            (``Algorithm.rows_to_train``: GRPO-family groups that all scored the same, when there is no
+            KL term or entropy bonus); the update is unchanged. Token-mean metrics (entropy, ratio,
+            clip fraction) are then over the rows that ran; the ``trained_rows_frac`` metric says how many.
     """
 
     supports_critic = True
@@ -100,6 +104,7 @@ class TorchBackend(TrainingBackend):
         sequence_parallel_mode: Literal["ring", "ulysses"] = "ring",
         packing: bool | None = None,
         strategy: Literal["ddp", "fsdp"] = "ddp",
+        skip_inert_rows: bool = True,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError("micro_batch_size must be >= 1")
@@ -112,6 +117,7 @@ class TorchBackend(TrainingBackend):
         self.sequence_parallel_size = sequence_parallel_size
         self.sequence_parallel_mode = sequence_parallel_mode
         self.packing = packing
+        self.skip_inert_rows = skip_inert_rows
         self.sp: seqpar.SequenceParallelGroup | None = None  # set by setup when sequence parallel
         self.lr = lr
         self.weight_decay = weight_decay
@@ -249,10 +255,10 @@ class TorchBackend(TrainingBackend):
 
     # TRAIN -----------------------------------------------------------------------------------
 
-    def _global_sum(self, value: float) -> float:
+    def _global_sums(self, values: list[float]) -> list[float]:
         if self.fabric.world_size == 1:
-            return float(value)
-        return float(self.fabric.all_reduce(torch.tensor(float(value)), reduce_op="sum"))
+            return [float(v) for v in values]
+        return self.fabric.all_reduce(torch.tensor(values, dtype=torch.float64), reduce_op="sum").tolist()
 
     def _global_max(self, value: int) -> int:
         if self.fabric.world_size == 1:
@@ -310,13 +316,14 @@ class TorchBackend(TrainingBackend):
     ) -> dict[str, float]:
         """Accumulate the gradients of one mini-batch over micro-batches; returns its global metrics."""
         fabric = self.fabric
-        mask_rows = batch.response_mask[rows]
         replicas = self.sp.size if self.sp is not None else 1  # each group holds its rows K times
-        scale = LossScale(
-            tokens=self._global_sum(mask_rows.sum().item()) / replicas,
-            sequences=self._global_sum(len(rows)) / replicas,
-            max_length=float(max_new_tokens),
-        )
+        # the denominators count every row; only the rows whose loss is not exactly zero are run
+        trained = rows[algorithm.rows_to_train(batch)[rows]] if self.skip_inert_rows else rows
+        totals = self._global_sums([batch.response_mask[rows].sum().item(), len(rows),
+                                    batch.response_mask[trained].sum().item(), len(trained)])
+        tokens, sequences, trained_tokens, trained_rows = (total / replicas for total in totals)
+        scale = LossScale(tokens=tokens, sequences=sequences, max_length=float(max_new_tokens))
+        rows = trained
         lengths = batch.attention_mask[rows].sum(-1).tolist()
         groups = micro_batches_by_length(lengths, self.micro_batch_size)  # similar lengths: less padding
         micro_rows = [rows[torch.tensor(g, dtype=torch.long)] for g in groups] or [torch.tensor([], dtype=torch.long)]
@@ -346,10 +353,15 @@ class TorchBackend(TrainingBackend):
         # the mean over ranks after the sum and the division by the replicas of each row
         local["padding_frac"] = padding_fraction(lengths, groups) * replicas / world
         keys = sorted(set(local) | {"loss", "entropy"})
+        values = [local.get(k, 0.0) for k in keys]
         if world > 1:
-            values = fabric.all_reduce(torch.tensor([local.get(k, 0.0) for k in keys]), reduce_op="sum")
-            return {k: v / replicas for k, v in zip(keys, values.tolist())}
-        return {k: local.get(k, 0.0) for k in keys}
+            values = [v / replicas for v in fabric.all_reduce(torch.tensor(values), reduce_op="sum").tolist()]
+        metrics = dict(zip(keys, values))
+        # token means over the rows that ran (the shares were divided by every row's tokens)
+        for key in metrics.keys() - {"loss", "padding_frac"}:
+            metrics[key] = metrics[key] * tokens / trained_tokens if trained_tokens else math.nan
+        metrics["trained_rows_frac"] = trained_rows / max(sequences, 1.0)
+        return metrics
 
     # SYNC and SAVE ---------------------------------------------------------------------------
 
