@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("gcore", "gcore-dynamic", "gcore-generate", "trl")
+VARIANTS = ("gcore", "gcore-all-rows", "gcore-dynamic", "gcore-generate", "trl")
 STAGES = ("generate", "reward", "swap", "prepare", "train", "sync")
 
 
@@ -48,7 +48,8 @@ def target_char_reward(completion: str, answer: str, length: int) -> float:
 def run_gcore(args: argparse.Namespace) -> dict:
     """gcore in-process (``Trainer.fit``). ``gcore-dynamic`` decodes through the model's forward with a growing
     ``DynamicCache`` (``--engine.static_cache false``); ``gcore-generate`` samples with ``model.generate``
-    (the engine before this benchmark's optimisations)."""
+    (the engine before this benchmark's optimisations); ``gcore-all-rows`` runs the forward/backward of every row,
+    also those of groups that all scored the same (``--backend.skip_inert_rows false``)."""
     from gcore import GRPO, DataConfig, HFEngine, SamplingParams, TorchBackend, Trainer, TrainerConfig
     from gcore.controller import Controller
 
@@ -70,8 +71,10 @@ def run_gcore(args: argparse.Namespace) -> dict:
                                   enable_progress_bar=False, save_final=False),
             data=DataConfig(prompts_per_step=args.prompts_per_step),
             sampling=SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0),
-            backend=TorchBackend(lr=args.lr, micro_batch_size=args.micro_batch_size),
-            engine=HFEngine(use_generate=args.worker == "gcore-generate", static_cache=args.worker == "gcore"),
+            backend=TorchBackend(lr=args.lr, micro_batch_size=args.micro_batch_size,
+                                 skip_inert_rows=args.worker != "gcore-all-rows"),
+            engine=HFEngine(use_generate=args.worker == "gcore-generate",
+                            static_cache=args.worker in ("gcore", "gcore-all-rows")),
             # every setting that TRL is given below, spelled out (gcore's defaults may change)
             algorithm=GRPO(clip_eps=0.2, scale_rewards=True, kl_coef=0.0, loss_agg="seq_mean_token_mean",
                            epochs=1, mini_batches=1),

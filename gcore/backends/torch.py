@@ -11,6 +11,7 @@ import torch
 from gcore.algorithms.base import Algorithm, LossScale
 from gcore.backends import sequence_parallel as seqpar
 from gcore.backends.base import TrainingBackend
+from gcore.backends.shared_prompts import distinct_prompts, shared_prompt_logits, to_batch_layout
 from gcore.balance import micro_batches_by_length, padding_fraction
 from gcore.errors import ConfigError
 from gcore.types import RolloutBatch
@@ -58,6 +59,10 @@ class ValueModel(torch.nn.Module):
         return self.head(hidden).squeeze(-1).float()
 
 
+#: ``share_prompts=None`` shares a micro-batch's prompts when that saves at least this share of its tokens
+SHARE_PROMPTS_MIN_SAVING = 0.2
+
+
 class TorchBackend(TrainingBackend):
     """Trains an HF causal LM with AdamW under Fabric.
 
@@ -86,6 +91,11 @@ class TorchBackend(TrainingBackend):
             (``Algorithm.rows_to_train``: GRPO-family groups that all scored the same, when there is no
             KL term or entropy bonus); the update is unchanged. Token-mean metrics (entropy, ratio,
             clip fraction) are then over the rows that ran; the ``trained_rows_frac`` metric says how many.
+        share_prompts: in the policy's forward (training and log-probabilities), run each distinct prompt
+            of a micro-batch once and the responses on its keys and values (``shared_prompts``); the same
+            numbers up to float rounding, less work when several samples share a prompt. ``None``: only
+            where it saves at least a fifth of a micro-batch's tokens (below that the second model call
+            costs about what it saves; measured in BENCHMARKS.md); ``true``: wherever a prompt repeats.
     """
 
     supports_critic = True
@@ -105,6 +115,7 @@ class TorchBackend(TrainingBackend):
         packing: bool | None = None,
         strategy: Literal["ddp", "fsdp"] = "ddp",
         skip_inert_rows: bool = True,
+        share_prompts: bool | None = None,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError("micro_batch_size must be >= 1")
@@ -118,6 +129,7 @@ class TorchBackend(TrainingBackend):
         self.sequence_parallel_mode = sequence_parallel_mode
         self.packing = packing
         self.skip_inert_rows = skip_inert_rows
+        self.share_prompts = share_prompts
         self.sp: seqpar.SequenceParallelGroup | None = None  # set by setup when sequence parallel
         self.lr = lr
         self.weight_decay = weight_decay
@@ -207,6 +219,13 @@ class TorchBackend(TrainingBackend):
         """``token_logprobs`` of a micro-batch, through sequence parallelism / packing when set up."""
         input_ids = self.fabric.to_device(micro.input_ids)
         if self.sp is None:
+            shared = None
+            if self.share_prompts is not False:  # auto: where it saves a fifth of the tokens or more
+                shared = distinct_prompts(micro, min_saving=0.0 if self.share_prompts else SHARE_PROMPTS_MIN_SAVING)
+            if shared is not None:  # each distinct prompt runs once for all the rows that share it
+                logits, targets = shared_prompt_logits(model, micro, *shared, input_ids.device)
+                logprobs, entropy = seqpar.next_token_logprobs(logits, targets, temperature)
+                return to_batch_layout(logprobs, micro), to_batch_layout(entropy, micro)
             # the last position predicts no token of the batch and, the attention being causal, no other
             # position reads it: leave it out. No KV cache either (HF builds one by default).
             attention_mask = self.fabric.to_device(micro.attention_mask)
