@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("gcore", "gcore-generate", "trl")
+VARIANTS = ("gcore", "gcore-all-rows", "gcore-dynamic", "gcore-generate", "trl")
 STAGES = ("generate", "reward", "swap", "prepare", "train", "sync")
 
 
@@ -46,17 +46,21 @@ def target_char_reward(completion: str, answer: str, length: int) -> float:
 
 
 def run_gcore(args: argparse.Namespace) -> dict:
-    """gcore in-process (``Trainer.fit``); ``gcore-generate`` samples with ``model.generate`` instead of the
-    hf engine's own loop (the engine before this benchmark's optimisation)."""
+    """gcore in-process (``Trainer.fit``). ``gcore-dynamic`` decodes through the model's forward with a growing
+    ``DynamicCache`` (``--engine.static_cache false``); ``gcore-generate`` samples with ``model.generate``
+    (the engine before this benchmark's optimisations); ``gcore-all-rows`` runs the forward/backward of every row,
+    also those of groups that all scored the same (``--backend.skip_inert_rows false``)."""
     from gcore import GRPO, DataConfig, HFEngine, SamplingParams, TorchBackend, Trainer, TrainerConfig
     from gcore.controller import Controller
 
     ends: list[float] = []
+    cpu_ends: list[float] = []
     step = Controller.step
 
     def timed_step(self, *a, **kw):  # noqa: ANN001, ANN202 - wall clock between step ends, as for TRL
         out = step(self, *a, **kw)
         ends.append(time.perf_counter())
+        cpu_ends.append(time.process_time())
         return out
 
     Controller.step = timed_step
@@ -67,8 +71,10 @@ def run_gcore(args: argparse.Namespace) -> dict:
                                   enable_progress_bar=False, save_final=False),
             data=DataConfig(prompts_per_step=args.prompts_per_step),
             sampling=SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0),
-            backend=TorchBackend(lr=args.lr, micro_batch_size=args.micro_batch_size),
-            engine=HFEngine(use_generate=args.worker == "gcore-generate"),
+            backend=TorchBackend(lr=args.lr, micro_batch_size=args.micro_batch_size,
+                                 skip_inert_rows=args.worker != "gcore-all-rows"),
+            engine=HFEngine(use_generate=args.worker == "gcore-generate",
+                            static_cache=args.worker in ("gcore", "gcore-all-rows")),
             # every setting that TRL is given below, spelled out (gcore's defaults may change)
             algorithm=GRPO(clip_eps=0.2, scale_rewards=True, kl_coef=0.0, loss_agg="seq_mean_token_mean",
                            epochs=1, mini_batches=1),
@@ -78,6 +84,7 @@ def run_gcore(args: argparse.Namespace) -> dict:
     history = result.history
     return {
         "step_ends": ends,
+        "cpu_ends": cpu_ends,
         "start": start,
         "total_s": total,
         "reward": [m["reward/mean"] for m in history],
@@ -99,11 +106,13 @@ def run_trl(args: argparse.Namespace) -> dict:
 
     transformers.utils.logging.set_verbosity_error()
     ends: list[float] = []
+    cpu_ends: list[float] = []
     records: list[dict] = []
 
     class Clock(TrainerCallback):
         def on_step_end(self, args_, state, control, **kw):  # noqa: ANN001, ANN201
             ends.append(time.perf_counter())
+            cpu_ends.append(time.process_time())
 
         def on_log(self, args_, state, control, logs=None, **kw):  # noqa: ANN001, ANN201
             if logs and "reward" in logs:
@@ -162,6 +171,7 @@ def run_trl(args: argparse.Namespace) -> dict:
     records.sort(key=lambda e: e["step"])
     return {
         "step_ends": ends,
+        "cpu_ends": cpu_ends,
         "start": start,
         "total_s": total,
         "reward": [e["reward"] for e in records],
@@ -176,8 +186,10 @@ def run_trl(args: argparse.Namespace) -> dict:
 # --------------------------------------------------------------------------------------------- #
 
 
-def step_times(run: dict, warmup: int) -> list[float]:
-    ends = run["step_ends"]
+def step_times(run: dict, warmup: int, clock: str = "step_ends") -> list[float]:
+    """Seconds between consecutive step ends after ``warmup`` steps; ``clock="cpu_ends"``: this process's
+    CPU seconds instead of wall-clock (less sensitive to other jobs on a shared machine)."""
+    ends = run[clock]
     return [b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:])] if warmup >= 1 else [
         b - a for a, b in zip([run["start"], *ends[:-1]], ends)
     ]
@@ -192,6 +204,7 @@ def spread(values: list[float]) -> str:
 
 def summarize(name: str, runs: list[dict], warmup: int) -> dict:
     times = [t for r in runs for t in step_times(r, warmup)]
+    cpu_times = [t for r in runs for t in step_times(r, warmup, "cpu_ends")]
     run_medians = [statistics.median(step_times(r, warmup)) for r in runs]
     tokens = [sum(r["completion_tokens"][warmup:]) / sum(step_times(r, warmup)) for r in runs]
     steps = len(runs[0]["reward"])
@@ -200,6 +213,8 @@ def summarize(name: str, runs: list[dict], warmup: int) -> dict:
     return {
         "name": name,
         "median_step_s": statistics.median(times),
+        "median_step_cpu_s": statistics.median(cpu_times),
+        "cpu_times": cpu_times,
         "run_medians": run_medians,
         "times": times,
         "tokens_per_s": statistics.median(tokens),
@@ -278,6 +293,7 @@ def main() -> None:
     for s in summaries.values():
         print(f"\n== {s['name']}")
         print(f"  step time: {spread(s['times'])}; per-run medians {', '.join(f'{t:.3f}' for t in s['run_medians'])}")
+        print(f"  step CPU time (this process): {spread(s['cpu_times'])}")
         print(f"  completion tokens/s: {s['tokens_per_s']:.0f}")
         print(f"  peak RSS: {s['peak_rss_mb']:.0f} MB; whole run (incl. start-up): {s['total_s']:.1f} s")
         print("  last-5-step reward per run: " + ", ".join(f"{x:.3f}" for x in s["last5_runs"]))
@@ -301,6 +317,7 @@ def main() -> None:
         print(f"\n== {name} / TRL")
         print(f"  median step time: {g['median_step_s'] / t['median_step_s']:.2f}x  (goal <= 0.67x); "
               f"per-repeat ratios {', '.join(f'{a / b:.2f}' for a, b in zip(g['run_medians'], t['run_medians']))}")
+        print(f"  median step CPU time: {g['median_step_cpu_s'] / t['median_step_cpu_s']:.2f}x")
         print(f"  completion tokens/s: {g['tokens_per_s'] / t['tokens_per_s']:.2f}x")
         print(f"  peak RSS: {g['peak_rss_mb'] / t['peak_rss_mb']:.2f}x")
         print(f"  reward last 5 steps: {name} {g['last5']:.3f} vs TRL {t['last5']:.3f}; "

@@ -87,6 +87,7 @@ class RolloutBatch:
     returns: torch.Tensor | None = None  # [B, L-1] (PPO)
     truncated: torch.Tensor | None = None  # [B] bool: the response was cut at max_new_tokens
     features: torch.Tensor | None = None  # [B, ...] a per-sample input such as an image (prompt.metadata["feature"])
+    prompt_lengths: torch.Tensor | None = None  # [B] long: the response starts at this token index
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -140,6 +141,7 @@ def collate(samples: list[Sample], pad_id: int, temperature: float) -> RolloutBa
         temperature=temperature,
         truncated=torch.tensor([not s.finished for s in samples], dtype=torch.bool),
         features=_stack_features(samples),
+        prompt_lengths=torch.tensor([len(s.prompt.token_ids) for s in samples], dtype=torch.long),
     )
 
 

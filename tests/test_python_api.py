@@ -40,3 +40,56 @@ def test_public_api_names():
                  "TorchBackend", "StaticPlacement", "TargetCharReward", "CallableReward", "Trainer", "fit"):
         assert hasattr(gcore, name), name
         assert name in gcore.__all__
+
+
+def _final_weights(result):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(result.final_model_dir).state_dict()
+
+
+def test_skipping_zero_advantage_rows_gives_the_same_update(tmp_path):
+    """Groups that all scored the same add nothing to GRPO's loss: leaving their rows out of the
+    forward/backward must give the same weights and metrics, with fewer rows run."""
+    results = {}
+    for skip in (True, False):
+        results[skip] = Trainer(
+            trainer=TrainerConfig(max_steps=4, default_root_dir=str(tmp_path / str(skip)), enable_progress_bar=False),
+            model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
+            data=DataConfig(prompts_per_step=6),
+            sampling=SamplingParams(n=4, max_new_tokens=6),
+            backend=gcore.TorchBackend(skip_inert_rows=skip, micro_batch_size=5),
+            algorithm=GRPO(),
+        ).fit()
+    skipped, full = results[True].history, results[False].history
+    assert [m["reward/mean"] for m in skipped] == [m["reward/mean"] for m in full]
+    assert all(m["trained_rows_frac"] == 1.0 for m in full)
+    assert min(m["trained_rows_frac"] for m in skipped) < 1.0  # some rows were really left out
+    for a, b in zip(skipped, full):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 + 1e-4 * abs(b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 + 1e-4 * abs(b["grad_norm"])
+    weights_skipped, weights_full = _final_weights(results[True]), _final_weights(results[False])
+    for name, tensor in weights_full.items():
+        torch.testing.assert_close(weights_skipped[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_rows_to_train_keeps_every_row_when_zero_advantage_still_counts():
+    from gcore import PPO
+    from gcore.types import RolloutBatch
+
+    batch = RolloutBatch(input_ids=torch.zeros(4, 3, dtype=torch.long), attention_mask=torch.ones(4, 3),
+                         response_mask=torch.ones(4, 2), rewards=torch.tensor([1.0, 1.0, 0.0, 1.0]),
+                         engine_logprobs=torch.zeros(4, 2),
+                         group_ids=torch.tensor([0, 0, 1, 1]), temperature=1.0)
+    batch.advantages = GRPO().advantages(batch)
+    assert GRPO().rows_to_train(batch).tolist() == [False, False, True, True]
+    for algorithm in (GRPO(kl_coef=0.1), GRPO(entropy_coef=0.01), PPO(), SignAdvantageGRPO()):
+        expected = [False, False, True, True] if isinstance(algorithm, SignAdvantageGRPO) else [True] * 4
+        assert algorithm.rows_to_train(batch).tolist() == expected, type(algorithm).__name__
+
+    class OwnLoss(GRPO):
+        def policy_loss(self, logprobs, batch):  # a loss that is not zero at zero advantage
+            loss, diagnostics = super().policy_loss(logprobs, batch)
+            return loss + 0.1 * logprobs, diagnostics
+
+    assert OwnLoss().rows_to_train(batch).tolist() == [True] * 4

@@ -65,6 +65,10 @@ def group_normalize(rewards: torch.Tensor, group_ids: torch.Tensor, scale: bool,
     sums = torch.zeros(len(counts), dtype=torch.double).index_add_(0, inverse, rewards)
     means = sums / counts
     centered = rewards - means[inverse]
+    # a group whose rewards are all equal gets exactly 0 (its float mean may differ from them by an ulp)
+    highs = torch.full((len(counts),), -torch.inf, dtype=torch.double).scatter_reduce(0, inverse, rewards, "amax")
+    lows = torch.full((len(counts),), torch.inf, dtype=torch.double).scatter_reduce(0, inverse, rewards, "amin")
+    centered = torch.where((highs == lows)[inverse], torch.zeros_like(centered), centered)
     if not scale:
         return centered.float()
     squares = torch.zeros(len(counts), dtype=torch.double).index_add_(0, inverse, centered.pow(2))
@@ -222,6 +226,28 @@ class Algorithm(ABC):
     def needs_old_logprobs(self) -> bool:
         """Whether the policy changes within a step, so old log-probabilities must be kept."""
         return self.epochs > 1 or self.mini_batches > 1
+
+    @property
+    def zero_advantage_is_inert(self) -> bool:
+        """Whether ``policy_loss`` is exactly zero, with a zero gradient, wherever the advantage is zero
+        (true of the clipped surrogate ``max(-A r, -A clip(r))``). Default: no."""
+        return False
+
+    def rows_to_train(self, batch: RolloutBatch) -> torch.Tensor:
+        """Which rows ``[B]`` (bool) the backend must run forward and backward.
+
+        Default: every row, except that when a zero advantage makes a row's loss and gradient exactly
+        zero (``zero_advantage_is_inert``, no critic, no KL term in the loss, no entropy bonus), the
+        rows whose advantages are all zero are left out: with outcome rewards these are the groups
+        whose samples all scored the same. The loss's denominators still count them, so the update is
+        the same as with every row; only the work is less.
+        """
+        every = torch.ones(len(batch), dtype=torch.bool)
+        if (batch.advantages is None or not self.zero_advantage_is_inert or self.needs_critic or self.entropy_coef
+                or (self.needs_reference and self.kl_in_loss)):
+            return every
+        advantages = batch.advantages.reshape(len(batch), -1)
+        return (advantages != 0).any(-1)
 
     def shape_reward(self, sample: Sample) -> float:
         return sample.reward

@@ -55,6 +55,11 @@ class GRPO(Algorithm):
         self.clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
         self.scale_rewards = scale_rewards
 
+    @property
+    def zero_advantage_is_inert(self) -> bool:
+        # true of the clipped surrogate below; a subclass with its own ``policy_loss`` must say so again
+        return type(self).policy_loss is GRPO.policy_loss
+
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
         return group_normalize(batch.rewards, batch.group_ids, self.scale_rewards)
 

@@ -11,6 +11,7 @@ import torch
 from gcore.algorithms.base import Algorithm, LossScale
 from gcore.backends import sequence_parallel as seqpar
 from gcore.backends.base import TrainingBackend
+from gcore.backends.shared_prompts import distinct_prompts, shared_prompt_logits, to_batch_layout
 from gcore.balance import micro_batches_by_length, padding_fraction
 from gcore.errors import ConfigError
 from gcore.types import RolloutBatch
@@ -46,12 +47,20 @@ class ValueModel(torch.nn.Module):
                 position_ids: torch.Tensor | None = None, sp_layout: seqpar.ShardLayout | None = None) -> torch.Tensor:
         """Values ``[B, L-1]``: position ``t`` values the state that predicts token ``t+1``. With
         ``sp_layout`` (sequence parallelism): one value per token of this rank's share, ``[R, S/K]``."""
-        extra = {} if sp_layout is None else {"sp_layout": sp_layout}
-        hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            **extra).last_hidden_state
         if sp_layout is not None:
+            hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                sp_layout=sp_layout, use_cache=False).last_hidden_state
             return self.head(hidden).squeeze(-1).float()
-        return self.head(hidden[:, :-1]).squeeze(-1).float()
+        # the last position is never valued and (causal attention) never read: leave it out
+        hidden = self.trunk(input_ids=input_ids[:, :-1],
+                            attention_mask=None if attention_mask is None else attention_mask[:, :-1],
+                            position_ids=None if position_ids is None else position_ids[:, :-1],
+                            use_cache=False).last_hidden_state
+        return self.head(hidden).squeeze(-1).float()
+
+
+#: ``share_prompts=None`` shares a micro-batch's prompts when that saves at least this share of its tokens
+SHARE_PROMPTS_MIN_SAVING = 0.2
 
 
 class TorchBackend(TrainingBackend):
@@ -78,6 +87,15 @@ class TorchBackend(TrainingBackend):
         strategy: ``ddp`` (every rank holds the whole model; CPU and GPU) or ``fsdp`` (Fabric's
             ``FSDPStrategy``: parameters, gradients and optimizer state sharded over the ranks, one
             FSDP unit per decoder layer; GPU only, as Lightning refuses FSDP on CPU).
+        skip_inert_rows: run no forward/backward for rows whose loss and gradient are exactly zero
+            (``Algorithm.rows_to_train``: GRPO-family groups that all scored the same, when there is no
+            KL term or entropy bonus); the update is unchanged. Token-mean metrics (entropy, ratio,
+            clip fraction) are then over the rows that ran; the ``trained_rows_frac`` metric says how many.
+        share_prompts: in the policy's forward (training and log-probabilities), run each distinct prompt
+            of a micro-batch once and the responses on its keys and values (``shared_prompts``); the same
+            numbers up to float rounding, less work when several samples share a prompt. ``None``: only
+            where it saves at least a fifth of a micro-batch's tokens (below that the second model call
+            costs about what it saves; measured in BENCHMARKS.md); ``true``: wherever a prompt repeats.
     """
 
     supports_critic = True
@@ -96,6 +114,8 @@ class TorchBackend(TrainingBackend):
         sequence_parallel_mode: Literal["ring", "ulysses"] = "ring",
         packing: bool | None = None,
         strategy: Literal["ddp", "fsdp"] = "ddp",
+        skip_inert_rows: bool = True,
+        share_prompts: bool | None = None,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError("micro_batch_size must be >= 1")
@@ -108,6 +128,8 @@ class TorchBackend(TrainingBackend):
         self.sequence_parallel_size = sequence_parallel_size
         self.sequence_parallel_mode = sequence_parallel_mode
         self.packing = packing
+        self.skip_inert_rows = skip_inert_rows
+        self.share_prompts = share_prompts
         self.sp: seqpar.SequenceParallelGroup | None = None  # set by setup when sequence parallel
         self.lr = lr
         self.weight_decay = weight_decay
@@ -154,7 +176,7 @@ class TorchBackend(TrainingBackend):
             self.hf_model.gradient_checkpointing_enable()
         self.hf_model.train()
         lr = self.lr if self.lr is not None else (5e-3 if embedded else 1e-6)
-        optimizer = torch.optim.AdamW(
+        optimizer = _adamw(
             self.hf_model.parameters(), lr=lr, betas=self.betas, weight_decay=self.weight_decay
         )
         self.policy, self.optimizer = fabric.setup(self.hf_model, optimizer)
@@ -171,7 +193,7 @@ class TorchBackend(TrainingBackend):
             if self.gradient_checkpointing:
                 critic.trunk.gradient_checkpointing_enable()
             critic.train()
-            critic_optimizer = torch.optim.AdamW(
+            critic_optimizer = _adamw(
                 critic.parameters(), lr=self.critic_lr if self.critic_lr is not None else lr, betas=self.betas,
                 weight_decay=self.weight_decay,
             )
@@ -197,8 +219,18 @@ class TorchBackend(TrainingBackend):
         """``token_logprobs`` of a micro-batch, through sequence parallelism / packing when set up."""
         input_ids = self.fabric.to_device(micro.input_ids)
         if self.sp is None:
-            logits = model(input_ids=input_ids, attention_mask=self.fabric.to_device(micro.attention_mask)).logits
-            return token_logprobs(logits, input_ids, temperature)
+            shared = None
+            if self.share_prompts is not False:  # auto: where it saves a fifth of the tokens or more
+                shared = distinct_prompts(micro, min_saving=0.0 if self.share_prompts else SHARE_PROMPTS_MIN_SAVING)
+            if shared is not None:  # each distinct prompt runs once for all the rows that share it
+                logits, targets = shared_prompt_logits(model, micro, *shared, input_ids.device)
+                logprobs, entropy = seqpar.next_token_logprobs(logits, targets, temperature)
+                return to_batch_layout(logprobs, micro), to_batch_layout(entropy, micro)
+            # the last position predicts no token of the batch and, the attention being causal, no other
+            # position reads it: leave it out. No KV cache either (HF builds one by default).
+            attention_mask = self.fabric.to_device(micro.attention_mask)
+            logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], use_cache=False).logits
+            return seqpar.next_token_logprobs(logits, input_ids[:, 1:], temperature)
         return seqpar.sequence_parallel_logprobs(model, input_ids, micro.attention_mask, temperature, self.sp,
                                                  self._pack())
 
@@ -242,10 +274,10 @@ class TorchBackend(TrainingBackend):
 
     # TRAIN -----------------------------------------------------------------------------------
 
-    def _global_sum(self, value: float) -> float:
+    def _global_sums(self, values: list[float]) -> list[float]:
         if self.fabric.world_size == 1:
-            return float(value)
-        return float(self.fabric.all_reduce(torch.tensor(float(value)), reduce_op="sum"))
+            return [float(v) for v in values]
+        return self.fabric.all_reduce(torch.tensor(values, dtype=torch.float64), reduce_op="sum").tolist()
 
     def _global_max(self, value: int) -> int:
         if self.fabric.world_size == 1:
@@ -303,13 +335,14 @@ class TorchBackend(TrainingBackend):
     ) -> dict[str, float]:
         """Accumulate the gradients of one mini-batch over micro-batches; returns its global metrics."""
         fabric = self.fabric
-        mask_rows = batch.response_mask[rows]
         replicas = self.sp.size if self.sp is not None else 1  # each group holds its rows K times
-        scale = LossScale(
-            tokens=self._global_sum(mask_rows.sum().item()) / replicas,
-            sequences=self._global_sum(len(rows)) / replicas,
-            max_length=float(max_new_tokens),
-        )
+        # the denominators count every row; only the rows whose loss is not exactly zero are run
+        trained = rows[algorithm.rows_to_train(batch)[rows]] if self.skip_inert_rows else rows
+        totals = self._global_sums([batch.response_mask[rows].sum().item(), len(rows),
+                                    batch.response_mask[trained].sum().item(), len(trained)])
+        tokens, sequences, trained_tokens, trained_rows = (total / replicas for total in totals)
+        scale = LossScale(tokens=tokens, sequences=sequences, max_length=float(max_new_tokens))
+        rows = trained
         lengths = batch.attention_mask[rows].sum(-1).tolist()
         groups = micro_batches_by_length(lengths, self.micro_batch_size)  # similar lengths: less padding
         micro_rows = [rows[torch.tensor(g, dtype=torch.long)] for g in groups] or [torch.tensor([], dtype=torch.long)]
@@ -339,10 +372,15 @@ class TorchBackend(TrainingBackend):
         # the mean over ranks after the sum and the division by the replicas of each row
         local["padding_frac"] = padding_fraction(lengths, groups) * replicas / world
         keys = sorted(set(local) | {"loss", "entropy"})
+        values = [local.get(k, 0.0) for k in keys]
         if world > 1:
-            values = fabric.all_reduce(torch.tensor([local.get(k, 0.0) for k in keys]), reduce_op="sum")
-            return {k: v / replicas for k, v in zip(keys, values.tolist())}
-        return {k: local.get(k, 0.0) for k in keys}
+            values = [v / replicas for v in fabric.all_reduce(torch.tensor(values), reduce_op="sum").tolist()]
+        metrics = dict(zip(keys, values))
+        # token means over the rows that ran (the shares were divided by every row's tokens)
+        for key in metrics.keys() - {"loss", "padding_frac"}:
+            metrics[key] = metrics[key] * tokens / trained_tokens if trained_tokens else math.nan
+        metrics["trained_rows_frac"] = trained_rows / max(sequences, 1.0)
+        return metrics
 
     # SYNC and SAVE ---------------------------------------------------------------------------
 
@@ -400,6 +438,14 @@ class TorchBackend(TrainingBackend):
         if self.critic is not None:
             set_state_dict(self.critic.module, self.critic_optimizer.optimizer,
                            model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
+
+
+def _adamw(params: Iterator[torch.nn.Parameter], **kwargs: object) -> torch.optim.AdamW:
+    """AdamW with torch's fused kernel where it has one (floating-point parameters on CPU or CUDA): one
+    op per parameter instead of a dozen, the default of transformers' Trainer (and so of TRL)."""
+    params = list(params)
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(params, fused=True if fused else None, **kwargs)
 
 
 def _to_device(batch: RolloutBatch, fabric) -> RolloutBatch:  # noqa: ANN001

@@ -25,12 +25,23 @@ class HFEngine(Engine):
         offload_when_asleep: on ``sleep`` move the weights to CPU memory (only useful on GPUs).
         use_generate: sample with ``model.generate`` instead of the engine's own loop (for models
             whose forward does not take ``past_key_values``/``position_ids`` the standard way).
+        static_cache: decode Llama-style models (``llama``, ``qwen2``) with the engine's own decode
+            step and a preallocated KV cache (``StaticCacheDecoder``); other architectures, or
+            ``false``, decode through the model's forward with a growing ``DynamicCache``.
     """
 
-    def __init__(self, max_batch_size: int = 0, offload_when_asleep: bool = True, use_generate: bool = False) -> None:
+    def __init__(
+        self,
+        max_batch_size: int = 0,
+        offload_when_asleep: bool = True,
+        use_generate: bool = False,
+        static_cache: bool = True,
+    ) -> None:
         self.max_batch_size = max_batch_size
         self.offload_when_asleep = offload_when_asleep
         self.use_generate = use_generate
+        self.static_cache = static_cache
+        self._decoder: StaticCacheDecoder | None = None
         self.model: torch.nn.Module | None = None
         self.device = torch.device("cpu")
         self.pad_id = 0
@@ -41,6 +52,7 @@ class HFEngine(Engine):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         self.device = device
+        self._decoder = None
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=dtype, trust_remote_code=trust_remote_code
         ).to(device)
@@ -74,36 +86,61 @@ class HFEngine(Engine):
             attention_mask[row, width - len(p) :] = 1
         return input_ids, attention_mask
 
+    def _static_decoder(self) -> StaticCacheDecoder | None:
+        """The static-cache decoder of the model, (re)built when missing or stale; ``None`` when the
+        architecture has none (then decoding runs through the model's forward with a ``DynamicCache``)."""
+        if not self.static_cache:
+            return None
+        if self._decoder is None or not self._decoder.is_current():
+            with torch.inference_mode(False), torch.no_grad():  # the fused weights must stay writable by syncs
+                self._decoder = StaticCacheDecoder.build(self.model)
+        return self._decoder
+
     def _sample(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """Batched sampling: one prefill, then one cached forward and one sampling step per token."""
+        """Batched sampling: one prefill per distinct prompt, then one decode step and one draw per token."""
         from transformers import DynamicCache
 
         model, device = self.model, self.device
-        input_ids, attention_mask = self._left_pad(prompts)
+        distinct = {p: i for i, p in enumerate(dict.fromkeys(tuple(p) for p in prompts))}
+        rows = torch.tensor([distinct[tuple(p)] for p in prompts], dtype=torch.long, device=device)
+        input_ids, attention_mask = self._left_pad([list(p) for p in distinct])
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        batch, budget = input_ids.shape[0], params.max_new_tokens
+        batch, width, budget = len(prompts), input_ids.shape[1], params.max_new_tokens
         stop_ids = tuple(dict.fromkeys(self.eos_ids + tuple(params.stop_token_ids)))
         stop = torch.tensor(stop_ids, dtype=torch.long, device=device) if stop_ids else None
         greedy = params.temperature == 0
         # positions count real tokens only, so a left-padded row sees the positions it would see alone
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=model.config)
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=cache, use_cache=True, logits_to_keep=1,
+        ).logits[:, -1][rows]
+        prompt_lengths = attention_mask.sum(-1)[rows]
+        decoder = self._static_decoder()
+        if decoder is not None:
+            decoder.start(cache, rows, attention_mask, budget)
+
+            def advance(chosen: torch.Tensor, t: int) -> torch.Tensor:
+                return decoder.step(chosen, prompt_lengths + t, width + t)
+        else:
+            cache.reorder_cache(rows)
+            mask = torch.ones((batch, width + budget), dtype=attention_mask.dtype, device=device)
+            mask[:, :width] = attention_mask[rows]
+
+            def advance(chosen: torch.Tensor, t: int) -> torch.Tensor:
+                return model(
+                    input_ids=chosen.unsqueeze(-1), attention_mask=mask[:, : width + t + 1],
+                    position_ids=(prompt_lengths + t).unsqueeze(-1), past_key_values=cache, use_cache=True,
+                    logits_to_keep=1,
+                ).logits[:, -1]
+
         tokens = torch.full((batch, budget), self.pad_id, dtype=torch.long, device=device)
         logprobs = torch.zeros((batch, budget), dtype=torch.float32, device=device)
         lengths = torch.full((batch,), budget, dtype=torch.long, device=device)
         done = torch.zeros(batch, dtype=torch.bool, device=device)
-        mask = torch.ones((batch, input_ids.shape[1] + budget), dtype=attention_mask.dtype, device=device)
-        mask[:, : input_ids.shape[1]] = attention_mask
-        cache = DynamicCache(config=model.config)
-        next_input, next_position, width = input_ids, position_ids, input_ids.shape[1]
         for t in range(budget):
-            logits = model(
-                input_ids=next_input,
-                attention_mask=mask[:, :width],
-                position_ids=next_position,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits[:, -1].float()
+            logits = logits.float()
             if not greedy and params.temperature != 1.0:
                 logits = logits / params.temperature
             logp = torch.log_softmax(logits, dim=-1)
@@ -118,9 +155,10 @@ class HFEngine(Engine):
                 hit = ~done & torch.isin(chosen, stop)
                 lengths = torch.where(hit, t + 1, lengths)  # keep the stop token: the policy learns to stop
                 done = done | hit
-                if t + 1 == budget or bool(done.all()):
+                if bool(done.all()):
                     break
-            next_input, next_position, width = chosen.unsqueeze(-1), next_position[:, -1:] + 1, width + 1
+            if t + 1 < budget:
+                logits = advance(chosen, t)
         finished = done.cpu().tolist() if stop is not None else [False] * batch
         tokens, logprobs, lengths = tokens.cpu(), logprobs.cpu(), lengths.cpu().tolist()
         return [
@@ -195,6 +233,7 @@ class HFEngine(Engine):
 
     def shutdown(self) -> None:
         self.model = None
+        self._decoder = None
 
 
 def _sample_rows(probs: torch.Tensor) -> torch.Tensor:
@@ -221,3 +260,147 @@ def _truncate(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         drop = cumulative - sorted_logp.exp() >= top_p  # keep the smallest prefix whose mass reaches top_p
         logp = logp.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return logp
+
+
+class StaticCacheDecoder:
+    """One decode step of a Llama-style model (``llama``, ``qwen2``) written against the model's own
+    weights, with a preallocated KV cache: no per-token cache growth, masks or module dispatch.
+
+    The query/key/value and gate/up projections run as one matmul each: at build time their weights
+    are copied into one fused tensor per layer and the model's parameters become views into it, so
+    the HF modules (prefill, ``update_weights``, ``state_dict``) and the decoder share one storage.
+    """
+
+    MODEL_TYPES = ("llama", "qwen2")
+    ROPE_TYPES = ("default", "linear", "llama3")  # tables that do not depend on the sequence length
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        base = model.model
+        self.embed = base.embed_tokens
+        self.norm = base.norm
+        self.lm_head = model.lm_head
+        self.rotary = base.rotary_emb
+        self.layers = [_FusedLayer(layer) for layer in base.layers]
+        attention = base.layers[0].self_attn
+        self.head_dim = attention.head_dim
+        self.heads = model.config.num_attention_heads
+        self.kv_heads = model.config.num_key_value_heads
+        self.scaling = attention.scaling
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.cos = self.sin = None
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> StaticCacheDecoder | None:
+        """The decoder for ``model``, or ``None`` when its architecture is not one this class implements."""
+        config = model.config
+        base = getattr(model, "model", None)
+        if getattr(config, "model_type", None) not in cls.MODEL_TYPES or base is None:
+            return None
+        if getattr(config, "hidden_act", None) != "silu" or getattr(config, "use_sliding_window", False):
+            return None
+        if getattr(getattr(base, "rotary_emb", None), "rope_type", None) not in cls.ROPE_TYPES:
+            return None
+        for layer in base.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            if any(not isinstance(getattr(attention, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+                return None
+            if any(not isinstance(getattr(mlp, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+                return None
+            if getattr(attention, "sliding_window", None) or getattr(layer, "attention_type", "full_attention") != "full_attention":
+                return None
+        return cls(model)
+
+    def is_current(self) -> bool:
+        """Whether the model's parameters are still views into the fused tensors (``model.to`` breaks that)."""
+        return all(layer.is_current() for layer in self.layers)
+
+    def start(self, cache, rows: torch.Tensor, mask: torch.Tensor, budget: int) -> None:
+        """Copy the prefill's ``DynamicCache`` (one row per distinct prompt) into static buffers of
+        ``prompt width + budget`` positions, row ``i`` taking prompt ``rows[i]``."""
+        batch, width = len(rows), mask.shape[1]
+        self.keys, self.values = [], []
+        for index in range(len(self.layers)):
+            layer = cache.layers[index]
+            shape = (batch, self.kv_heads, width + budget, self.head_dim)
+            keys = layer.keys.new_empty(shape)
+            values = layer.values.new_empty(shape)
+            keys[:, :, :width] = layer.keys[rows]
+            values[:, :, :width] = layer.values[rows]
+            self.keys.append(keys)
+            self.values.append(values)
+        # additive attention bias: -inf on the left padding of each prompt
+        bias = torch.zeros((batch, width + budget), dtype=self.keys[0].dtype, device=mask.device)
+        bias[:, :width].masked_fill_(mask[rows] == 0, float("-inf"))
+        self.bias = bias[:, None, None, :]
+        positions = torch.arange(width + budget, device=mask.device).unsqueeze(0)
+        cos, sin = self.rotary(self.keys[0], positions)
+        half = self.head_dim // 2
+        self.cos = cos[0]
+        self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # rotate_half's sign folded in
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
+        """Logits ``[B, vocab]`` after feeding ``tokens`` ``[B]`` at ``positions`` into cache slot ``slot``."""
+        batch, heads, kv_heads, dim = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [B, 1, D]
+        bias = self.bias[..., : slot + 1]
+        q_end, k_end = heads * dim, (heads + kv_heads) * dim
+        hidden = self.embed(tokens)
+        for layer, keys, values in zip(self.layers, self.keys, self.values):
+            x = torch.nn.functional.rms_norm(hidden, layer.norm1.weight.shape, layer.norm1.weight, layer.eps1)
+            qkv = torch.nn.functional.linear(x, layer.qkv_weight, layer.qkv_bias)
+            q = qkv[:, :q_end].view(batch, heads, dim)
+            k = qkv[:, q_end:k_end].view(batch, kv_heads, dim)
+            q = q * cos + q.roll(dim // 2, -1) * sin
+            keys[:, :, slot] = k * cos + k.roll(dim // 2, -1) * sin
+            values[:, :, slot] = qkv[:, k_end:].view(batch, kv_heads, dim)
+            scores = torch.matmul(q.view(batch, kv_heads, heads // kv_heads, dim), keys[:, :, : slot + 1].transpose(-1, -2))
+            probs = torch.softmax(scores * self.scaling + bias, dim=-1, dtype=torch.float32).to(q.dtype)
+            attended = torch.matmul(probs, values[:, :, : slot + 1]).view(batch, heads * dim)
+            hidden = hidden + layer.o_proj(attended)
+            x = torch.nn.functional.rms_norm(hidden, layer.norm2.weight.shape, layer.norm2.weight, layer.eps2)
+            gate_up = torch.nn.functional.linear(x, layer.gate_up_weight, layer.gate_up_bias)
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = hidden + layer.down_proj(torch.nn.functional.silu(gate) * up)
+        hidden = torch.nn.functional.rms_norm(hidden, self.norm.weight.shape, self.norm.weight, self.norm.variance_epsilon)
+        return self.lm_head(hidden)
+
+
+class _FusedLayer:
+    """A decoder layer's weights, with q/k/v and gate/up fused (the module parameters become views)."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        attention, mlp = layer.self_attn, layer.mlp
+        self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.eps1, self.eps2 = self.norm1.variance_epsilon, self.norm2.variance_epsilon
+        self.o_proj, self.down_proj = attention.o_proj, mlp.down_proj
+        self.qkv = (attention.q_proj, attention.k_proj, attention.v_proj)
+        self.gate_up = (mlp.gate_proj, mlp.up_proj)
+        self.qkv_weight, self.qkv_bias = _fuse(self.qkv)
+        self.gate_up_weight, self.gate_up_bias = _fuse(self.gate_up)
+
+    def is_current(self) -> bool:
+        return (self.qkv[0].weight.data_ptr() == self.qkv_weight.data_ptr()
+                and self.gate_up[0].weight.data_ptr() == self.gate_up_weight.data_ptr())
+
+
+def _fuse(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of ``linears`` along the output dimension and rebind
+    each module's parameters to views of the result, so that both stay one storage."""
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    has_bias = [linear.bias is not None for linear in linears]
+    bias = None
+    if any(has_bias):
+        bias = torch.cat([
+            linear.bias.detach() if linear.bias is not None else weight.new_zeros(linear.out_features)
+            for linear in linears
+        ])
+    start = 0
+    for linear in linears:
+        end = start + linear.out_features
+        linear.weight.data = weight[start:end]
+        if linear.bias is not None:
+            linear.bias.data = bias[start:end]
+        start = end
+    return weight, bias

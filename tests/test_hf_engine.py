@@ -1,0 +1,107 @@
+"""The ``hf`` engine's static-cache decoder samples what the model's own forward gives."""
+
+import pytest
+import torch
+
+from gcore import HFEngine, SamplingParams
+from gcore.backends.torch import token_logprobs
+from gcore.engines.hf import StaticCacheDecoder
+
+
+def _checkpoint(tmp_path, model_type: str) -> str:
+    """A tiny random checkpoint of ``model_type`` (GQA, biases as the architecture has them)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type, vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=model_type == "qwen2",
+    )
+    if model_type == "llama":
+        config.attention_bias = True  # exercises a bias on o_proj too
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    path = str(tmp_path / model_type)
+    model.save_pretrained(path)
+    return path
+
+
+def _engine(path: str, static_cache: bool) -> HFEngine:
+    engine = HFEngine(static_cache=static_cache)
+    engine.setup(path, torch.device("cpu"), torch.float32, False)
+    return engine
+
+
+def _max_gap(engine: HFEngine, prompts, outputs, temperature: float) -> float:
+    """Largest difference between the engine's log-probabilities and a full forward of the same tokens."""
+    gap = 0.0
+    for prompt, generations in zip(prompts, outputs):
+        for g in generations:
+            ids = torch.tensor([prompt + g.token_ids])
+            with torch.no_grad():
+                logprobs, _ = token_logprobs(engine.model(input_ids=ids).logits, ids, temperature)
+            gap = max(gap, float((logprobs[0, len(prompt) - 1 :] - torch.tensor(g.logprobs)).abs().max()))
+    return gap
+
+
+# prompts of different lengths (left padding) and a repeated one (prefilled once, decoded per row)
+PROMPTS = [[1, 5, 6], [1, 7], [1, 8, 9, 10, 11], [1, 5, 6]]
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_static_decoder_matches_the_model_forward(tmp_path, model_type):
+    path = _checkpoint(tmp_path, model_type)
+    engine = _engine(path, static_cache=True)
+    params = SamplingParams(n=3, max_new_tokens=10, temperature=0.8, stop_token_ids=(2,))
+    torch.manual_seed(1)
+    outputs = engine.generate(PROMPTS, params)
+    assert engine._decoder is not None  # the static path ran
+    assert [len(group) for group in outputs] == [3, 3, 3, 3]
+    assert _max_gap(engine, PROMPTS, outputs, params.temperature) < 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_static_and_dynamic_cache_agree_when_greedy(tmp_path, model_type):
+    path = _checkpoint(tmp_path, model_type)
+    params = SamplingParams(n=2, max_new_tokens=12, temperature=0.0)
+    static = _engine(path, static_cache=True).generate(PROMPTS, params)
+    dynamic_engine = _engine(path, static_cache=False)
+    dynamic = dynamic_engine.generate(PROMPTS, params)
+    assert dynamic_engine._decoder is None
+    assert [[g.token_ids for g in group] for group in static] == [[g.token_ids for g in group] for group in dynamic]
+    for s_group, d_group in zip(static, dynamic):
+        for s, d in zip(s_group, d_group):
+            assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(d.logprobs), atol=1e-5)
+
+
+def test_weight_updates_reach_the_fused_weights(tmp_path):
+    path = _checkpoint(tmp_path, "qwen2")
+    engine = _engine(path, static_cache=True)
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0)
+    engine.generate(PROMPTS, params)
+    decoder = engine._decoder
+    # the HF modules' weights are views into the decoder's fused tensors: one storage
+    q_proj = engine.model.model.layers[0].self_attn.q_proj
+    assert q_proj.weight.data_ptr() == decoder.layers[0].qkv_weight.data_ptr()
+    new = {name: tensor + 0.01 * torch.randn_like(tensor) for name, tensor in engine.model.state_dict().items()}
+    engine.update_weights(new.items())
+    assert torch.equal(decoder.layers[0].qkv_weight[: q_proj.out_features], new["model.layers.0.self_attn.q_proj.weight"])
+    torch.manual_seed(2)
+    outputs = engine.generate(PROMPTS, params)
+    assert engine._decoder is decoder  # still current: not rebuilt
+    assert _max_gap(engine, PROMPTS, outputs, params.temperature) < 1e-5
+
+
+def test_unsupported_architectures_fall_back(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=1, n_head=2, n_positions=32, bos_token_id=1,
+                                       eos_token_id=2, pad_token_id=0))
+    assert StaticCacheDecoder.build(model) is None
+    path = str(tmp_path / "gpt2")
+    model.save_pretrained(path)
+    engine = _engine(path, static_cache=True)
+    outputs = engine.generate([[1, 5], [1, 6, 7]], SamplingParams(n=2, max_new_tokens=5, temperature=1.0))
+    assert engine._decoder is None
+    assert all(len(g.token_ids) == len(g.logprobs) > 0 for group in outputs for g in group)
+    assert _max_gap(engine, [[1, 5], [1, 6, 7]], outputs, 1.0) < 1e-4
