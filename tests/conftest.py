@@ -27,6 +27,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# a ``--reward python --reward.function recorder.py:score`` that logs each prompt it scores to
+# $GCORE_TEST_LOG/scored-rank<LOCAL_RANK>.jsonl (which controller scored what) and rewards the answer
+RECORDING_REWARD = '''
+import json, os
+def score(prompt, response, answer):
+    with open(os.path.join(os.environ["GCORE_TEST_LOG"], "scored-rank%s.jsonl" % os.environ.get("LOCAL_RANK", "0")), "a") as f:
+        f.write(json.dumps(prompt) + "\\n")
+    return float(answer in response)
+'''
+
+
+@pytest.fixture(autouse=True)
+def _fresh_launch_environment(monkeypatch):
+    """Each launch picks its own free port and ranks instead of reusing those a previous launch (or the
+    shell) left in the environment."""
+    for key in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(key, raising=False)
+
+
 def run_gcore(*args: str, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run the CLI as a user would, in a fresh process."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

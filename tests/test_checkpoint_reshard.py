@@ -53,12 +53,6 @@ def _load_on_two(fabric, model_dir):
     _train_step(backend, fabric.global_rank)  # training goes on from there
 
 
-@pytest.fixture(autouse=True)
-def _fresh_port(monkeypatch):
-    # each launch picks its own free port instead of reusing one a previous launch left in the environment
-    for key in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
-        monkeypatch.delenv(key, raising=False)
-
 
 def _model(tmp_path):
     return materialize(ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64), char_tokenizer(), 0,

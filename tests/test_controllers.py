@@ -11,20 +11,13 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 
-from conftest import FAST
+from conftest import FAST, RECORDING_REWARD
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.model import char_tokenizer, materialize
 from gcore.testing import make_batch
 
 pytestmark = pytest.mark.slow
 
-RECORDER = '''
-import json, os
-def score(prompt, response, answer):
-    with open(os.path.join(os.environ["GCORE_TEST_LOG"], "rank%s.jsonl" % os.environ.get("LOCAL_RANK", "0")), "a") as f:
-        f.write(json.dumps(prompt) + "\\n")
-    return float(answer in response)
-'''
 
 
 def _gcore(*args, env=None, timeout=300):
@@ -41,7 +34,7 @@ def _metrics(root):
 
 @pytest.mark.parametrize("balance", ["true", "false"])
 def test_every_prompt_once_per_step_over_two_controllers(tmp_path, balance):
-    (tmp_path / "recorder.py").write_text(RECORDER)
+    (tmp_path / "recorder.py").write_text(RECORDING_REWARD)
     rows = [{"prompt": f"{i}=", "answer": str(i % 10)} for i in range(5)]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     logs = tmp_path / "scored"
@@ -54,10 +47,10 @@ def test_every_prompt_once_per_step_over_two_controllers(tmp_path, balance):
     assert result.returncode == 0, result.stderr
     per_rank = {name: [json.loads(line) for line in (logs / name).read_text().splitlines()]
                 for name in sorted(os.listdir(logs))}
-    assert sorted(per_rank) == ["rank0.jsonl", "rank1.jsonl"]  # both controllers generated and scored
+    assert sorted(per_rank) == ["scored-rank0.jsonl", "scored-rank1.jsonl"]  # both controllers generated and scored
     scored = sorted(p for prompts in per_rank.values() for p in prompts)
     assert scored == sorted(f"{i}=" for i in range(5) for _ in range(2))  # 5 prompts x n=2, none twice
-    assert set(per_rank["rank0.jsonl"]).isdisjoint(per_rank["rank1.jsonl"])  # no prompt on two controllers
+    assert set(per_rank["scored-rank0.jsonl"]).isdisjoint(per_rank["scored-rank1.jsonl"])  # no prompt on two controllers
     assert _metrics(tmp_path / "runs")[0]["samples/total"] == "10.0"
 
 
@@ -87,11 +80,6 @@ def _two(fabric, model_dir, out, loss_agg):
     rows = [0, 1, 2, 3] if fabric.global_rank == 0 else [4, 5, 6]  # uneven: 4 and 3 rows
     _train(fabric, model_dir, rows, out, loss_agg)
 
-
-@pytest.fixture(autouse=True)
-def _fresh_port(monkeypatch):
-    for key in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
-        monkeypatch.delenv(key, raising=False)
 
 
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])

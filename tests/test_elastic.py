@@ -18,25 +18,13 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from conftest import FAST
+from conftest import FAST, RECORDING_REWARD
 
 pytestmark = pytest.mark.slow
 
 TWO = ["--trainer.accelerator", "cpu", "--trainer.collective_timeout", "120"]
 
-RECORDER = '''
-import json, os
-def score(prompt, response, answer):
-    with open(os.path.join(os.environ["GCORE_TEST_LOG"], "rank%s.jsonl" % os.environ.get("LOCAL_RANK", "0")), "a") as f:
-        f.write(json.dumps(prompt) + "\\n")
-    return float(answer in response)
-'''
 
-
-@pytest.fixture(autouse=True)
-def _fresh_port(monkeypatch):
-    for key in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
-        monkeypatch.delenv(key, raising=False)
 
 
 def _cmd(root, devices, *args):
@@ -116,7 +104,7 @@ def test_killing_one_controller_stops_the_run_naming_it_then_resume_auto_finishe
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
 def test_elastic_resume_keeps_weights_and_data_position(tmp_path, before, after):
-    (tmp_path / "recorder.py").write_text(RECORDER)
+    (tmp_path / "recorder.py").write_text(RECORDING_REWARD)
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"prompt": f"{i}=", "answer": str(i)}) for i in range(10)))
     data = ["--data.path", str(tmp_path / "d.jsonl"), "--data.shuffle", "false", "--data.prompts_per_step", "4",
             "--reward", "python", "--reward.function", f"{tmp_path}/recorder.py:score"]

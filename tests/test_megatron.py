@@ -102,11 +102,6 @@ def test_missing_megatron_core_names_the_extra(monkeypatch):
 # with megatron-core ---------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def _fresh_port(monkeypatch):
-    for key in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
-        monkeypatch.delenv(key, raising=False)
-
 
 def _megatron():
     pytest.importorskip("megatron.core")

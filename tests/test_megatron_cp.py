@@ -35,11 +35,6 @@ def _megatron():
     return MegatronBackend
 
 
-@pytest.fixture(autouse=True)
-def _fresh_port(monkeypatch):
-    for key in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
-        monkeypatch.delenv(key, raising=False)
-
 
 # configurations that cannot work: one line naming the flag ----------------------------------------
 

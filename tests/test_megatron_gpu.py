@@ -23,11 +23,6 @@ QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                   intermediate_size=4864, max_position_embeddings=4096)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_port(monkeypatch):
-    for key in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
-        monkeypatch.delenv(key, raising=False)
-
 
 def _model_dir(tmp_path, **shape):
     return materialize(ModelConfig(**shape), char_tokenizer(), 0, str(tmp_path / "model"))

@@ -59,11 +59,6 @@ def _two(fabric, model_dir, out, algorithm_name, mode, packing):  # noqa: ANN001
     _train(fabric, model_dir, rows, out, algorithm_name, 2, mode, packing)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_port(monkeypatch):  # noqa: ANN001, ANN202
-    for key in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
-        monkeypatch.delenv(key, raising=False)
-
 
 @pytest.mark.parametrize("algorithm_name,mode,packing", [
     ("grpo", "ring", True),

@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 
-from conftest import FAST
+from conftest import FAST, RECORDING_REWARD
 from gcore import GRPO, PPO, ModelConfig, TorchBackend
 from gcore.engines.hf import HFEngine
 from gcore.model import char_tokenizer, materialize
@@ -21,13 +21,6 @@ from gcore.types import Prompt, Sample, SamplingParams, collate
 
 pytestmark = pytest.mark.slow
 
-RECORDER = '''
-import json, os
-def score(prompt, response, answer):
-    with open(os.path.join(os.environ["GCORE_TEST_LOG"], "scored-rank%s.jsonl" % os.environ.get("LOCAL_RANK", "0")), "a") as f:
-        f.write(json.dumps(prompt) + "\\n")
-    return float(answer in response)
-'''
 
 RECORDING_ENGINE = '''
 import json, os
@@ -42,11 +35,6 @@ class RecordingEngine(HFEngine):
         return super().generate(prompts, params)
 '''
 
-
-@pytest.fixture(autouse=True)
-def _fresh_port(monkeypatch):
-    for key in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
-        monkeypatch.delenv(key, raising=False)
 
 
 # -- the tensor transport -----------------------------------------------------------------------
@@ -147,7 +135,7 @@ def test_one_controller_over_two_ranks_computes_the_update_of_one_process(tmp_pa
 # -- end to end through the CLI -----------------------------------------------------------------
 
 def test_one_controller_scores_everything_and_every_rank_generates(tmp_path):
-    (tmp_path / "recorder.py").write_text(RECORDER)
+    (tmp_path / "recorder.py").write_text(RECORDING_REWARD)
     (tmp_path / "recording_engine.py").write_text(RECORDING_ENGINE)
     rows = [{"prompt": f"{i}=", "answer": str(i % 10)} for i in range(5)]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))

@@ -1,0 +1,87 @@
+"""Training forward+backward with each distinct prompt run once vs the plain forward, by prompt length (CPU).
+
+A GRPO micro-batch holds each prompt ``n`` times. ``gcore.backends.shared_prompts`` runs it once and the
+responses on its keys and values. This times one step's policy forward+backward over the batch
+(micro-batches of 32 rows) both ways, alternating, for several prompt lengths, and prints the ratio.
+
+    python benchmarks/shared_prompts.py --prompt-lengths 2,16,64,256 --response-length 32 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from gcore.backends import sequence_parallel as seqpar
+from gcore.backends.shared_prompts import distinct_prompts, shared_prompt_logits, to_batch_layout
+from gcore.model import ModelConfig, build_tiny_model, char_tokenizer
+from gcore.types import Prompt, Sample, collate
+
+
+def batch_of(prompts: int, n: int, prompt_length: int, response_length: int, seed: int):  # noqa: ANN201
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for group in range(prompts):
+        prompt = Prompt(index=group, text="", token_ids=torch.randint(5, 90, (prompt_length,), generator=generator).tolist())
+        for _ in range(n):
+            response = torch.randint(5, 90, (response_length,), generator=generator).tolist()
+            samples.append(Sample(prompt=prompt, group=group, response_ids=response,
+                                  response_logprobs=[0.0] * response_length, response_text="", finished=False))
+    return collate(samples, pad_id=0, temperature=1.0)
+
+
+def plain(model, micro):  # noqa: ANN001, ANN201
+    ids, mask = micro.input_ids, micro.attention_mask
+    logits = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=False).logits
+    return seqpar.next_token_logprobs(logits, ids[:, 1:], 1.0)[0]
+
+
+def shared(model, micro):  # noqa: ANN001, ANN201
+    logits, targets = shared_prompt_logits(model, micro, *distinct_prompts(micro), torch.device("cpu"))
+    return to_batch_layout(seqpar.next_token_logprobs(logits, targets, 1.0)[0], micro)
+
+
+def step_seconds(model, batch, forward, micro_batch_size: int) -> float:  # noqa: ANN001
+    start = time.process_time()
+    for rows in torch.arange(len(batch)).split(micro_batch_size):
+        micro = batch.select(rows)
+        (forward(model, micro) * micro.response_mask).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return time.process_time() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompt-lengths", default="2,16,64,256")
+    parser.add_argument("--response-length", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--micro-batch-size", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tokenizer = char_tokenizer()
+    model = build_tiny_model(ModelConfig(max_position_embeddings=1024), tokenizer, 0)
+    print(f"embedded model (4 layers, hidden 128), {args.prompts} prompts x {args.n} responses of "
+          f"{args.response_length} tokens, micro-batches of {args.micro_batch_size}, {args.threads} thread(s); "
+          f"CPU seconds per step's forward+backward, median of {args.repeats} (alternating)")
+    print(f"{'prompt':>7} {'plain':>8} {'shared':>8} {'shared/plain':>13} {'tokens saved':>13}")
+    for prompt_length in (int(x) for x in args.prompt_lengths.split(",")):
+        batch = batch_of(args.prompts, args.n, prompt_length, args.response_length, seed=prompt_length)
+        for forward in (plain, shared):
+            step_seconds(model, batch, forward, args.micro_batch_size)  # warm-up
+        times = {plain: [], shared: []}
+        for _ in range(args.repeats):
+            for forward in (plain, shared):
+                times[forward].append(step_seconds(model, batch, forward, args.micro_batch_size))
+        a, b = statistics.median(times[plain]), statistics.median(times[shared])
+        saved = (args.n - 1) * prompt_length / (args.n * (prompt_length + args.response_length - 1))
+        print(f"{prompt_length:>7} {a:>8.3f} {b:>8.3f} {b / a:>13.2f} {saved:>12.0%}")
+
+
+if __name__ == "__main__":
+    main()
