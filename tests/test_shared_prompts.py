@@ -103,3 +103,22 @@ def test_training_with_shared_prompts_gives_the_same_run(tmp_path):
     # steps of up to lr; 6 updates at lr 5e-3 left 2.2e-6 there: the bound is 1/250 of one step
     for name, tensor in weights[False].items():
         torch.testing.assert_close(weights[True][name], tensor, rtol=1e-5, atol=2e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_ranks_that_decide_differently_still_train_together(tmp_path, gcore_cli):
+    """Two controllers where one shares its prompt (30 characters: half its tokens saved) and the other
+    does not (2 characters: under a tenth), and where a controller whose groups all tied has no row to
+    train: each micro-batch still makes one call through the DDP wrapper on both, and both reduce the
+    same metrics, so their collectives match (a mismatch aborts in gloo: it did for both)."""
+    import json
+
+    rows = [{"prompt": "1" * 29 + "=", "answer": "1"}, {"prompt": "7=", "answer": "7"}] * 4
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    result = gcore_cli("--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.collective_timeout", "60",
+                       "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false",
+                       "--data.path", str(tmp_path / "d.jsonl"), "--data.shuffle", "false",
+                       "--data.prompts_per_step", "2", "--sampling.n", "4", "--sampling.max_new_tokens", "16",
+                       "--model.num_hidden_layers", "1", "--model.hidden_size", "32", "--model.intermediate_size", "64",
+                       fast=False, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Literal
@@ -47,9 +48,48 @@ class TrainingBackend(ABC):
         """The critic's value ``[B, L-1]`` of the state before each next token (0 off-response)."""
         raise ConfigError(f"backend {type(self).__name__} has no critic; the algorithm needs one (use --backend torch)")
 
-    @abstractmethod
     def train(self, batch: RolloutBatch, algorithm: Algorithm, max_new_tokens: int) -> dict[str, float]:
-        """Run the algorithm's updates on this step's batch; return metrics (global over ranks)."""
+        """Run the algorithm's updates on this step's batch; return metrics (global over ranks).
+
+        ``algorithm.epochs`` passes over the batch (in a seeded random order after the first), each
+        cut into ``algorithm.mini_batches`` parts of one optimizer step each: ``train_mini_batch``
+        accumulates a part's gradients and returns its global metrics, ``optimizer_step`` clips and
+        steps. The metrics are averaged over the steps. A backend implements those two (and
+        ``learning_rate``), or overrides ``train`` whole.
+        """
+        sums: dict[str, float] = {}
+        optimizer_steps = skipped = 0
+        generator = torch.Generator().manual_seed(int(batch.input_ids.sum()) % (2**31))
+        for epoch in range(algorithm.epochs):
+            order = torch.randperm(len(batch), generator=generator) if epoch > 0 else torch.arange(len(batch))
+            for rows in torch.tensor_split(order, algorithm.mini_batches):
+                stats = self.train_mini_batch(batch, rows, algorithm, max_new_tokens)
+                # the loss is already summed over ranks, so every rank takes the same decision
+                grad_norm, stepped = self.optimizer_step(stats, loss_finite=math.isfinite(stats["loss"]))
+                skipped += 0 if stepped else 1  # a non-finite loss or gradient skips the update
+                optimizer_steps += 1
+                stats["grad_norm"] = grad_norm
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0.0) + value
+        metrics = {key: value / optimizer_steps for key, value in sums.items()}
+        metrics["skipped_updates"] = float(skipped)
+        metrics["lr"] = self.learning_rate()
+        return metrics
+
+    def train_mini_batch(self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm,
+                         max_new_tokens: int) -> dict[str, float]:
+        """Accumulate the gradients of the mini-batch ``rows`` of ``batch``; return its global metrics
+        (``loss`` among them)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither train nor train_mini_batch")
+
+    def optimizer_step(self, stats: dict[str, float], loss_finite: bool) -> tuple[float, bool]:
+        """Clip the accumulated gradients and step (not when the loss or the norm is non-finite), then
+        clear them; may add metrics to ``stats``. Returns the gradient norm and whether it stepped."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither train nor optimizer_step")
+
+    def learning_rate(self) -> float:
+        """The policy's current learning rate (logged as ``lr``)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither train nor learning_rate")
 
     @abstractmethod
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

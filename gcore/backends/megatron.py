@@ -191,7 +191,7 @@ class MegatronBackend(TrainingBackend):
         if use_distributed:
             self._setup_distributed_optimizer(dtype)
         else:
-            self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self._current_lr(), betas=self.betas,
+            self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.learning_rate(), betas=self.betas,
                                                weight_decay=self.weight_decay)
         if algorithm.needs_reference:
             self.reference = self._build_model(dtype)
@@ -210,7 +210,7 @@ class MegatronBackend(TrainingBackend):
             overlap_param_gather=False,
         )
         optimizer_config = OptimizerConfig(
-            optimizer="adam", lr=self._current_lr(), weight_decay=self.weight_decay, adam_beta1=self.betas[0],
+            optimizer="adam", lr=self.learning_rate(), weight_decay=self.weight_decay, adam_beta1=self.betas[0],
             adam_beta2=self.betas[1], adam_eps=1e-8, clip_grad=0.0,  # clipping is done in _distributed_step
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
             use_distributed_optimizer=True,
@@ -227,7 +227,7 @@ class MegatronBackend(TrainingBackend):
 
         return cuda_calls_on_cpu()
 
-    def _current_lr(self) -> float:
+    def learning_rate(self) -> float:
         """The learning rate of the next update: linear warm-up over ``warmup_steps`` updates."""
         warmup = self.warmup_steps
         return self.base_lr * (min(1.0, (self._updates + 1) / warmup) if warmup > 0 else 1.0)
@@ -585,37 +585,20 @@ class MegatronBackend(TrainingBackend):
             dist.all_reduce(values, op=op, group=group)
         return values.cpu()
 
-    def train(self, batch: RolloutBatch, algorithm: Algorithm, max_new_tokens: int) -> dict[str, float]:
-        sums: dict[str, float] = {}
-        optimizer_steps = skipped = 0
-        generator = torch.Generator().manual_seed(int(batch.input_ids.sum()) % (2**31))
-        for epoch in range(algorithm.epochs):
-            order = torch.randperm(len(batch), generator=generator) if epoch > 0 else torch.arange(len(batch))
-            for rows in torch.tensor_split(order, algorithm.mini_batches):
-                stats = self._train_mini_batch(batch, rows, algorithm, max_new_tokens)
-                loss_finite = math.isfinite(stats["loss"])  # already summed over ranks: same on every rank
-                if self.grad_buffers is not None:
-                    grad_norm, stepped = self._distributed_step(loss_finite)
-                else:
-                    grad_norm = self._reduce_and_clip_gradients()
-                    stepped = math.isfinite(grad_norm) and loss_finite
-                    if stepped:
-                        for group in self.optimizer.param_groups:
-                            group["lr"] = self._current_lr()
-                        self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
-                if stepped:
-                    self._updates += 1
-                else:
-                    skipped += 1  # a non-finite loss or gradient skips the update (same on every rank)
-                optimizer_steps += 1
-                stats["grad_norm"] = grad_norm
-                for key, value in stats.items():
-                    sums[key] = sums.get(key, 0.0) + value
-        metrics = {key: value / optimizer_steps for key, value in sums.items()}
-        metrics["skipped_updates"] = float(skipped)
-        metrics["lr"] = self._current_lr()
-        return metrics
+    def optimizer_step(self, stats: dict[str, float], loss_finite: bool) -> tuple[float, bool]:
+        if self.grad_buffers is not None:
+            grad_norm, stepped = self._distributed_step(loss_finite)
+        else:
+            grad_norm = self._reduce_and_clip_gradients()
+            stepped = math.isfinite(grad_norm) and loss_finite
+            if stepped:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = self.learning_rate()
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if stepped:
+            self._updates += 1
+        return grad_norm, stepped
 
     def _distributed_step(self, loss_finite: bool) -> tuple[float, bool]:
         """Reduce-scatter the gradients, clip by the global norm and step megatron's distributed
@@ -634,13 +617,13 @@ class MegatronBackend(TrainingBackend):
                     for optimizer in optimizers:
                         clip_grad_by_total_norm_fp32(optimizer.get_parameters(), self.max_grad_norm, norm)
                 for group in self.optimizer.param_groups:
-                    group["lr"] = self._current_lr()
+                    group["lr"] = self.learning_rate()
                 self.optimizer.step_with_ready_grads()
             self.grad_buffers.zero_grad_buffer()
             self.optimizer.zero_grad()
         return norm, stepped
 
-    def _train_mini_batch(self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm,
+    def train_mini_batch(self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm,
                           max_new_tokens: int) -> dict[str, float]:
         """Accumulate this mini-batch's gradients (local to the rank); returns its global metrics."""
         own = batch.select(rows) if len(rows) else None

@@ -37,10 +37,16 @@ def distinct_prompts(micro: RolloutBatch, min_saving: float = 0.0) -> tuple[torc
 
 
 def shared_prompt_logits(model: torch.nn.Module, micro: RolloutBatch, first_row: torch.Tensor,
-                         row_to_prompt: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                         row_to_prompt: torch.Tensor, device: torch.device,
+                         prefix_model: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of every response token of ``micro``: ``(logits [B, R, V], targets [B, R])`` where
     ``R`` is the longest response and row ``i``'s response token ``j`` sits at position
-    ``prompt_lengths[i] + j`` of ``input_ids`` (padding beyond a row's response is left to the mask)."""
+    ``prompt_lengths[i] + j`` of ``input_ids`` (padding beyond a row's response is left to the mask).
+
+    ``prefix_model`` runs the prompts (default: ``model``). Under DDP pass the unwrapped module, so
+    that every micro-batch makes exactly one call through the DDP wrapper whether or not it shares
+    prompts: DDP's forward joins collectives (buffer broadcast) and prepares the gradient reducer,
+    and ranks that decide differently must still make the same calls."""
     from transformers import DynamicCache
 
     prompt_lengths = micro.prompt_lengths
@@ -65,7 +71,7 @@ def shared_prompt_logits(model: torch.nn.Module, micro: RolloutBatch, first_row:
     targets, response_mask, rows = targets.to(device), response_mask.to(device), row_to_prompt.to(device)
 
     prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    prefix = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True)
+    prefix = (prefix_model or model)(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True)
     first_logits = prefix.logits[:, -1][rows]  # the last prompt token predicts the first response token
     if responses == 1:
         return first_logits.unsqueeze(1), targets

@@ -223,7 +223,9 @@ class TorchBackend(TrainingBackend):
             if self.share_prompts is not False:  # auto: where it saves a fifth of the tokens or more
                 shared = distinct_prompts(micro, min_saving=0.0 if self.share_prompts else SHARE_PROMPTS_MIN_SAVING)
             if shared is not None:  # each distinct prompt runs once for all the rows that share it
-                logits, targets = shared_prompt_logits(model, micro, *shared, input_ids.device)
+                with self.fabric.autocast():  # the unwrapped module gets the precision the wrapper gives
+                    logits, targets = shared_prompt_logits(model, micro, *shared, input_ids.device,
+                                                           prefix_model=getattr(model, "module", model))
                 logprobs, entropy = seqpar.next_token_logprobs(logits, targets, temperature)
                 return to_batch_layout(logprobs, micro), to_batch_layout(entropy, micro)
             # the last position predicts no token of the batch and, the attention being causal, no other
@@ -285,37 +287,25 @@ class TorchBackend(TrainingBackend):
         return int(self.fabric.all_reduce(torch.tensor(float(value)), reduce_op="max"))
 
     def train(self, batch: RolloutBatch, algorithm: Algorithm, max_new_tokens: int) -> dict[str, float]:
-        fabric, world = self.fabric, self.fabric.world_size
         if self.sp is not None:  # the group trains on the union of its members' batches
             batch, _, _ = seqpar.gather_group_batch(batch, self.sp)
-        sums: dict[str, float] = {}
-        optimizer_steps = skipped = 0
-        generator = torch.Generator().manual_seed(int(batch.input_ids.sum()) % (2**31))
-        for epoch in range(algorithm.epochs):
-            order = torch.randperm(len(batch), generator=generator) if epoch > 0 else torch.arange(len(batch))
-            for rows in torch.tensor_split(order, algorithm.mini_batches):
-                stats = self._train_mini_batch(batch, rows, algorithm, max_new_tokens, world)
-                grad_norm = fabric.clip_gradients(
-                    self.policy, self.optimizer, max_norm=self.max_grad_norm or math.inf, error_if_nonfinite=False
-                )
-                grad_norm = float(grad_norm)
-                if self.critic is not None:
-                    stats.update(self._critic_step(stats))
-                loss_is_finite = math.isfinite(stats["loss"])  # already summed over ranks: same on every rank
-                if math.isfinite(grad_norm) and loss_is_finite:
-                    self.optimizer.step()
-                    self.scheduler.step()
-                else:
-                    skipped += 1  # a non-finite loss or gradient skips the update (same on every rank)
-                self.optimizer.zero_grad(set_to_none=True)
-                optimizer_steps += 1
-                stats["grad_norm"] = grad_norm
-                for key, value in stats.items():
-                    sums[key] = sums.get(key, 0.0) + value
-        metrics = {key: value / optimizer_steps for key, value in sums.items()}
-        metrics["skipped_updates"] = float(skipped)
-        metrics["lr"] = float(self.scheduler.get_last_lr()[0])
-        return metrics
+        return super().train(batch, algorithm, max_new_tokens)
+
+    def optimizer_step(self, stats: dict[str, float], loss_finite: bool) -> tuple[float, bool]:
+        grad_norm = float(self.fabric.clip_gradients(
+            self.policy, self.optimizer, max_norm=self.max_grad_norm or math.inf, error_if_nonfinite=False
+        ))
+        if self.critic is not None:
+            stats.update(self._critic_step(stats))
+        stepped = math.isfinite(grad_norm) and loss_finite
+        if stepped:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, stepped
+
+    def learning_rate(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
 
     def _critic_step(self, stats: dict[str, float]) -> dict[str, float]:
         """Clip and apply the critic's accumulated gradients (skipped when non-finite)."""
@@ -330,11 +320,11 @@ class TorchBackend(TrainingBackend):
         self.critic_optimizer.zero_grad(set_to_none=True)
         return {"critic/grad_norm": grad_norm, "critic/skipped_updates": skipped}
 
-    def _train_mini_batch(
-        self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm, max_new_tokens: int, world: int
+    def train_mini_batch(
+        self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm, max_new_tokens: int
     ) -> dict[str, float]:
         """Accumulate the gradients of one mini-batch over micro-batches; returns its global metrics."""
-        fabric = self.fabric
+        fabric, world = self.fabric, self.fabric.world_size
         replicas = self.sp.size if self.sp is not None else 1  # each group holds its rows K times
         # the denominators count every row; only the rows whose loss is not exactly zero are run
         trained = rows[algorithm.rows_to_train(batch)[rows]] if self.skip_inert_rows else rows
@@ -364,11 +354,10 @@ class TorchBackend(TrainingBackend):
                     value_loss, value_shares = algorithm.value_loss(values, micro, scale)
                     fabric.backward(value_loss * (world if real else 0.0))
                 shares.update(value_shares)
-            if real:
-                shares["entropy"] = (entropy.detach() * micro.response_mask).sum() / max(scale.tokens, 1.0)
-                shares["loss"] = loss.detach()
-                for key, value in shares.items():
-                    local[key] = local.get(key, 0.0) + float(value)
+            shares["entropy"] = (entropy.detach() * micro.response_mask).sum() / max(scale.tokens, 1.0)
+            shares["loss"] = loss.detach()
+            for key, value in shares.items():  # every rank sums the same keys (a zero pass adds zeros)
+                local[key] = local.get(key, 0.0) + (float(value) if real else 0.0)
         # the mean over ranks after the sum and the division by the replicas of each row
         local["padding_frac"] = padding_fraction(lengths, groups) * replicas / world
         keys = sorted(set(local) | {"loss", "entropy"})
