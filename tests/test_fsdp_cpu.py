@@ -9,7 +9,7 @@ agree with DDP too; a DCP checkpoint of the sharded state loads back.
 
 Tolerance (float32): weights within atol 2e-5 after one AdamW step at lr 1e-2 (as in
 test_sequence_parallel_training: Adam's normalisation amplifies float rounding where a gradient is near
-0); loss, entropy, gradient norms within rel 1e-5; log-probabilities and values within atol 1e-5.
+0); loss, entropy, gradient norms within rel 1e-5 + atol 1e-7 (the first GRPO loss cancels to ~1e-8); log-probabilities and values within atol 1e-5.
 """
 
 import os
@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 
 WEIGHT_ATOL = 2e-5
 METRIC_REL = 1e-5
+METRIC_ATOL = 1e-7  # GRPO's first-step loss is a sum of terms that cancel to ~1e-8
 VALUE_ATOL = 1e-5
 
 
@@ -122,7 +123,21 @@ def _worker(rank, port, model_dir, algorithm_name, out_dir):  # noqa: ANN001, AN
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
                       LOCAL_RANK=str(rank), RANK=str(rank))
     torch.set_num_threads(1)
-    results = {strategy: _run(strategy, model_dir, algorithm_name, out_dir, rank) for strategy in ("ddp", "fsdp")}
+    import gcore.backends.torch as torch_backend
+
+    shared_forward = torch_backend.shared_prompt_logits
+    calls = []
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return shared_forward(*args, **kwargs)
+
+    torch_backend.shared_prompt_logits = counted
+    results = {}
+    for strategy in ("ddp", "fsdp"):
+        calls.clear()
+        results[strategy] = _run(strategy, model_dir, algorithm_name, out_dir, rank)
+        results[strategy]["shared_calls"] = len(calls)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -139,7 +154,7 @@ def _fresh_env(monkeypatch):  # noqa: ANN001, ANN202
 
 
 def _close(a, b, rel=METRIC_REL):  # noqa: ANN001, ANN202
-    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-6)
+    return abs(a - b) <= rel * max(abs(a), abs(b)) + METRIC_ATOL
 
 
 @pytest.mark.parametrize("algorithm_name", ["grpo", "grpo_kl", "ppo", "grpo_shared"])
@@ -151,6 +166,10 @@ def test_fsdp_step_matches_ddp_on_two_cpu_ranks(tmp_path, algorithm_name):
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for rank, results in enumerate(ranks):
         ddp, fsdp = results["ddp"], results["fsdp"]
+        # grpo_shared: the shared-prompt forward really ran, under FSDP too (where a pass shares only when
+        # every rank's micro-batch qualifies, so possibly less often than under DDP)
+        for calls in (ddp["shared_calls"], fsdp["shared_calls"]):
+            assert (calls > 0) == (algorithm_name == "grpo_shared"), (ddp["shared_calls"], fsdp["shared_calls"])
         assert set(fsdp["sharded"]) == {"DTensor"}  # really sharded, not a replicated fallback
         for key in ("logprobs", "ref_logprobs", "values"):
             if key in ddp:

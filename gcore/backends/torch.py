@@ -277,13 +277,15 @@ class TorchBackend(TrainingBackend):
             batch, offset, count = seqpar.gather_group_batch(batch, self.sp)
         out = torch.zeros_like(batch.response_mask)
         chunks = list(torch.arange(len(batch)).split(self.micro_batch_size))
-        # under FSDP a forward is a collective (it gathers the weights): every rank makes as many
-        for _ in range(self._global_max(len(chunks)) - len(chunks) if self.fsdp else 0):
-            forward(batch.select(torch.tensor([0])))
+        # under FSDP a forward is a collective (it gathers the weights): every rank makes as many, padding
+        # passes last (as in training, so that the real passes pair up)
+        padding = self._global_max(len(chunks)) - len(chunks) if self.fsdp else 0
         for rows in chunks:
             micro = batch.select(rows)
             values = forward(micro)
             out[rows, : values.shape[1]] = values.cpu() * micro.response_mask
+        for _ in range(padding):
+            forward(batch.select(torch.tensor([0])))
         return out[offset: offset + count, : own.response_mask.shape[1]]
 
     # PREPARE ---------------------------------------------------------------------------------
