@@ -9,7 +9,8 @@ agree with DDP too; a DCP checkpoint of the sharded state loads back.
 
 Tolerance (float32): weights within atol 2e-5 after one AdamW step at lr 1e-2 (as in
 test_sequence_parallel_training: Adam's normalisation amplifies float rounding where a gradient is near
-0); loss, entropy, gradient norms within rel 1e-5 + atol 1e-7 (the first GRPO loss cancels to ~1e-8); log-probabilities and values within atol 1e-5.
+0); loss, entropy, gradient norms within rel 1e-5 + atol 1e-7 (the first GRPO loss cancels to ~1e-8);
+log-probabilities and values within atol 1e-5.
 """
 
 import os
