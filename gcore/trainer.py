@@ -183,6 +183,11 @@ class Trainer:
             from lightning.fabric.strategies import DDPStrategy
 
             strategy = DDPStrategy(timeout=timedelta(seconds=c.collective_timeout))
+        elif type(strategy).__name__ == "ModelParallelStrategy":  # the torch backend's fsdp
+            from datetime import timedelta
+
+            # the constructor's ``timeout``: the backend builds the strategy without the trainer's config
+            strategy._timeout = timedelta(seconds=c.collective_timeout)
         return Fabric(
             accelerator=accelerator,
             devices=c.devices,

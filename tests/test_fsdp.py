@@ -1,12 +1,12 @@
-"""``--backend.strategy fsdp`` for the torch backend: Fabric's FSDPStrategy, GPU only.
+"""``--backend.strategy fsdp`` for the torch backend: FSDP2 under Fabric's ModelParallelStrategy.
 
-Lightning (2.6.6, the pinned version) refuses FSDP on the CPU accelerator, so on CPU the option
-stops with a one-line ConfigError before any process starts; the CPU tests check that message and
-that Lightning still refuses (so the message does not outlive its reason). The GPU-marked tests
-compare one FSDP step with one DDP step on the same batch and run the CLI under FSDP.
+Fabric's FSDPStrategy (FSDP1) refuses the CPU accelerator; the backend uses ModelParallelStrategy with
+torch's ``fully_shard`` instead, which runs on CPU (gloo) and GPU. The fast tests here check the
+choices and errors and one single-rank step (FSDP over a mesh of one: the same update as plain
+training, the code path of the sharded one); tests/test_fsdp_cpu.py compares FSDP with DDP on two
+gloo ranks, and the GPU-marked tests below do it on CUDA.
 
-Tolerance (GPU): weights within 1e-5 after one AdamW step at lr 1e-3 (FSDP reduces flattened
-gradients in another order than DDP's buckets; TF32 off).
+Tolerance: weights within 1e-5 after one AdamW step at lr 1e-3 (TF32 off on GPU).
 """
 
 import os
@@ -21,9 +21,10 @@ from gcore.model import char_tokenizer, materialize
 from gcore.testing import make_batch
 
 
-def test_fsdp_on_cpu_is_a_one_line_error():
-    with pytest.raises(ConfigError, match="--backend.strategy fsdp needs CUDA GPUs.*use --backend.strategy ddp"):
-        TorchBackend(strategy="fsdp").strategy(2, "cpu")
+def test_fsdp_is_model_parallel_strategy_on_cpu_and_ddp_the_default():
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    assert isinstance(TorchBackend(strategy="fsdp").strategy(2, "cpu"), ModelParallelStrategy)
     assert TorchBackend().strategy(2, "cpu") == "ddp"  # DDP stays the default
 
 
@@ -32,16 +33,16 @@ def test_unknown_strategy_names_the_choices():
         TorchBackend(strategy="zero3")
 
 
-def test_lightning_still_refuses_fsdp_on_cpu():
-    """The reason for the CPU error: if a Lightning upgrade lifts it, this fails and the error should go."""
-    with pytest.raises(ValueError, match="FSDP is only available on GPU"):
-        Fabric(accelerator="cpu", devices=2, strategy="fsdp")
+def test_fsdp_with_sequence_parallelism_is_a_one_line_error():
+    with pytest.raises(ConfigError, match="--backend.strategy fsdp does not support "
+                                          "--backend.sequence_parallel_size 2.*use --backend.strategy ddp"):
+        TorchBackend(strategy="fsdp", sequence_parallel_size=2)
 
 
-def test_cli_fsdp_on_cpu_fails_with_the_message(gcore_cli):
-    run = gcore_cli("--backend.strategy", "fsdp", "--trainer.accelerator", "cpu", "--trainer.devices", "2")
+def test_cli_fsdp_with_sequence_parallelism_fails_with_the_message(gcore_cli):
+    run = gcore_cli("--backend.strategy", "fsdp", "--backend.sequence_parallel_size", "2")
     assert run.returncode != 0
-    assert "--backend.strategy fsdp needs CUDA GPUs" in run.stderr
+    assert "--backend.strategy fsdp does not support --backend.sequence_parallel_size 2" in run.stderr
 
 
 # GPU ------------------------------------------------------------------------------------------
@@ -52,9 +53,10 @@ def _model_dir(tmp_path):
                        os.path.join(str(tmp_path), "model"))
 
 
-def _step(strategy, model_dir):
+def _step(strategy, model_dir, accelerator="cuda"):
     backend = TorchBackend(lr=1e-3, micro_batch_size=2, strategy=strategy)
-    fabric = Fabric(accelerator="cuda", devices=1, strategy=backend.strategy(1, "cuda"))
+    fabric = Fabric(accelerator=accelerator, devices=1, strategy=backend.strategy(1, accelerator))
+    fabric.launch()  # ModelParallelStrategy wants it, even for one process
     backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
     batch = make_batch([1.0, 0.0, 0.3, 0.9], [0, 0, 1, 1], length=12)
     batch.input_ids = torch.randint(4, 100, batch.input_ids.shape, generator=torch.Generator().manual_seed(0))
@@ -64,14 +66,22 @@ def _step(strategy, model_dir):
     return backend, metrics, weights
 
 
-@pytest.mark.gpu
-def test_fsdp_step_matches_ddp_on_gpu(tmp_path):
-    torch.backends.cuda.matmul.allow_tf32 = False
+@pytest.fixture
+def _one_rank_group(monkeypatch):  # noqa: ANN202
+    for key in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(key, raising=False)
+    yield
+    if torch.distributed.is_initialized():  # the FSDP step's group of one: leave none behind for other tests
+        torch.distributed.destroy_process_group()
+
+
+def _check_step_matches_ddp(tmp_path, accelerator):
     model_dir = _model_dir(tmp_path)
-    _, ddp_metrics, ddp_weights = _step("ddp", model_dir)
-    backend, fsdp_metrics, fsdp_weights = _step("fsdp", model_dir)
+    _, ddp_metrics, ddp_weights = _step("ddp", model_dir, accelerator)
+    backend, fsdp_metrics, fsdp_weights = _step("fsdp", model_dir, accelerator)
     assert sorted(fsdp_weights) == sorted(ddp_weights)
     assert abs(fsdp_metrics["loss"] - ddp_metrics["loss"]) < 1e-5
+    assert abs(fsdp_metrics["grad_norm"] - ddp_metrics["grad_norm"]) < 1e-5 * ddp_metrics["grad_norm"]
     for name, tensor in ddp_weights.items():
         assert (fsdp_weights[name] - tensor).abs().max() < 1e-5, name
     backend.save_pretrained(str(tmp_path / "saved"))  # the synced full weights as an HF checkpoint
@@ -80,6 +90,16 @@ def test_fsdp_step_matches_ddp_on_gpu(tmp_path):
     saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved")).state_dict()
     for name, tensor in saved.items():
         assert torch.equal(tensor, fsdp_weights[name]), name
+
+
+def test_fsdp_step_matches_ddp_on_one_cpu_rank(tmp_path, _one_rank_group):
+    _check_step_matches_ddp(tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+def test_fsdp_step_matches_ddp_on_gpu(tmp_path, _one_rank_group):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _check_step_matches_ddp(tmp_path, "cuda")
 
 
 @pytest.mark.gpu

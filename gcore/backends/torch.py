@@ -1,4 +1,4 @@
-"""``torch`` backend: a transformers model trained under Lightning Fabric (DDP on CPU and GPU, FSDP on GPU)."""
+"""``torch`` backend: a transformers model trained under Lightning Fabric (DDP or FSDP2, on CPU and GPU)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,21 @@ class ValueModel(torch.nn.Module):
         return self.head(hidden).squeeze(-1).float()
 
 
+def shard_per_layer(model: torch.nn.Module, device_mesh) -> torch.nn.Module:  # noqa: ANN001
+    """``ModelParallelStrategy``'s ``parallelize_fn``: FSDP2 ``fully_shard`` on every transformer block
+    (transformers names them ``*DecoderLayer``), then on the root, which holds the rest (embeddings,
+    final norm, LM or value head; tied embeddings stay one parameter). Each block's parameters are
+    gathered just before it runs and freed after; gradients are reduce-scattered block by block."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = device_mesh["data_parallel"]
+    for module in list(model.modules()):
+        if module is not model and type(module).__name__.endswith("DecoderLayer"):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 #: ``share_prompts=None`` shares a micro-batch's prompts when that saves at least this share of its tokens
 SHARE_PROMPTS_MIN_SAVING = 0.2
 
@@ -84,9 +99,11 @@ class TorchBackend(TrainingBackend):
         sequence_parallel_mode: ``ring`` (any head count) or ``ulysses`` (heads divisible by the size).
         packing: concatenate each micro-batch's samples into one row without padding (position
             ids restart per sample); ``None``: on with sequence parallelism, off without.
-        strategy: ``ddp`` (every rank holds the whole model; CPU and GPU) or ``fsdp`` (Fabric's
-            ``FSDPStrategy``: parameters, gradients and optimizer state sharded over the ranks, one
-            FSDP unit per decoder layer; GPU only, as Lightning refuses FSDP on CPU).
+        strategy: ``ddp`` (every rank holds the whole model) or ``fsdp`` (parameters, gradients and
+            optimizer state sharded over all the ranks: torch's FSDP2 ``fully_shard`` per decoder layer
+            and on the root, under Fabric's ``ModelParallelStrategy``); both on CPU (gloo) and GPU. The
+            policy, the critic and the reference model are sharded; the engine sync gathers the full
+            weights on every rank. Not with ``sequence_parallel_size`` > 1. See docs/architecture.md.
         skip_inert_rows: run no forward/backward for rows whose loss and gradient are exactly zero
             (``Algorithm.rows_to_train``: GRPO-family groups that all scored the same, when there is no
             KL term or entropy bonus); the update is unchanged. Token-mean metrics (entropy, ratio,
@@ -125,6 +142,12 @@ class TorchBackend(TrainingBackend):
         self._synced: dict[str, torch.Tensor] | None = None  # FSDP: the full weights of the last sync
         if sequence_parallel_size < 1:
             raise seqpar.ConfigError(f"--backend.sequence_parallel_size {sequence_parallel_size} must be >= 1")
+        if self.fsdp and sequence_parallel_size > 1:
+            raise ConfigError(
+                f"--backend.strategy fsdp does not support --backend.sequence_parallel_size {sequence_parallel_size} "
+                "(untested: the sequence-parallel groups' collectives would interleave with FSDP's over all ranks); "
+                "use --backend.strategy ddp with sequence parallelism, or --backend.sequence_parallel_size 1 with fsdp"
+            )
         self.sequence_parallel_size = sequence_parallel_size
         self.sequence_parallel_mode = sequence_parallel_mode
         self.packing = packing
@@ -151,19 +174,12 @@ class TorchBackend(TrainingBackend):
     def strategy(self, world_size: int, device_type: str):  # noqa: ANN201
         if not self.fsdp:
             return super().strategy(world_size, device_type)
-        if device_type != "cuda":
-            raise ConfigError(
-                "--backend.strategy fsdp needs CUDA GPUs: Lightning Fabric's FSDPStrategy refuses the CPU "
-                "accelerator (FSDP is only available on GPU); use --backend.strategy ddp on CPU"
-            )
-        from functools import partial
+        from lightning.fabric.strategies import ModelParallelStrategy
 
-        from lightning.fabric.strategies import FSDPStrategy
-        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
-
-        # one FSDP unit per transformer block (transformers names them *DecoderLayer)
-        per_layer = partial(lambda_auto_wrap_policy, lambda_fn=lambda module: type(module).__name__.endswith("DecoderLayer"))
-        return FSDPStrategy(auto_wrap_policy=per_layer, state_dict_type="sharded")
+        # FSDP2 over one data-parallel mesh dimension of all the ranks (no tensor parallelism); unlike
+        # Fabric's FSDPStrategy (FSDP1), ModelParallelStrategy runs on the CPU accelerator too (gloo)
+        return ModelParallelStrategy(parallelize_fn=shard_per_layer, data_parallel_size=world_size,
+                                     tensor_parallel_size=1)
 
     def setup(self, fabric, model_path: str, dtype: torch.dtype, trust_remote_code: bool,  # noqa: ANN001
               algorithm: Algorithm, embedded: bool) -> None:
@@ -176,10 +192,9 @@ class TorchBackend(TrainingBackend):
             self.hf_model.gradient_checkpointing_enable()
         self.hf_model.train()
         lr = self.lr if self.lr is not None else (5e-3 if embedded else 1e-6)
-        optimizer = _adamw(
-            self.hf_model.parameters(), lr=lr, betas=self.betas, weight_decay=self.weight_decay
+        self.policy, self.optimizer = self._setup_trained(
+            self.hf_model, lambda params: _adamw(params, lr=lr, betas=self.betas, weight_decay=self.weight_decay)
         )
-        self.policy, self.optimizer = fabric.setup(self.hf_model, optimizer)
         warmup = self.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
@@ -187,18 +202,26 @@ class TorchBackend(TrainingBackend):
         if algorithm.needs_reference:
             reference = AutoModelForCausalLM.from_pretrained(model_path, **load)
             reference.eval().requires_grad_(False)
-            self.reference = fabric.to_device(reference)
+            # under FSDP sharded like the policy (ModelParallelStrategy moves no unsharded module to the device)
+            self.reference = fabric.setup_module(reference) if self.fsdp else fabric.to_device(reference)
         if algorithm.needs_critic:
             critic = ValueModel(model_path, dtype, trust_remote_code)
             if self.gradient_checkpointing:
                 critic.trunk.gradient_checkpointing_enable()
             critic.train()
-            critic_optimizer = _adamw(
-                critic.parameters(), lr=self.critic_lr if self.critic_lr is not None else lr, betas=self.betas,
-                weight_decay=self.weight_decay,
+            critic_lr = self.critic_lr if self.critic_lr is not None else lr
+            self.critic, self.critic_optimizer = self._setup_trained(
+                critic, lambda params: _adamw(params, lr=critic_lr, betas=self.betas, weight_decay=self.weight_decay)
             )
-            self.critic, self.critic_optimizer = fabric.setup(critic, critic_optimizer)
         self._setup_sequence_parallel()
+
+    def _setup_trained(self, module: torch.nn.Module, make_optimizer):  # noqa: ANN001, ANN202
+        """Fabric-wrap a trained module and its AdamW. FSDP2 replaces the parameters with sharded ones
+        (DTensors), so under FSDP the optimizer is built after the module is set up."""
+        if self.fsdp:
+            wrapped = self.fabric.setup_module(module)
+            return wrapped, self.fabric.setup_optimizers(make_optimizer(wrapped.parameters()))
+        return self.fabric.setup(module, make_optimizer(module.parameters()))
 
     def _setup_sequence_parallel(self) -> None:
         """Create the sequence-parallel groups and switch the models to the distributed attention."""
@@ -222,6 +245,8 @@ class TorchBackend(TrainingBackend):
             shared = None
             if self.share_prompts is not False:  # auto: where it saves a fifth of the tokens or more
                 shared = distinct_prompts(micro, min_saving=0.0 if self.share_prompts else SHARE_PROMPTS_MIN_SAVING)
+                if self.fsdp and self.fabric.world_size > 1 and self._global_max(int(shared is None)):
+                    shared = None  # FSDP: every rank must make the same model calls (each gathers the weights)
             if shared is not None:  # each distinct prompt runs once for all the rows that share it
                 with self.fabric.autocast():  # the unwrapped module gets the precision the wrapper gives
                     logits, targets = shared_prompt_logits(model, micro, *shared, input_ids.device,
@@ -253,10 +278,16 @@ class TorchBackend(TrainingBackend):
         if self.sp is not None:
             batch, offset, count = seqpar.gather_group_batch(batch, self.sp)
         out = torch.zeros_like(batch.response_mask)
-        for rows in torch.arange(len(batch)).split(self.micro_batch_size):
+        chunks = list(torch.arange(len(batch)).split(self.micro_batch_size))
+        # under FSDP a forward is a collective (it gathers the weights): every rank makes as many, padding
+        # passes last (as in training, so that the real passes pair up)
+        padding = self._global_max(len(chunks)) - len(chunks) if self.fsdp else 0
+        for rows in chunks:
             micro = batch.select(rows)
             values = forward(micro)
             out[rows, : values.shape[1]] = values.cpu() * micro.response_mask
+        for _ in range(padding):
+            forward(batch.select(torch.tensor([0])))
         return out[offset: offset + count, : own.response_mask.shape[1]]
 
     # PREPARE ---------------------------------------------------------------------------------
@@ -292,7 +323,7 @@ class TorchBackend(TrainingBackend):
         return super().train(batch, algorithm, max_new_tokens)
 
     def optimizer_step(self, stats: dict[str, float], loss_finite: bool) -> tuple[float, bool]:
-        grad_norm = float(self.fabric.clip_gradients(
+        grad_norm = _norm_value(self.fabric.clip_gradients(
             self.policy, self.optimizer, max_norm=self.max_grad_norm or math.inf, error_if_nonfinite=False
         ))
         if self.critic is not None:
@@ -309,7 +340,7 @@ class TorchBackend(TrainingBackend):
 
     def _critic_step(self, stats: dict[str, float]) -> dict[str, float]:
         """Clip and apply the critic's accumulated gradients (skipped when non-finite)."""
-        grad_norm = float(self.fabric.clip_gradients(
+        grad_norm = _norm_value(self.fabric.clip_gradients(
             self.critic, self.critic_optimizer, max_norm=self.max_grad_norm or math.inf, error_if_nonfinite=False
         ))
         skipped = 0.0
@@ -431,10 +462,22 @@ class TorchBackend(TrainingBackend):
 
 def _adamw(params: Iterator[torch.nn.Parameter], **kwargs: object) -> torch.optim.AdamW:
     """AdamW with torch's fused kernel where it has one (floating-point parameters on CPU or CUDA): one
-    op per parameter instead of a dozen, the default of transformers' Trainer (and so of TRL)."""
+    op per parameter instead of a dozen, the default of transformers' Trainer (and so of TRL). Under FSDP
+    the parameters are DTensors, which torch's fused AdamW takes (it runs on each rank's shard; checked
+    on torch 2.13, CPU); where a torch lacks the DTensor rule, the default (foreach) implementation runs."""
     params = list(params)
     fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    if fused and any(hasattr(p, "full_tensor") for p in params):
+        fused = _fused_adamw_takes_dtensor()
     return torch.optim.AdamW(params, fused=True if fused else None, **kwargs)
+
+
+def _norm_value(norm: torch.Tensor) -> float:
+    """A gradient norm as a float. Under FSDP ``clip_grad_norm_`` returns a replicated DTensor: the global
+    norm over every rank's shards (torch reduces the per-shard norms), the same value on every rank."""
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
 
 
 def _to_device(batch: RolloutBatch, fabric) -> RolloutBatch:  # noqa: ANN001
@@ -446,3 +489,15 @@ def _to_device(batch: RolloutBatch, fabric) -> RolloutBatch:  # noqa: ANN001
         if isinstance(getattr(batch, f.name), torch.Tensor)
     }
     return replace(batch, **moved)
+
+
+def _fused_adamw_takes_dtensor() -> bool:
+    """Whether this torch has a DTensor sharding rule for the fused AdamW kernel."""
+    try:
+        from torch.distributed.tensor import DTensor
+
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        rules = (getattr(propagator, name, {}) for name in ("op_strategy_funcs", "op_single_dim_strategy_funcs"))
+        return any(torch.ops.aten._fused_adamw_.default in rule for rule in rules)
+    except Exception:  # an internal that moved: take the safe path
+        return False
