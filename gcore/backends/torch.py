@@ -107,7 +107,8 @@ class TorchBackend(TrainingBackend):
         skip_inert_rows: run no forward/backward for rows whose loss and gradient are exactly zero
             (``Algorithm.rows_to_train``: GRPO-family groups that all scored the same, when there is no
             KL term or entropy bonus); the update is unchanged. Token-mean metrics (entropy, ratio,
-            clip fraction) are then over the rows that ran; the ``trained_rows_frac`` metric says how many.
+            clip fraction) are then over the rows that ran (0 when none ran); the ``trained_rows_frac``
+            metric says how many.
         share_prompts: in the policy's forward (training and log-probabilities), run each distinct prompt
             of a micro-batch once and the responses on its keys and values (``shared_prompts``); the same
             numbers up to float rounding, less work when several samples share a prompt. ``None``: only
@@ -396,9 +397,10 @@ class TorchBackend(TrainingBackend):
         if world > 1:
             values = [v / replicas for v in fabric.all_reduce(torch.tensor(values), reduce_op="sum").tolist()]
         metrics = dict(zip(keys, values))
-        # token means over the rows that ran (the shares were divided by every row's tokens)
+        # token means over the rows that ran (the shares were divided by every row's tokens); 0 when no
+        # row ran (trained_rows_frac 0), so that every metric stays finite and comparable across resumes
         for key in metrics.keys() - {"loss", "padding_frac"}:
-            metrics[key] = metrics[key] * tokens / trained_tokens if trained_tokens else math.nan
+            metrics[key] = metrics[key] * tokens / trained_tokens if trained_tokens else 0.0
         metrics["trained_rows_frac"] = trained_rows / max(sequences, 1.0)
         return metrics
 
