@@ -43,13 +43,14 @@ def make_batch(rewards: list[float], groups: list[int], length: int = 4) -> Roll
     )
 
 
-def tiny_fit(steps: int = 2, **plugins) -> FitResult:
-    """Train a 1-layer model for a few steps on the embedded task with the given plugins."""
+def tiny_fit(steps: int = 2, prompts_per_step: int = 4, save_final: bool = False, **plugins) -> FitResult:
+    """Train a 1-layer model for a few steps on the embedded task with the given plugins (``save_final``:
+    write the trained policy to ``result.final_model_dir``)."""
     root = tempfile.mkdtemp(prefix="gcore-test-")
     return Trainer(
-        trainer=TrainerConfig(max_steps=steps, default_root_dir=root, enable_progress_bar=False, save_final=False),
+        trainer=TrainerConfig(max_steps=steps, default_root_dir=root, enable_progress_bar=False, save_final=save_final),
         model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
-        data=DataConfig(prompts_per_step=4),
+        data=DataConfig(prompts_per_step=prompts_per_step),
         sampling=SamplingParams(n=4, max_new_tokens=6),
         **plugins,
     ).fit()

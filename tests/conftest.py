@@ -62,3 +62,24 @@ def gcore_cli(tmp_path):
                          cwd=tmp_path, timeout=timeout)
 
     return run
+
+
+def final_weights(result) -> dict[str, torch.Tensor]:
+    """The state dict of the policy a run saved (``result.final_model_dir``)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(result.final_model_dir).state_dict()
+
+
+def padded_batch():
+    """7 rows of length 7 (odd, and not a multiple of 4), rows 1 and 4 shorter with their padding ids 0;
+    random token ids, the same every call (for sequence/context-parallel equivalence tests)."""
+    from gcore.testing import make_batch
+
+    batch = make_batch([1.0, 0.0, 0.5, 0.2, 0.9, 0.1, 0.3], [0, 0, 1, 1, 2, 2, 2], length=7)
+    batch.input_ids = torch.randint(4, 60, batch.input_ids.shape, generator=torch.Generator().manual_seed(3))
+    for row, length in ((1, 5), (4, 6)):
+        batch.attention_mask[row, length:] = 0
+        batch.response_mask[row, length - 1:] = 0
+        batch.input_ids[row, length:] = 0
+    return batch

@@ -18,10 +18,10 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 
+from conftest import padded_batch
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.errors import ConfigError
 from gcore.model import char_tokenizer, materialize
-from gcore.testing import make_batch
 
 LOGPROB_TOL = 1e-5
 WEIGHT_ATOL = {"torch": 2e-5, "megatron": 3e-5}
@@ -96,14 +96,7 @@ def _model_dir(root):
 
 def _batch():
     """7 rows of length 7 (not a multiple of 2*CP = 4), rows 1 and 4 padded shorter; deterministic."""
-    batch = make_batch([1.0, 0.0, 0.5, 0.2, 0.9, 0.1, 0.3], [0, 0, 1, 1, 2, 2, 2], length=7)
-    batch.input_ids = torch.randint(4, 60, batch.input_ids.shape, generator=torch.Generator().manual_seed(3))
-    batch.attention_mask[1, 5:] = 0
-    batch.response_mask[1, 4:] = 0
-    batch.input_ids[1, 5:] = 0
-    batch.attention_mask[4, 6:] = 0
-    batch.response_mask[4, 5:] = 0
-    batch.input_ids[4, 6:] = 0
+    batch = padded_batch()
     # fixed advantages that do not sum to zero, so the first step's loss is not ~0
     batch.advantages = torch.tensor([1.0, -0.5, 0.8, 0.3, -0.2, 0.6, 0.4])
     return batch

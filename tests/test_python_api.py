@@ -2,8 +2,10 @@
 
 import torch
 
+from conftest import final_weights
 import gcore
 from gcore import GRPO, DataConfig, ModelConfig, SamplingParams, Trainer, TrainerConfig
+from gcore.testing import tiny_fit
 
 
 class SignAdvantageGRPO(GRPO):
@@ -42,25 +44,12 @@ def test_public_api_names():
         assert name in gcore.__all__
 
 
-def _final_weights(result):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(result.final_model_dir).state_dict()
-
-
-def test_skipping_zero_advantage_rows_gives_the_same_update(tmp_path):
+def test_skipping_zero_advantage_rows_gives_the_same_update():
     """Groups that all scored the same add nothing to GRPO's loss: leaving their rows out of the
     forward/backward must give the same weights and metrics, with fewer rows run."""
-    results = {}
-    for skip in (True, False):
-        results[skip] = Trainer(
-            trainer=TrainerConfig(max_steps=4, default_root_dir=str(tmp_path / str(skip)), enable_progress_bar=False),
-            model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
-            data=DataConfig(prompts_per_step=6),
-            sampling=SamplingParams(n=4, max_new_tokens=6),
-            backend=gcore.TorchBackend(skip_inert_rows=skip, micro_batch_size=5),
-            algorithm=GRPO(),
-        ).fit()
+    results = {skip: tiny_fit(steps=4, prompts_per_step=6, save_final=True,
+                              backend=gcore.TorchBackend(skip_inert_rows=skip, micro_batch_size=5), algorithm=GRPO())
+               for skip in (True, False)}
     skipped, full = results[True].history, results[False].history
     assert [m["reward/mean"] for m in skipped] == [m["reward/mean"] for m in full]
     assert all(m["trained_rows_frac"] == 1.0 for m in full)
@@ -68,7 +57,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(tmp_path):
     for a, b in zip(skipped, full):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 + 1e-4 * abs(b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 + 1e-4 * abs(b["grad_norm"])
-    weights_skipped, weights_full = _final_weights(results[True]), _final_weights(results[False])
+    weights_skipped, weights_full = final_weights(results[True]), final_weights(results[False])
     for name, tensor in weights_full.items():
         torch.testing.assert_close(weights_skipped[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 

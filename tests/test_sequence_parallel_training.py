@@ -10,9 +10,9 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 
+from conftest import padded_batch
 from gcore import GRPO, PPO, ModelConfig, TorchBackend
 from gcore.model import char_tokenizer, materialize
-from gcore.testing import make_batch
 
 pytestmark = pytest.mark.slow
 
@@ -22,12 +22,7 @@ METRIC_REL = 1e-4
 
 def _batch(algorithm):  # noqa: ANN001, ANN202
     """7 rows of length 7 (odd: not divisible by the 2 ranks), two of them shorter; deterministic."""
-    batch = make_batch([1.0, 0.0, 0.5, 0.2, 0.9, 0.1, 0.3], [0, 0, 1, 1, 2, 2, 2], length=7)
-    batch.input_ids = torch.randint(4, 60, batch.input_ids.shape, generator=torch.Generator().manual_seed(3))
-    batch.attention_mask[1, 5:] = 0
-    batch.response_mask[1, 4:] = 0
-    batch.attention_mask[4, 6:] = 0
-    batch.response_mask[4, 5:] = 0
+    batch = padded_batch()
     if algorithm.needs_critic:  # PPO: values of a fixed (untrained) critic, so advantages are the same everywhere
         batch.values = torch.linspace(-0.5, 0.5, batch.response_mask.numel()).view_as(batch.response_mask)
         batch.values = batch.values * batch.response_mask

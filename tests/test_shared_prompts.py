@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import final_weights
 from gcore.backends import sequence_parallel as seqpar
 from gcore.backends.shared_prompts import distinct_prompts, shared_prompt_logits, to_batch_layout
 from gcore.backends.torch import token_logprobs
@@ -76,29 +77,21 @@ def test_nothing_to_share_falls_back():
     assert distinct_prompts(batch) is None  # a batch that does not say where its prompts end
 
 
-def test_training_with_shared_prompts_gives_the_same_run(tmp_path):
+def test_training_with_shared_prompts_gives_the_same_run():
     """Through the trainer (old and reference log-probabilities and the update all use the shared
     forward): the same rewards, losses and final weights as without sharing."""
-    from transformers import AutoModelForCausalLM
+    from gcore import GRPO, TorchBackend
+    from gcore.testing import tiny_fit
 
-    from gcore import GRPO, DataConfig, ModelConfig, SamplingParams, TorchBackend, Trainer, TrainerConfig
-
-    results = {}
-    for share in (True, False):
-        results[share] = Trainer(
-            trainer=TrainerConfig(max_steps=3, default_root_dir=str(tmp_path / str(share)), enable_progress_bar=False),
-            model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
-            data=DataConfig(prompts_per_step=4),
-            sampling=SamplingParams(n=4, max_new_tokens=6),
-            backend=TorchBackend(share_prompts=share, micro_batch_size=6),
-            algorithm=GRPO(kl_coef=0.05, epochs=2),
-        ).fit()
+    results = {share: tiny_fit(steps=3, save_final=True, backend=TorchBackend(share_prompts=share, micro_batch_size=6),
+                               algorithm=GRPO(kl_coef=0.05, epochs=2))
+               for share in (True, False)}
     shared, plain = results[True].history, results[False].history
     assert [m["reward/mean"] for m in shared] == [m["reward/mean"] for m in plain]
     for a, b in zip(shared, plain):
         for key in ("loss", "kl", "entropy", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(b[key]), (key, a[key], b[key])
-    weights = {s: AutoModelForCausalLM.from_pretrained(results[s].final_model_dir).state_dict() for s in results}
+    weights = {s: final_weights(results[s]) for s in results}
     # Adam turns float noise in near-zero gradients (the key bias, which softmax ignores in theory) into
     # steps of up to lr; 6 updates at lr 5e-3 left 2.2e-6 there: the bound is 1/250 of one step
     for name, tensor in weights[False].items():

@@ -24,16 +24,18 @@ def distinct_prompts(micro: RolloutBatch, min_saving: float = 0.0) -> tuple[torc
     if micro.prompt_lengths is None or len(micro) < 2:
         return None
     keys: dict[tuple[int, ...], int] = {}
-    row_to_prompt = []
+    row_to_prompt, first_row = [], []
     lengths = micro.prompt_lengths.tolist()
     for row, length in enumerate(lengths):
         key = tuple(micro.input_ids[row, :length].tolist())
-        row_to_prompt.append(keys.setdefault(key, len(keys)))
+        if key not in keys:
+            keys[key] = len(keys)
+            first_row.append(row)
+        row_to_prompt.append(keys[key])
     saved = sum(lengths) - sum(len(key) for key in keys)
     if len(keys) == len(micro) or saved < min_saving * float(micro.attention_mask.sum()):
         return None
-    first_row = torch.tensor([row_to_prompt.index(i) for i in range(len(keys))], dtype=torch.long)
-    return first_row, torch.tensor(row_to_prompt, dtype=torch.long)
+    return torch.tensor(first_row, dtype=torch.long), torch.tensor(row_to_prompt, dtype=torch.long)
 
 
 def shared_prompt_logits(model: torch.nn.Module, micro: RolloutBatch, first_row: torch.Tensor,
