@@ -254,9 +254,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GcoreError as err:
         print(f"gcore: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("gcore: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (gcore.errors.Interrupted): 128 + the signal
+        import signal
+
+        signum = getattr(err, "signum", signal.SIGINT)
+        print(f"gcore: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":

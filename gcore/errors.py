@@ -21,3 +21,11 @@ class RewardError(GcoreError):
 
 class PluginError(GcoreError):
     """A plugin that could not be found or imported."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by a signal (SIGTERM; Ctrl-C raises ``KeyboardInterrupt`` itself); ``signum`` names it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -118,6 +121,56 @@ def _check_path(path: str) -> None:
         raise ConfigError(f"--model.path {path!r} has no config.json: not an HF checkpoint directory")
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def check_weights(path: str) -> None:
+    """A one-line ``ConfigError`` for a model folder without weights or with a damaged safetensors file.
+
+    Every ``*.safetensors`` file's header is read (cheap: no tensor data), which also finds a file
+    cut short: its header then describes more bytes than the file has.
+    """
+    from safetensors import safe_open
+
+    names = sorted(os.listdir(path))
+    if not any(name in WEIGHT_FILES or name.endswith(".safetensors") for name in names):
+        raise ConfigError(f"--model.path {path}: no weights ({' or '.join(WEIGHT_FILES[::2])}) in the folder")
+    for name in names:
+        if name.endswith(".safetensors"):
+            file = os.path.join(path, name)
+            try:
+                with safe_open(file, "pt"):
+                    pass
+            except Exception as err:  # safetensors raises its own error types
+                detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+                raise ConfigError(f"{file}: corrupt or truncated safetensors file ({detail})") from None
+
+
+WORKDIR_PREFIX = "gcore-model-"
+
+
+def make_workdir() -> str:
+    """A temp folder for the embedded model's files, named after this process (``gcore-model-<pid>-*``),
+    after removing those of gcore processes that are gone (killed before they could clean up)."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        match = re.match(rf"{WORKDIR_PREFIX}(\d+)-", name)
+        if match and not _alive(int(match.group(1))):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def materialize(config: ModelConfig, tokenizer, seed: int, workdir: str) -> str:  # noqa: ANN001
     """The HF checkpoint directory that trainer and engine load from.
 
@@ -126,6 +179,7 @@ def materialize(config: ModelConfig, tokenizer, seed: int, workdir: str) -> str:
     """
     if not config.embedded:
         _check_path(config.path)
+        check_weights(config.path)
         return config.path
     from safetensors.torch import save_file
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
+import signal
+import sys
 import tempfile
+import threading
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -13,14 +19,26 @@ from lightning.fabric.loggers import CSVLogger
 
 from gcore.algorithms.base import Algorithm
 from gcore.backends.base import TrainingBackend
-from gcore.checkpoint import CheckpointManager, resolve_resume, rng_state, set_rng_state
+from gcore.checkpoint import (
+    TRAINER_STATE,
+    CheckpointError,
+    CheckpointManager,
+    disk_error,
+    latest_checkpoint,
+    pick_checkpoint,
+    resolve_resume,
+    rng_state,
+    set_rng_state,
+    verify,
+)
 from gcore.controller import Controller
 from gcore.data import CostBalancer, DataConfig, PromptSampler, load_prompts, with_synthetic_feature
 from gcore.engines.base import Engine
-from gcore.errors import ConfigError, GcoreError
+from gcore.errors import ConfigError, GcoreError, Interrupted
 from gcore.liveness import ControllerWatch
-from gcore.model import ModelConfig, context_length, load_tokenizer, materialize
+from gcore.model import ModelConfig, context_length, load_tokenizer, make_workdir, materialize
 from gcore.placement.base import PlacementPolicy
+from gcore.rendezvous import loopback_store
 from gcore.rewards.base import RewardModel
 from gcore.types import SamplingParams
 
@@ -28,14 +46,17 @@ from gcore.types import SamplingParams
 LoggerName = Literal["csv", "tensorboard", "wandb", "mlflow"]
 
 
-def make_logger(name: str, root: str, run_name: str):  # noqa: ANN201
-    """A Lightning logger by name; Weights & Biases and MLflow through Lightning's own loggers."""
+def make_logger(name: str, root: str, run_name: str, version: int | None = None):  # noqa: ANN201
+    """A Lightning logger by name; Weights & Biases and MLflow through Lightning's own loggers.
+
+    ``version``: the ``version_N`` folder to write into (a resumed run continues its own); ``None``: a new one.
+    """
     from lightning.fabric.loggers import TensorBoardLogger
 
     if name == "csv":
-        return CSVLogger(root, name=run_name, flush_logs_every_n_steps=1)
+        return CSVLogger(root, name=run_name, version=version, flush_logs_every_n_steps=1)
     if name == "tensorboard":
-        return TensorBoardLogger(root, name=run_name, default_hp_metric=False)
+        return TensorBoardLogger(root, name=run_name, version=version, default_hp_metric=False)
     if name in ("wandb", "mlflow"):
         package = {"wandb": "wandb", "mlflow": "mlflow"}[name]
         import importlib.util
@@ -71,8 +92,10 @@ class TrainerConfig:
             ``<default_root_dir>/<name>/checkpoints``.
         keep_checkpoints: how many complete checkpoints to keep.
         async_checkpoint: write checkpoints in the background while training goes on.
-        resume: ``auto`` (the latest complete checkpoint, if any) or a checkpoint folder; it may
-            have been written by another number of controllers (elastic resume).
+        resume: ``auto`` (the latest complete checkpoint that verifies, if any: a corrupt newer one is
+            passed over with a one-line note) or a checkpoint folder; it may have been written by
+            another number of controllers (elastic resume). A resumed run appends to its own
+            ``metrics.csv`` (the steps it redoes are replaced).
         collective_timeout: seconds a collective may wait for the other controllers before the run
             fails (instead of hanging when one of them died); also how long a controller may send no
             heartbeat before the others declare it lost. A controller that is killed is named at once.
@@ -144,6 +167,8 @@ class Trainer:
         self.placement = placement or StaticPlacement()
         self.backend = backend or TorchBackend()
         self.rollout_engine: Engine = self.engine  # what the controller calls; set by the placement's launch
+        self._resume_from: tuple[str | None, dict | None] = (None, None)  # (checkpoint, its manifest), set by fit
+        self._log_version: int | None = None
         self._validate()
 
     def _validate(self) -> None:
@@ -175,7 +200,8 @@ class Trainer:
         device_type = "cuda" if accelerator in ("cuda", "gpu") else "cpu"
         world = c.devices * c.num_nodes
         names = [c.logger] if isinstance(c.logger, str) else list(c.logger)
-        loggers = [make_logger(name, c.default_root_dir, c.name) for name in names]
+        version = self._resumed_log_version()
+        loggers = [make_logger(name, c.default_root_dir, c.name, version) for name in names]
         strategy = self.backend.strategy(world, device_type)
         if strategy == "ddp":
             from datetime import timedelta
@@ -200,13 +226,18 @@ class Trainer:
     def fit(self) -> FitResult:
         """Launch the controllers and train for ``max_steps``; returns the run's results on rank 0."""
         _quiet_dependencies()
+        _check_writable(self.config.default_root_dir)
+        self._resume_from = self._pick_resume()
         fabric, device_type = self._fabric()
-        workdir = tempfile.mkdtemp(prefix="gcore-model-")
+        workdir = make_workdir()
+        restore_sigterm = _sigterm_raises()
+        store = contextlib.ExitStack()  # the single-node rendezvous store lives as long as the run
         try:
             # before the process group exists: transformers saves only on rank 0 once it does, and
             # every controller builds (and loads) its own copy of the embedded model
             tokenizer = load_tokenizer(self.model_config)
             model_path = materialize(self.model_config, tokenizer, self.config.seed, workdir)
+            store.enter_context(loopback_store(fabric, self.config.num_nodes, self.config.collective_timeout))
             fabric.launch()
             watch = None
             if fabric.world_size > 1:  # names a controller that dies, and stops this one if it is lost
@@ -222,6 +253,8 @@ class Trainer:
                     raise
                 _report_rank_failure(fabric.global_rank, err, watch)
         finally:
+            store.close()
+            restore_sigterm()
             shutil.rmtree(workdir, ignore_errors=True)
             self.placement.shutdown()
             self.engine.shutdown()
@@ -268,8 +301,12 @@ class Trainer:
 
         run_dir = None
         if rank == 0 and fabric.loggers:
+            for logger in fabric.loggers:
+                if isinstance(logger, CSVLogger):  # a resumed run continues its own metrics.csv
+                    _continue_metrics(logger, start_step)
             fabric.loggers[0].experiment  # creates the run folder before we write into it
             run_dir = fabric.loggers[0].log_dir
+            self._log_version = _version_number(fabric.loggers[0].version)
             with open(os.path.join(run_dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(self.hyperparameters(), f, sort_keys=False)
             for logger in fabric.loggers:
@@ -278,34 +315,80 @@ class Trainer:
         history: list[dict[str, float]] = []
         bar = _progress(c.max_steps, enabled=c.enable_progress_bar and rank == 0)
         bar.update(start_step)
-        for step in range(start_step, c.max_steps):
-            shard = sampler.shard(sampler.next_global())
-            shard = take(shard) if not central or rank == 0 else []
-            metrics = controller.step(step, shard, on_stage=lambda stage: bar.set_description(stage, refresh=False))
-            metrics["step"] = float(step)
-            metrics["balance/predicted_imbalance"] = sampler.last_imbalance
-            if balancer is not None:
-                _learn_lengths(fabric, balancer, controller.last_samples, self.data_config.prompts_per_step)
-            metrics.update(self._checkpoint_step(fabric, step, checkpoints, sampler, extra, model_path))
-            fabric.log_dict(metrics, step=step)
-            history.append(metrics)
-            bar.set_description("step", refresh=False)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s=f"{metrics['time/step']:.2f}")
-            bar.update(1)
-        checkpoints.wait()
+        step = start_step
+        try:
+            for step in range(start_step, c.max_steps):
+                shard = sampler.shard(sampler.next_global())
+                shard = take(shard) if not central or rank == 0 else []
+                metrics = controller.step(step, shard,
+                                          on_stage=lambda stage: bar.set_description(stage, refresh=False))
+                metrics["step"] = float(step)
+                metrics["balance/predicted_imbalance"] = sampler.last_imbalance
+                if balancer is not None:
+                    _learn_lengths(fabric, balancer, controller.last_samples, self.data_config.prompts_per_step)
+                metrics.update(self._checkpoint_step(fabric, step, checkpoints, sampler, extra, model_path))
+                fabric.log_dict(metrics, step=step)
+                history.append(metrics)
+                bar.set_description("step", refresh=False)
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s=f"{metrics['time/step']:.2f}")
+                bar.update(1)
+            checkpoints.wait()
+        except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (``Interrupted``)
+            bar.close()
+            last = checkpoints.finish_for_exit()
+            if rank == 0:
+                name = signal.Signals(getattr(interrupt, "signum", signal.SIGINT)).name
+                where = (f"continue it from {last} with --trainer.resume auto" if last else
+                         "no checkpoint was written (--trainer.checkpoint_every N writes them): a new run "
+                         "starts from step 0")
+                print(f"gcore: {name} during step {step}: {where}", file=sys.stderr, flush=True)
+            raise
         bar.close()
         for logger in fabric.loggers:
             logger.finalize("success")
 
         final_dir = None
         if c.save_final and rank == 0 and run_dir is not None:
-            final_dir = os.path.join(run_dir, "final")
-            self.backend.save_pretrained(final_dir)
-            tokenizer.save_pretrained(final_dir)
+            final_dir = self._save_final(os.path.join(run_dir, "final"), tokenizer, checkpoints.root)
         fabric.barrier()
         if rank == 0:
             return FitResult(run_dir, final_dir, history)
         return FitResult(None, None, history)
+
+    def _save_final(self, final_dir: str, tokenizer, checkpoint_root: str) -> str:  # noqa: ANN001
+        """Write the trained policy to ``final_dir`` atomically (``final.tmp``, then renamed).
+
+        When that fails (a full disk), the half-written folder is removed and the policy is written
+        to the temp dir instead; the error says where the weights are, so they are never lost silently.
+        """
+
+        def write(folder: str) -> None:
+            shutil.rmtree(folder, ignore_errors=True)
+            self.backend.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+
+        tmp = final_dir + ".tmp"
+        try:
+            write(tmp)
+            shutil.rmtree(final_dir, ignore_errors=True)
+            os.replace(tmp, final_dir)
+            return final_dir
+        except Exception as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            needed = sum(w.numel() * w.element_size() for _, w in self.backend.named_weights())
+            reason = (disk_error("the final policy", os.path.dirname(final_dir), err, needed)
+                      or f"writing the final policy to {final_dir} failed ({type(err).__name__}: {err})")
+            fallback = tempfile.mkdtemp(prefix="gcore-final-")
+            try:
+                write(fallback)
+                kept = f"the trained policy was saved to {fallback} instead"
+            except Exception:
+                shutil.rmtree(fallback, ignore_errors=True)
+                last = latest_checkpoint(checkpoint_root)
+                kept = (f"it could not be written to the temp dir either; the newest checkpoint is {last}" if last
+                        else "it could not be written to the temp dir either, and no checkpoint holds it: "
+                        "the trained weights are lost (free space, or use --trainer.checkpoint_every)")
+            raise GcoreError(f"{reason}; {kept}") from err
 
     def _single_controller(self, world_size: int) -> bool:
         """Whether one controller drives every process (``--trainer.controllers 1`` with several)."""
@@ -359,11 +442,65 @@ class Trainer:
 
     def _trainer_state(self, step: int, sampler: PromptSampler, world_size: int) -> dict:
         """What every rank shares: the step, the global prompt stream (with the learnt lengths), plugin state."""
-        state = {"step": step, "sampler": sampler.state_dict(), "seed": self.config.seed, "world_size": world_size}
+        state = {"step": step, "sampler": sampler.state_dict(), "seed": self.config.seed, "world_size": world_size,
+                 "run": self._run_signature(), "log_version": self._log_version}
         for name, plugin in (("algorithm", self.algorithm), ("placement", self.placement)):
             if callable(getattr(plugin, "state_dict", None)):
                 state[name] = plugin.state_dict()
         return state
+
+    def _run_signature(self) -> dict:
+        """What a checkpoint must match to be resumed by this run: the algorithm, backend and model shape."""
+        m = self.model_config
+        model = {"path": os.path.abspath(m.path)} if not m.embedded else {
+            key: getattr(m, key) for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                             "num_key_value_heads", "intermediate_size")}
+        name = lambda obj: f"{type(obj).__module__}.{type(obj).__qualname__}"  # noqa: E731
+        return {"algorithm": name(self.algorithm), "backend": name(self.backend), "model": model}
+
+    def _check_signature(self, path: str, saved: dict | None) -> None:
+        if not saved:
+            return  # written by an older gcore: DCP's own checks still name a shape mismatch
+        mine = self._run_signature()
+        flags = {"algorithm": "--algorithm", "backend": "--backend"}
+        for key in ("algorithm", "backend"):
+            if saved.get(key) != mine[key]:
+                raise CheckpointError(f"{path} was written by a run with {flags[key]} {saved.get(key)}, this run has "
+                                      f"{mine[key]}: resume with the same {flags[key]}, or start a new run "
+                                      "(another --trainer.name)")
+        differ = [f"--model.{k} {v} (this run: {mine['model'].get(k)})" for k, v in saved.get("model", {}).items()
+                  if k != "path" and mine["model"].get(k) != v]
+        if differ:
+            raise CheckpointError(f"{path} was written with another model: {', '.join(differ)}; resume with the "
+                                  "same model options, or start a new run (another --trainer.name)")
+
+    def _pick_resume(self) -> tuple[str | None, dict | None]:
+        """The checkpoint to resume from, verified, and its manifest; with ``auto``, a corrupt newest one
+        is passed over for the one before it, with one line that says so."""
+        c = self.config
+        root = os.path.join(c.default_root_dir, c.name, "checkpoints")
+        if c.resume != "auto":
+            path = resolve_resume(c.resume, root)
+            return (path, verify(path)) if path else (None, None)
+        path, manifest, notes = pick_checkpoint(root)
+        if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
+            for note in notes:
+                print(f"gcore: warning: {note}", file=sys.stderr, flush=True)
+        return path, manifest
+
+    def _resumed_log_version(self) -> int | None:
+        """The ``version_N`` a resumed run continues: the one its checkpoint names, else the newest."""
+        path = self._resume_from[0]
+        if path is None:
+            return None
+        with contextlib.suppress(OSError, ValueError), open(os.path.join(path, TRAINER_STATE)) as f:
+            version = json.load(f).get("log_version")
+            if isinstance(version, int):
+                return version
+        run_root = os.path.join(self.config.default_root_dir, self.config.name)
+        versions = [_version_number(name) for name in os.listdir(run_root)] if os.path.isdir(run_root) else []
+        versions = [v for v in versions if v is not None]
+        return max(versions) if versions else None
 
     def _resume(self, fabric, checkpoints: CheckpointManager, sampler: PromptSampler,  # noqa: ANN001
                 extra: PromptSampler) -> int:
@@ -376,13 +513,15 @@ class Trainer:
         own; the random generators are reseeded from the seed, the rank and the step.
         """
         c, rank = self.config, fabric.global_rank
-        path = resolve_resume(c.resume, checkpoints.root)
+        path, manifest = self._resume_from
         if path is None:
             if c.resume == "auto" and rank == 0:
                 print(f"no checkpoint under {checkpoints.root}: starting from step 0")
             return 0
+        with open(os.path.join(path, TRAINER_STATE)) as f:
+            self._check_signature(path, json.load(f).get("run"))
         state = self.backend.state_dict()
-        trainer_state, rank_state = checkpoints.load(path, state)
+        trainer_state, rank_state = checkpoints.load(path, state, manifest)
         self.backend.load_state_dict(state)
         sampler.load_state_dict(trainer_state["sampler"])
         if rank_state is not None and "extra_sampler" in rank_state:
@@ -427,6 +566,61 @@ class Trainer:
             "placement": plugin(self.placement),
             "backend": plugin(self.backend),
         }
+
+
+def _check_writable(root: str) -> None:
+    """A one-line error, before any model is built, when runs cannot be written under ``root``."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".gcore-write-test-"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"--trainer.default_root_dir {root}: cannot write there ({err.strerror or err})") from None
+
+
+def _sigterm_raises():  # noqa: ANN202
+    """Make SIGTERM raise ``Interrupted`` (as Ctrl-C raises ``KeyboardInterrupt``), so that the run
+    finishes its save in flight and says where to continue; returns the function that undoes it."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum: int, frame) -> None:  # noqa: ANN001, ARG001
+        raise Interrupted(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+def _version_number(version: object) -> int | None:
+    """``3``, ``"version_3"`` -> 3; anything else -> None."""
+    if isinstance(version, int):
+        return version
+    if isinstance(version, str) and version.startswith("version_") and version[8:].isdigit():
+        return int(version[8:])
+    return None
+
+
+def _continue_metrics(logger: CSVLogger, start_step: int) -> None:
+    """Keep the rows of an existing ``metrics.csv`` before ``start_step`` (the steps a resumed run
+    redoes are dropped), across Lightning's writer, which deletes the file when it opens the folder."""
+    import csv
+
+    path = os.path.join(logger.log_dir, "metrics.csv")
+    rows, header = [], None
+    if start_step > 0 and os.path.isfile(path):
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            header = reader.fieldnames
+            rows = [row for row in reader if row.get("step") and float(row["step"]) < start_step]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
+        writer = logger.experiment  # opens the folder (and deletes metrics.csv in it)
+    if header and rows:
+        with open(path, "w", newline="") as f:
+            csv_writer = csv.DictWriter(f, fieldnames=header)
+            csv_writer.writeheader()
+            csv_writer.writerows(rows)
+        writer.metrics_keys = sorted(header)  # new columns still widen the header; known ones append
 
 
 def _span(first: int, end: int) -> str:
