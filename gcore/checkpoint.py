@@ -160,6 +160,13 @@ def _causes(err: BaseException) -> Iterator[BaseException]:
             todo += [pair[0] if isinstance(pair, tuple) else pair for pair in failures.values()]
 
 
+def _failures() -> tuple[type[BaseException], ...]:
+    """What a failed save or load raises: DCP's ``CheckpointException`` is a ``BaseException``."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
 def _first_line(err: BaseException) -> str:
     lines = [line for line in str(err).splitlines() if line.strip()]
     return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
@@ -222,6 +229,17 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
 
 
+def read_metadata(path: str) -> Any:
+    """DCP's ``.metadata`` of the checkpoint ``path``, through ``_MetadataUnpickler``."""
+    file = os.path.join(path, ".metadata")
+    try:
+        with open(file, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, AttributeError, ImportError, EOFError) as err:
+        raise CheckpointError(f"{file}: refused: {err} (a checkpoint is loaded without running any "
+                              "code it contains)") from None
+
+
 def _safe_reader(path: str):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -230,13 +248,7 @@ def _safe_reader(path: str):
         """DCP's file reader, with ``.metadata`` read by ``_MetadataUnpickler``."""
 
         def read_metadata(self, *args: Any, **kwargs: Any):
-            file = os.path.join(path, ".metadata")
-            try:
-                with open(file, "rb") as f:
-                    metadata = _MetadataUnpickler(f).load()
-            except (pickle.UnpicklingError, AttributeError, ImportError, EOFError) as err:
-                raise CheckpointError(f"{file}: refused: {err} (a checkpoint is loaded without running any "
-                                      "code it contains)") from None
+            metadata = read_metadata(path)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -267,13 +279,13 @@ def _safe_planner():
 def dcp_load(state: dict[str, Any], path: str, process_group=None) -> None:
     """``dcp.load`` without running code from the files; a mismatch or a refusal is one ``CheckpointError``."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
+    read_metadata(path)  # a refusal here is one line; inside dcp.load torch would log tracebacks first
     try:
         with _single_process_is_fine():
             dcp.load(state, checkpoint_id=path, storage_reader=_safe_reader(path), planner=_safe_planner(),
                      process_group=process_group)
-    except (Exception, CheckpointException) as err:
+    except _failures() as err:
         cause = _root_error(err)
         if isinstance(cause, CheckpointError):
             raise cause from None
@@ -341,7 +353,7 @@ class CheckpointManager:
         self.last_completed: str | None = None
         self.last_save_seconds: float = 0.0
         self._finished: list[tuple[int, float]] = []  # (step, seconds from save() to visible), rank 0
-        self._finalize_error: tuple[_PendingSave, Exception] | None = None
+        self._finalize_error: tuple[_PendingSave, BaseException] | None = None
 
     # saving ------------------------------------------------------------------------------
 
@@ -371,7 +383,7 @@ class CheckpointManager:
                     for name in os.listdir(hf_files):
                         if name.endswith((".json", ".txt", ".model", ".jinja")):  # configs and tokenizer, no weights
                             shutil.copy(os.path.join(hf_files, name), os.path.join(tmp, HF_FILES, name))
-        except Exception as err:
+        except _failures() as err:
             self._abandon(tmp, step, err, needed)
         self.barrier()
         try:
@@ -385,8 +397,12 @@ class CheckpointManager:
                     dcp.save(backend_state, checkpoint_id=tmp, process_group=self.process_group)
                     future = Future()
                     future.set_result(None)
-        except Exception as err:
+        except _failures() as err:
             self._abandon(tmp, step, err, needed)
+        except KeyboardInterrupt:  # interrupted while starting the save: abandon it cleanly
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         self._pending = _PendingSave(step, tmp, future, start, needed)
         if not asynchronous:
             self.wait()
@@ -413,7 +429,7 @@ class CheckpointManager:
         self._pending = None
         try:
             pending.future.result()  # re-raise a failed write here, on the training thread
-        except Exception as err:
+        except _failures() as err:
             self._abandon(pending.tmp, pending.step, err, pending.needed)
         if self.rank == 0:
             self._finalizer = threading.Thread(target=self._finalize_or_keep_error, args=(pending,), daemon=True)
@@ -422,10 +438,8 @@ class CheckpointManager:
     def wait(self, barrier: bool = True) -> None:
         """Block until the save in flight is complete and visible (``barrier``: then wait for every rank)."""
         if self._pending is not None:
-            try:
+            with contextlib.suppress(*_failures()):  # poll removes the folder and raises the error in one line
                 self._pending.future.result()
-            except Exception:
-                pass  # poll removes the folder and raises the error in one line
             self.poll()
         if self._finalizer is not None:
             self._finalizer.join()
@@ -463,7 +477,7 @@ class CheckpointManager:
     def _finalize_or_keep_error(self, pending: _PendingSave) -> None:
         try:
             self._finalize(pending)
-        except Exception as err:  # raised on the training thread by the next poll or wait
+        except _failures() as err:  # raised on the training thread by the next poll or wait
             self._finalize_error = (pending, err)
 
     def take_finished(self) -> list[tuple[int, float]]:
