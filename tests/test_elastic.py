@@ -97,7 +97,7 @@ def test_killing_one_controller_stops_the_run_naming_it_then_resume_auto_finishe
                    "--trainer.save_final", "false")
     assert resumed.returncode == 0, resumed.stderr
     assert f"at step {last + 1}" in resumed.stdout
-    assert [int(r["step"]) for r in _runs(tmp_path)[-1]] == [last + 1, last + 2]
+    assert [int(r["step"]) for r in _runs(tmp_path)[-1]] == list(range(last + 3))  # one metrics.csv
 
 
 # -- elastic: 2 -> 1 and 1 -> 2 controllers ---------------------------------------------------
@@ -116,13 +116,15 @@ def test_elastic_resume_keeps_weights_and_data_position(tmp_path, before, after)
     first = _fit(runs, before, *data, "--trainer.max_steps", "4", "--trainer.checkpoint_every", "2",
                  env={"GCORE_TEST_LOG": str(logs["a"])})
     assert first.returncode == 0, first.stderr
+    saved = _final_weights(runs, 0)
+    os.remove(runs / "gcore" / "version_0" / "final" / "model.safetensors")  # the resumed run writes it again
     # resume on `after` controllers with nothing left to run: the final model is the loaded one
     loaded = _fit(runs, after, *data, "--trainer.max_steps", "4", "--trainer.resume", "auto",
                   env={"GCORE_TEST_LOG": str(logs["b"])})
     assert loaded.returncode == 0, loaded.stderr
     assert "at step 4" in loaded.stdout
     assert f"written by {before} controller(s), running on {after}" in loaded.stdout
-    saved, restored = _final_weights(runs, 0), _final_weights(runs, 1)
+    restored = _final_weights(runs, 0)  # a resumed run writes into the folder of the run it continues
     assert saved.keys() == restored.keys()
     for name in saved:
         assert saved[name].equal(restored[name]), name
@@ -130,7 +132,7 @@ def test_elastic_resume_keeps_weights_and_data_position(tmp_path, before, after)
     goes_on = _fit(runs, after, *data, "--trainer.max_steps", "6", "--trainer.resume", "auto",
                    "--trainer.save_final", "false", env={"GCORE_TEST_LOG": str(logs["c"])})
     assert goes_on.returncode == 0, goes_on.stderr
-    assert [r["step"] for r in _runs(runs)[-1]] == ["4", "5"]
+    assert [r["step"] for r in _runs(runs)[-1]] == ["0", "1", "2", "3", "4", "5"]
     scored = sorted(json.loads(line) for f in logs["c"].iterdir() for line in f.read_text().splitlines())
     expected = sorted(f"{i % 10}=" for i in range(16, 24) for _ in range(2))  # n = 2 samples each
     assert scored == expected
@@ -156,10 +158,12 @@ def test_two_controllers_resume_exactly_with_balancing(tmp_path):
     ckpt = tmp_path / "gcore" / "checkpoints" / "step_00000002"
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["sampler"]["lengths"]["per_prompt"]  # the learnt response lengths are in the checkpoint
+    (first,) = _runs(tmp_path)
     resumed = _fit(tmp_path, 2, "--trainer.max_steps", "6", "--trainer.resume", str(ckpt), *balanced)
     assert resumed.returncode == 0, resumed.stderr
-    first, second = _runs(tmp_path)
-    assert [r["step"] for r in second] == ["3", "4", "5"]
+    (rows,) = _runs(tmp_path)  # the resumed run continues the same metrics.csv
+    assert [r["step"] for r in rows] == ["0", "1", "2", "3", "4", "5"]
+    second = rows[3:]
     for before, after in zip(first[3:], second):
         for key in KEYS:
             assert before[key] == after[key], (key, before["step"], before[key], after[key])

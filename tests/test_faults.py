@@ -16,9 +16,9 @@ import time
 
 import pytest
 import torch
+from conftest import FAST
 from lightning.fabric import Fabric
 
-from conftest import FAST
 from gcore import GRPO, PPO, DataConfig, ModelConfig, SamplingParams, TorchBackend, Trainer, TrainerConfig
 from gcore.checkpoint import CheckpointError, CheckpointManager, latest_checkpoint, pick_checkpoint, rng_state, verify
 from gcore.errors import ConfigError, GcoreError
@@ -187,7 +187,7 @@ def test_full_disk_on_save_without_root_is_reported_too(tmp_path, monkeypatch):
     import errno
 
     backend = _backend(tmp_path)
-    manager, first = _saved(tmp_path, backend)
+    manager, _ = _saved(tmp_path, backend)
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -323,7 +323,7 @@ def test_signal_finishes_the_save_and_says_where_to_resume(tmp_path, sig):
                                           and any(p.name.endswith(".tmp") for p in checkpoints.glob("step_*"))):
         time.sleep(0.01)  # signal while a save is in flight, after one is complete
     process.send_signal(sig)
-    out, err = process.communicate(timeout=120)
+    _, err = process.communicate(timeout=120)
     assert process.returncode == 128 + sig, err
     assert f"gcore: {sig.name} during step" in err and "with --trainer.resume auto" in err, err
     assert not [p for p in checkpoints.iterdir() if p.name.endswith(".tmp")]  # finished, not abandoned

@@ -41,12 +41,15 @@ def test_resume_continues_exactly(tmp_path, algorithm):
     assert whole.returncode == 0, whole.stderr
     ckpt = tmp_path / "a" / "gcore" / "checkpoints" / "step_00000002"
     assert ckpt.is_dir()
+    first = _rows(tmp_path / "a")["version_0"]
     resumed = _fit(tmp_path / "a", "--trainer.max_steps", "6", "--trainer.resume", str(ckpt), "--algorithm", algorithm)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and "at step 3" in resumed.stdout
     runs = _rows(tmp_path / "a")
-    first, second = runs["version_0"], runs["version_1"]
-    assert [r["step"] for r in second] == ["3", "4", "5"]
+    assert list(runs) == ["version_0"]  # the resumed run continues its own metrics.csv
+    assert [r["step"] for r in runs["version_0"]] == ["0", "1", "2", "3", "4", "5"]
+    assert runs["version_0"][:3] == first[:3]
+    second = runs["version_0"][3:]  # steps 3-5 redone: one row each, the same values
     keys = KEYS + (("critic/value_loss", "critic/grad_norm", "clip_frac") if algorithm == "ppo" else ())
     for before, after in zip(first[3:], second):
         for key in keys:
@@ -135,4 +138,4 @@ def test_killed_run_resumes_from_last_complete_checkpoint(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert f"at step {last + 1}" in resumed.stdout
     rows = list(_rows(tmp_path).values())[-1]
-    assert [int(r["step"]) for r in rows] == [last + 1, last + 2]
+    assert [int(r["step"]) for r in rows] == list(range(last + 3))  # one metrics.csv, each step once
