@@ -134,10 +134,10 @@ def pick_checkpoint(root: str) -> tuple[str | None, dict[str, Any] | None, list[
 
 
 def _tree_bytes(obj: Any) -> int:
-    """The bytes of the tensors in a nested state (what a save of it writes, roughly)."""
+    """The bytes of the tensors in a nested state (what a save of it writes, roughly); a sharded
+    tensor (DTensor) counts with its whole size, as all ranks together write it."""
     if isinstance(obj, torch.Tensor):
-        local = getattr(obj, "_local_tensor", obj)  # a DTensor: this rank's shard
-        return local.numel() * local.element_size()
+        return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
         return sum(_tree_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
@@ -368,7 +368,7 @@ class CheckpointManager:
         start = time.perf_counter()
         self.wait()  # one save in flight at a time
         tmp = step_dir(self.root, step) + ".tmp"
-        needed = _tree_bytes(backend_state) * self.world_size + _tree_bytes(rank_state)
+        needed = _tree_bytes(backend_state) + _tree_bytes(rank_state) * self.world_size
         try:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)

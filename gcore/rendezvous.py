@@ -29,7 +29,8 @@ def loopback_store(fabric, num_nodes: int, timeout_s: float) -> Iterator[object 
     """Around ``fabric.launch()``: host the store on ``127.0.0.1`` in this process (controller 0 of a
     single-node run that Fabric launches itself); yields the store, or ``None`` where torch's default
     applies. The environment is restored on exit (a later run in this process starts clean)."""
-    if num_nodes > 1 or fabric.world_size == 1 or "LOCAL_RANK" in os.environ or not _spawns_own_processes(fabric):
+    child = os.environ.get("LOCAL_RANK", "0") != "0"  # a controller launched by this run's controller 0
+    if num_nodes > 1 or fabric.world_size == 1 or child or not _spawns_own_processes(fabric):
         yield None
         return
     import torch.distributed as dist
