@@ -1,7 +1,7 @@
 """Re-run the faults of the reliability review against ``gcore fit``: interrupts, kills, corrupt and
 tampered checkpoints, full disks, an unwritable output folder, temp-dir leftovers.
 
-    python benchmarks/faults.py [--workdir DIR] [--skip-multi] [--repo CHECKOUT]
+    python benchmarks/faults.py [--workdir DIR] [--skip-multi] [--only TEXT] [--repo CHECKOUT]
 
 Each case runs the real CLI in a subprocess (a tiny model, CPU), injects one fault, then checks what
 a user would: the exit code and message, what is on disk, and whether ``--trainer.resume auto``
@@ -118,7 +118,8 @@ def kill_case(when: str):  # noqa: ANN201
         if when == "tmp":
             wait_for(lambda: len(complete(root)) >= 1 and leftovers(root))
         else:
-            wait_for(lambda: glob.glob(os.path.join(checkpoints(root), "*.tmp", "manifest.json*")))
+            wait_for(lambda: len(complete(root)) >= 1
+                     and glob.glob(os.path.join(checkpoints(root), "*.tmp", "manifest.json*")))
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
         ok, lost, resumed = resume_finishes(root)
@@ -267,12 +268,13 @@ def two_controllers_kill_child(root: str) -> tuple[bool, bool, str]:
 
 
 def main() -> int:
+    global REPO
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default=None, help="where the runs go (default: a new temp folder)")
     parser.add_argument("--skip-multi", action="store_true", help="skip the two-controller case")
+    parser.add_argument("--only", default=None, help="run the cases whose name contains this text")
     parser.add_argument("--repo", default=REPO, help="the gcore checkout to test (e.g. an older one, for a before/after)")
     args = parser.parse_args()
-    global REPO
     REPO = os.path.abspath(args.repo)
     workdir = args.workdir or tempfile.mkdtemp(prefix="gcore-faults-")
     root_only = os.geteuid() == 0
@@ -297,6 +299,8 @@ def main() -> int:
         })
     if not args.skip_multi:
         cases["2 controllers: SIGKILL controller 1"] = two_controllers_kill_child
+    if args.only:
+        cases = {name: case for name, case in cases.items() if args.only in name}
     tried = survived = lost = 0
     for i, (name, case) in enumerate(cases.items()):
         root = os.path.join(workdir, f"case{i:02d}")

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -230,7 +231,7 @@ class Trainer:
         self._resume_from = self._pick_resume()
         fabric, device_type = self._fabric()
         workdir = make_workdir()
-        restore_sigterm = _sigterm_raises()
+        restore_signals = _SIGNALS.install()
         store = contextlib.ExitStack()  # the single-node rendezvous store lives as long as the run
         try:
             # before the process group exists: transformers saves only on rank 0 once it does, and
@@ -254,7 +255,7 @@ class Trainer:
                 _report_rank_failure(fabric.global_rank, err, watch)
         finally:
             store.close()
-            restore_sigterm()
+            restore_signals()
             shutil.rmtree(workdir, ignore_errors=True)
             self.placement.shutdown()
             self.engine.shutdown()
@@ -434,10 +435,12 @@ class Trainer:
         for _, seconds in checkpoints.take_finished():
             metrics["checkpoint/write_s"] = seconds
         if c.checkpoint_every and ((step + 1) % c.checkpoint_every == 0 or step == c.max_steps - 1):
-            metrics["checkpoint/stall_s"] = checkpoints.save(
-                step, self.backend.state_dict(), self._trainer_state(step, sampler, fabric.world_size),
-                {"rng": rng_state(), "extra_sampler": extra.state_dict()},
-                asynchronous=c.async_checkpoint, hf_files=model_path)
+            checkpoints.wait()  # a save still in flight: interruptible
+            with _SIGNALS.deferred():  # an interrupt now waits for the save to be started, then finishes it
+                metrics["checkpoint/stall_s"] = checkpoints.save(
+                    step, self.backend.state_dict(), self._trainer_state(step, sampler, fabric.world_size),
+                    {"rng": rng_state(), "extra_sampler": extra.state_dict()},
+                    asynchronous=c.async_checkpoint, hf_files=model_path)
         return metrics
 
     def _trainer_state(self, step: int, sampler: PromptSampler, world_size: int) -> dict:
@@ -578,17 +581,44 @@ def _check_writable(root: str) -> None:
         raise ConfigError(f"--trainer.default_root_dir {root}: cannot write there ({err.strerror or err})") from None
 
 
-def _sigterm_raises():  # noqa: ANN202
-    """Make SIGTERM raise ``Interrupted`` (as Ctrl-C raises ``KeyboardInterrupt``), so that the run
-    finishes its save in flight and says where to continue; returns the function that undoes it."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
+class _Signals:
+    """SIGINT and SIGTERM raise ``KeyboardInterrupt`` / ``Interrupted`` in the main thread, so that a run
+    finishes its save in flight and says where to continue; ``deferred()`` holds one signal back
+    while a save is being started (a second one goes through at once)."""
 
-    def handler(signum: int, frame) -> None:  # noqa: ANN001, ARG001
-        raise Interrupted(signum)
+    def __init__(self) -> None:
+        self._deferring, self._held = False, None
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    return lambda: signal.signal(signal.SIGTERM, previous)
+    def install(self):  # noqa: ANN201
+        """Take over both signals; returns the function that gives them back."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
+
+    def _handle(self, signum: int, frame) -> None:  # noqa: ANN001, ARG002
+        if self._deferring and self._held is None:
+            self._held = signum
+            return
+        self._raise(signum)
+
+    @staticmethod
+    def _raise(signum: int) -> None:
+        raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+            held, self._held = self._held, None
+            if held is not None:
+                self._raise(held)
+
+
+_SIGNALS = _Signals()
 
 
 def _version_number(version: object) -> int | None:
