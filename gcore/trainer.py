@@ -327,8 +327,11 @@ class Trainer:
                 metrics["balance/predicted_imbalance"] = sampler.last_imbalance
                 if balancer is not None:
                     _learn_lengths(fabric, balancer, controller.last_samples, self.data_config.prompts_per_step)
-                metrics.update(self._checkpoint_step(fabric, step, checkpoints, sampler, extra, model_path))
-                fabric.log_dict(metrics, step=step)
+                # an interrupt here is held until the save is started and the step logged: a checkpoint
+                # of step N always comes with N's metrics row, and the save is then finished
+                with _SIGNALS.deferred():
+                    metrics.update(self._checkpoint_step(fabric, step, checkpoints, sampler, extra, model_path))
+                    fabric.log_dict(metrics, step=step)
                 history.append(metrics)
                 bar.set_description("step", refresh=False)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s=f"{metrics['time/step']:.2f}")
@@ -435,12 +438,10 @@ class Trainer:
         for _, seconds in checkpoints.take_finished():
             metrics["checkpoint/write_s"] = seconds
         if c.checkpoint_every and ((step + 1) % c.checkpoint_every == 0 or step == c.max_steps - 1):
-            checkpoints.wait()  # a save still in flight: interruptible
-            with _SIGNALS.deferred():  # an interrupt now waits for the save to be started, then finishes it
-                metrics["checkpoint/stall_s"] = checkpoints.save(
-                    step, self.backend.state_dict(), self._trainer_state(step, sampler, fabric.world_size),
-                    {"rng": rng_state(), "extra_sampler": extra.state_dict()},
-                    asynchronous=c.async_checkpoint, hf_files=model_path)
+            metrics["checkpoint/stall_s"] = checkpoints.save(
+                step, self.backend.state_dict(), self._trainer_state(step, sampler, fabric.world_size),
+                {"rng": rng_state(), "extra_sampler": extra.state_dict()},
+                asynchronous=c.async_checkpoint, hf_files=model_path)
         return metrics
 
     def _trainer_state(self, step: int, sampler: PromptSampler, world_size: int) -> dict:
