@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -74,8 +75,13 @@ class TrainerConfig:
         resume: ``auto`` (the latest complete checkpoint, if any) or a checkpoint folder; it may
             have been written by another number of controllers (elastic resume).
         collective_timeout: seconds a collective may wait for the other controllers before the run
-            fails (instead of hanging when one of them died); also how long a controller may send no
-            heartbeat before the others declare it lost. A controller that is killed is named at once.
+            fails (instead of hanging when one of them died). A controller that is killed is named at
+            once; one that is frozen is found by ``heartbeat_timeout``, usually much sooner.
+        heartbeat_timeout: seconds a controller may send no heartbeat (sent every half second by a
+            thread of its own, also while it computes) before the others declare it lost, name it,
+            and end every process of the run, the silent one included.
+        max_skipped_updates: stop the run after this many consecutive steps that skipped an update
+            because the loss or the gradient was NaN or infinite (0: never stop).
         controllers: ``None``: one controller per process (G-Core's parallel controllers); ``1``: one
             controller on rank 0 drives the engines and training shards of every process, and all
             rollout data passes through it (the single-driver baseline, for comparison).
@@ -97,6 +103,8 @@ class TrainerConfig:
     async_checkpoint: bool = True
     resume: str | None = None
     collective_timeout: float = 600.0
+    heartbeat_timeout: float = 30.0
+    max_skipped_updates: int = 3
     controllers: int | None = None
 
 
@@ -151,10 +159,17 @@ class Trainer:
         checks = [
             (c.max_steps >= 1, f"--trainer.max_steps must be >= 1, got {c.max_steps}"),
             (c.devices >= 1, f"--trainer.devices must be >= 1, got {c.devices}"),
+            (c.checkpoint_every >= 0,
+             f"--trainer.checkpoint_every must be >= 0 (0: no checkpoints), got {c.checkpoint_every}"),
+            (c.keep_checkpoints >= 1, f"--trainer.keep_checkpoints must be >= 1, got {c.keep_checkpoints}"),
+            (c.heartbeat_timeout > 0, f"--trainer.heartbeat_timeout must be > 0 seconds, got {c.heartbeat_timeout}"),
+            (c.collective_timeout > 0, f"--trainer.collective_timeout must be > 0 seconds, got {c.collective_timeout}"),
+            (c.max_skipped_updates >= 0, f"--trainer.max_skipped_updates must be >= 0, got {c.max_skipped_updates}"),
             (s.n >= 1, f"--sampling.n must be >= 1, got {s.n}"),
             (s.max_new_tokens >= 1, f"--sampling.max_new_tokens must be >= 1, got {s.max_new_tokens}"),
             (s.temperature > 0, f"--sampling.temperature must be > 0 for RL sampling, got {s.temperature}"),
             (0 < s.top_p <= 1, f"--sampling.top_p must be in (0, 1], got {s.top_p}"),
+            (s.top_k >= 0, f"--sampling.top_k must be >= 0 (0: no top-k), got {s.top_k}"),
         ]
         if self.algorithm.needs_critic and not self.backend.supports_critic:
             checks.append((False, f"--algorithm {type(self.algorithm).__name__} needs a critic, which backend "
@@ -200,6 +215,7 @@ class Trainer:
     def fit(self) -> FitResult:
         """Launch the controllers and train for ``max_steps``; returns the run's results on rank 0."""
         _quiet_dependencies()
+        self._check_resume_steps()  # before anything is built: a run with nothing to do fails at once
         fabric, device_type = self._fabric()
         workdir = tempfile.mkdtemp(prefix="gcore-model-")
         try:
@@ -210,7 +226,7 @@ class Trainer:
             fabric.launch()
             watch = None
             if fabric.world_size > 1:  # names a controller that dies, and stops this one if it is lost
-                watch = ControllerWatch.for_fabric(fabric, silence_limit=self.config.collective_timeout)
+                watch = ControllerWatch.for_fabric(fabric, silence_limit=self.config.heartbeat_timeout)
             try:
                 result = self._fit(fabric, device_type, tokenizer, model_path)
                 if watch is not None:
@@ -278,6 +294,7 @@ class Trainer:
         history: list[dict[str, float]] = []
         bar = _progress(c.max_steps, enabled=c.enable_progress_bar and rank == 0)
         bar.update(start_step)
+        skipping = 0  # consecutive steps that skipped an update (non-finite loss or gradient)
         for step in range(start_step, c.max_steps):
             shard = sampler.shard(sampler.next_global())
             shard = take(shard) if not central or rank == 0 else []
@@ -292,6 +309,13 @@ class Trainer:
             bar.set_description("step", refresh=False)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s=f"{metrics['time/step']:.2f}")
             bar.update(1)
+            skipping = skipping + 1 if metrics.get("skipped_updates", 0.0) > 0 else 0
+            if c.max_skipped_updates and skipping >= c.max_skipped_updates:
+                checkpoints.wait()
+                raise GcoreError(
+                    f"step {step}: {skipping} steps in a row skipped their update because the loss or the gradient "
+                    f"was NaN or infinite (loss {metrics.get('loss', float('nan')):g}, grad_norm "
+                    f"{metrics.get('grad_norm', float('nan')):g}); stopping (see --trainer.max_skipped_updates)")
         checkpoints.wait()
         bar.close()
         for logger in fabric.loggers:
@@ -306,6 +330,24 @@ class Trainer:
         if rank == 0:
             return FitResult(run_dir, final_dir, history)
         return FitResult(None, None, history)
+
+    def _check_resume_steps(self, path: str | None = None, start: int | None = None) -> None:
+        """Fail when the checkpoint to resume from is already past ``--trainer.max_steps``.
+
+        Called before the model is built (reading the checkpoint's ``trainer_state.json``; an
+        unreadable checkpoint is left to the resume to report) and again with the loaded step.
+        """
+        c = self.config
+        if start is None:
+            try:
+                path = resolve_resume(c.resume, os.path.join(c.default_root_dir, c.name, "checkpoints"))
+                with open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as f:
+                    start = int(json.load(f)["step"]) + 1
+            except Exception:  # noqa: BLE001  no checkpoint, or a broken one: the resume itself says which
+                return
+        if start > c.max_steps:
+            raise ConfigError(f"--trainer.max_steps {c.max_steps} is below the {start} steps already trained in "
+                              f"the checkpoint {path}: nothing to train; pass a larger --trainer.max_steps to go on")
 
     def _single_controller(self, world_size: int) -> bool:
         """Whether one controller drives every process (``--trainer.controllers 1`` with several)."""
@@ -391,6 +433,7 @@ class Trainer:
             if name in trainer_state and callable(getattr(plugin, "load_state_dict", None)):
                 plugin.load_state_dict(trainer_state[name])
         start = int(trainer_state["step"]) + 1
+        self._check_resume_steps(path, start)
         saved_world = int(trainer_state["world_size"])
         if saved_world == fabric.world_size:
             set_rng_state(rank_state["rng"])  # same rank count: continue exactly
