@@ -76,6 +76,10 @@ class ControllerWatch:
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last counter, when it last changed)
         self._where: dict[int, tuple[str, int]] = {}  # rank -> (host, pid), as each controller recorded it
         self._thread = threading.Thread(target=self._run, name="gcore-controller-watch", daemon=True)
+        # the store's calls have no timeout of their own: one to a frozen controller 0 blocks forever, so
+        # they run in a thread apart, and the watch thread judges from when they last answered
+        self._store_thread = threading.Thread(target=self._run_store, name="gcore-controller-heartbeat", daemon=True)
+        self._store_ok_at = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -101,14 +105,17 @@ class ControllerWatch:
             except Exception:  # noqa: BLE001, S110  the store is checked again by every beat
                 pass
             self._beat()
+            self._store_ok_at = time.monotonic()
+            self._store_thread.start()
         self._thread.start()
 
     def stop(self) -> None:
         """Say this controller finished and stop watching (before the run's last barrier)."""
         self.mark("done")
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5 * self.interval + 5)
+        for thread in (self._thread, self._store_thread):
+            if thread.is_alive():
+                thread.join(timeout=5 * self.interval + 5)
 
     def mark(self, state: str) -> None:
         """Record ``done`` or ``failed: <why>`` for the other controllers' watches."""
@@ -138,15 +145,23 @@ class ControllerWatch:
         acted_at = None
         while not self._stop.wait(self.interval):
             self._check_children()
-            if self.store is not None and 0 not in self.lost:
-                self._beat()
-                self._check_peers()
+            silent = time.monotonic() - self._store_ok_at
+            if self.store is not None and self.rank != 0 and 0 not in self.lost and silent > self.silence_limit:
+                self._lose(0, f"is frozen or gone: the rendezvous store it hosts has not answered for "
+                              f"{self.silence_limit:g} s{self._end_peer(0)}")
             if self.lost and acted_at is None:
                 acted_at = time.monotonic()
                 print(f"gcore: controller {self.rank}: {self.describe()}; stopping the run "
                       "(continue it with --trainer.resume auto)", file=sys.stderr, flush=True)
             if acted_at is not None and time.monotonic() - acted_at > self.grace:
                 self._end_process()
+
+    def _run_store(self) -> None:
+        """Heartbeats and the peers' counters (every store call is made here)."""
+        while not self._stop.wait(self.interval) and 0 not in self.lost:
+            if self._beat():
+                self._store_ok_at = time.monotonic()
+                self._check_peers()
 
     def _lose(self, rank: int, reason: str) -> None:
         with self._lock:
@@ -162,15 +177,17 @@ class ControllerWatch:
                 else:
                     self._lose(rank, f"failed ({describe_exit(code)}, pid {proc.pid}; its error is above)")
 
-    def _beat(self) -> None:
+    def _beat(self) -> bool:
         try:
             with self._store_lock:
                 self.store.add(f"{PREFIX}/beat/{self.rank}", 1)
+            return True
         except Exception as err:  # noqa: BLE001  controller 0 hosts the store: only the others can lose it
             if self.rank != 0 and 0 not in self.lost:
                 # it died, or it is frozen and its store with it: a frozen one is ended here
                 self._lose(0, f"is gone: the rendezvous store it hosts stopped answering ({_first_line(err)})"
                               f"{self._end_peer(0)}")
+            return False
 
     def _check_peers(self) -> None:
         now = time.monotonic()
@@ -203,7 +220,7 @@ class ControllerWatch:
     def _end_peer(self, peer: int) -> str:
         """SIGKILL a silent controller on this machine (a frozen one would hold its resources forever);
         returns what was done, for the loss message."""
-        if peer not in self._where:
+        if peer not in self._where or self._where[peer][1] == os.getpid():  # (one process in tests)
             return ""
         host, pid = self._where[peer]
         if host != socket.gethostname():
