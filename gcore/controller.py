@@ -82,9 +82,7 @@ class Controller:
         # FILTER: the algorithm may drop whole groups; with max_rounds > 1 this controller samples
         # more prompts of its own until its share (len(prompts) groups) is full (dynamic sampling)
         kept, samples, filter_metrics = self._fill_batch(prompts, samples, timer)
-        if self._reward_errors:  # one line per step, however many samples failed (reward/errors counts them)
-            log.warning("step %d: %d sample(s) could not be scored and got the fallback reward (reward/errors); "
-                        "the first: %s", step, self._reward_errors, self._first_reward_error or "(no detail)")
+        self._warn_reward_errors(step)
 
         # PREPARE: padded batch, log-probabilities the loss needs, advantages
         with timer("prepare"):
@@ -113,6 +111,12 @@ class Controller:
         self.last_samples = samples
         return self._step_metrics(step, timer, step_start, samples, len(kept), [filter_metrics, train_metrics],
                                   synced_bytes)
+
+    def _warn_reward_errors(self, step: int) -> None:
+        """One line per step, however many samples got a fallback reward (``reward/errors`` counts them)."""
+        if self._reward_errors:
+            log.warning("step %d: %d sample(s) could not be scored and got the fallback reward (reward/errors); "
+                        "the first: %s", step, self._reward_errors, self._first_reward_error or "(no detail)")
 
     def _step_metrics(self, step: int, timer: StageTimer, step_start: float, samples: list[Sample], kept: int,
                       parts: list[dict[str, float]], synced_bytes: int) -> dict[str, float]:
