@@ -7,6 +7,7 @@ all-reduce inside the backend, and the step's telemetry).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -18,9 +19,12 @@ import torch
 from gcore.algorithms.base import Algorithm
 from gcore.backends.base import TrainingBackend
 from gcore.engines.base import Engine
+from gcore.errors import RewardError
 from gcore.placement.base import PlacementPolicy, Telemetry
-from gcore.rewards.base import RewardModel
+from gcore.rewards.base import RewardModel, as_reward, describe_sample
 from gcore.types import Generation, Prompt, Sample, SamplingParams, collate
+
+log = logging.getLogger(__name__)
 
 STAGES = ("generate", "reward", "swap", "prepare", "train", "sync")
 LOCAL_STAGES = ("generate", "reward", "swap", "prepare")  # no collective inside: a controller's own work
@@ -65,12 +69,12 @@ class Controller:
 
     def __post_init__(self) -> None:
         self.algorithm.setup(self.sampling.max_new_tokens)
-        self._reward_errors = 0
+        self._reward_errors, self._first_reward_error = 0, None
 
     def step(self, step: int, prompts: list[Prompt], on_stage: Callable[[str], None] | None = None) -> dict[str, float]:
         timer = StageTimer(on_stage)
         step_start = time.perf_counter()
-        self._reward_errors = 0
+        self._reward_errors, self._first_reward_error = 0, None
 
         # GENERATE and REWARD: n samples per prompt from the rollout engine, scored and shaped
         samples = self._rollout(prompts, timer, first_group=0)
@@ -78,6 +82,7 @@ class Controller:
         # FILTER: the algorithm may drop whole groups; with max_rounds > 1 this controller samples
         # more prompts of its own until its share (len(prompts) groups) is full (dynamic sampling)
         kept, samples, filter_metrics = self._fill_batch(prompts, samples, timer)
+        self._warn_reward_errors(step)
 
         # PREPARE: padded batch, log-probabilities the loss needs, advantages
         with timer("prepare"):
@@ -106,6 +111,12 @@ class Controller:
         self.last_samples = samples
         return self._step_metrics(step, timer, step_start, samples, len(kept), [filter_metrics, train_metrics],
                                   synced_bytes)
+
+    def _warn_reward_errors(self, step: int) -> None:
+        """One line per step, however many samples got a fallback reward (``reward/errors`` counts them)."""
+        if self._reward_errors:
+            log.warning("step %d: %d sample(s) could not be scored and got the fallback reward (reward/errors); "
+                        "the first: %s", step, self._reward_errors, self._first_reward_error or "(no detail)")
 
     def _step_metrics(self, step: int, timer: StageTimer, step_start: float, samples: list[Sample], kept: int,
                       parts: list[dict[str, float]], synced_bytes: int) -> dict[str, float]:
@@ -141,8 +152,16 @@ class Controller:
     def score(self, samples: list[Sample]) -> None:
         """Reward the samples: the raw score is kept in ``reward_info["raw"]``, the algorithm shapes it."""
         raw = self.reward.score(samples)
+        if len(raw) != len(samples):
+            raise RewardError(f"{type(self.reward).__name__} returned {len(raw)} rewards for {len(samples)} samples")
         self._reward_errors += getattr(self.reward, "last_errors", 0)
+        self._first_reward_error = self._first_reward_error or getattr(self.reward, "last_error", None)
         for sample, value in zip(samples, raw):
+            try:  # any reward model, not only the rule-based ones (which check their own values)
+                value = as_reward(value)
+            except (TypeError, ValueError) as err:
+                name = type(self.reward).__name__
+                raise RewardError(f"{name} gave {err} on sample ({describe_sample(sample)})") from None
             sample.reward_info["raw"] = value
             sample.reward = value
             sample.reward = float(self.algorithm.shape_reward(sample))

@@ -10,6 +10,12 @@ busy generating. ``ControllerWatch`` runs a thread in every controller that
   by a signal is named with the signal at once);
 - treats the store itself going away as the loss of controller 0, which hosts it.
 
+Heartbeats come from that thread, not from the training loop, so a controller that is busy (a long
+generation, a save) still beats; one that stops beating for ``--trainer.heartbeat_timeout`` seconds
+(30 by default, far below the collective timeout) is frozen (SIGSTOP, a debugger, a hung driver) or
+gone. Each controller records its host and pid in the store, so a frozen controller on the same
+machine is ended (SIGKILL) by the controller that found it: no process of the run stays behind.
+
 A controller that is lost is reported once, naming it and the reason; if this controller is still
 running ``grace`` seconds later (busy, or blocked in a collective that would only fail after
 ``--trainer.collective_timeout``), the watch ends the process and its local controllers, so that
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -55,7 +62,7 @@ class ControllerWatch:
     """
 
     def __init__(self, rank: int, world_size: int, store=None,  # noqa: ANN001
-                 children: dict[int, subprocess.Popen] | None = None, silence_limit: float = 600.0,
+                 children: dict[int, subprocess.Popen] | None = None, silence_limit: float = 30.0,
                  interval: float = 0.5, grace: float = 15.0) -> None:
         self.rank, self.world_size = rank, world_size
         self.store = store
@@ -67,7 +74,12 @@ class ControllerWatch:
         self._lock = threading.Lock()
         self._store_lock = threading.Lock()
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last counter, when it last changed)
+        self._where: dict[int, tuple[str, int]] = {}  # rank -> (host, pid), as each controller recorded it
         self._thread = threading.Thread(target=self._run, name="gcore-controller-watch", daemon=True)
+        # the store's calls have no timeout of their own: one to a frozen controller 0 blocks forever, so
+        # they run in a thread apart, and the watch thread judges from when they last answered
+        self._store_thread = threading.Thread(target=self._run_store, name="gcore-controller-heartbeat", daemon=True)
+        self._store_ok_at = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -87,15 +99,23 @@ class ControllerWatch:
 
     def start(self) -> None:
         if self.store is not None:
+            try:
+                with self._store_lock:
+                    self.store.set(f"{PREFIX}/pid/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+            except Exception:  # noqa: BLE001, S110  the store is checked again by every beat
+                pass
             self._beat()
+            self._store_ok_at = time.monotonic()
+            self._store_thread.start()
         self._thread.start()
 
     def stop(self) -> None:
         """Say this controller finished and stop watching (before the run's last barrier)."""
         self.mark("done")
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5 * self.interval + 5)
+        for thread in (self._thread, self._store_thread):
+            if thread.is_alive():
+                thread.join(timeout=5 * self.interval + 5)
 
     def mark(self, state: str) -> None:
         """Record ``done`` or ``failed: <why>`` for the other controllers' watches."""
@@ -125,15 +145,23 @@ class ControllerWatch:
         acted_at = None
         while not self._stop.wait(self.interval):
             self._check_children()
-            if self.store is not None and 0 not in self.lost:
-                self._beat()
-                self._check_peers()
+            silent = time.monotonic() - self._store_ok_at
+            if self.store is not None and self.rank != 0 and 0 not in self.lost and silent > self.silence_limit:
+                self._lose(0, f"is frozen or gone: the rendezvous store it hosts has not answered for "
+                              f"{self.silence_limit:g} s{self._end_peer(0)}")
             if self.lost and acted_at is None:
                 acted_at = time.monotonic()
                 print(f"gcore: controller {self.rank}: {self.describe()}; stopping the run "
                       "(continue it with --trainer.resume auto)", file=sys.stderr, flush=True)
             if acted_at is not None and time.monotonic() - acted_at > self.grace:
                 self._end_process()
+
+    def _run_store(self) -> None:
+        """Heartbeats and the peers' counters (every store call is made here)."""
+        while not self._stop.wait(self.interval) and 0 not in self.lost:
+            if self._beat():
+                self._store_ok_at = time.monotonic()
+                self._check_peers()
 
     def _lose(self, rank: int, reason: str) -> None:
         with self._lock:
@@ -149,13 +177,17 @@ class ControllerWatch:
                 else:
                     self._lose(rank, f"failed ({describe_exit(code)}, pid {proc.pid}; its error is above)")
 
-    def _beat(self) -> None:
+    def _beat(self) -> bool:
         try:
             with self._store_lock:
                 self.store.add(f"{PREFIX}/beat/{self.rank}", 1)
+            return True
         except Exception as err:  # noqa: BLE001  controller 0 hosts the store: only the others can lose it
-            if self.rank != 0:
-                self._lose(0, f"is gone: the rendezvous store it hosts stopped answering ({_first_line(err)})")
+            if self.rank != 0 and 0 not in self.lost:
+                # it died, or it is frozen and its store with it: a frozen one is ended here
+                self._lose(0, f"is gone: the rendezvous store it hosts stopped answering ({_first_line(err)})"
+                              f"{self._end_peer(0)}")
+            return False
 
     def _check_peers(self) -> None:
         now = time.monotonic()
@@ -167,6 +199,10 @@ class ControllerWatch:
                     count = self.store.add(f"{PREFIX}/beat/{peer}", 0)
                     state_key = f"{PREFIX}/state/{peer}"
                     state = self.store.get(state_key).decode() if self.store.check([state_key]) else ""
+                    pid_key = f"{PREFIX}/pid/{peer}"
+                    if peer not in self._where and self.store.check([pid_key]):
+                        host, pid = self.store.get(pid_key).decode().rsplit(" ", 1)
+                        self._where[peer] = (host, int(pid))
             except Exception:  # noqa: BLE001  reported by _beat as the loss of controller 0
                 return
             if state == "done":
@@ -175,9 +211,27 @@ class ControllerWatch:
             if last is None or last[0] != count:
                 self._seen[peer] = (count, now)
             elif now - last[1] > self.silence_limit:
-                why = f"failed ({state[len('failed: '):]})" if state.startswith("failed") else (
-                    f"sent no heartbeat for {self.silence_limit:.0f} s (killed, or its machine is gone)")
-                self._lose(peer, why)
+                if state.startswith("failed"):
+                    self._lose(peer, f"failed ({state[len('failed: '):]})")
+                else:
+                    self._lose(peer, f"sent no heartbeat for {self.silence_limit:g} s (frozen, killed, or its "
+                                     f"machine is gone){self._end_peer(peer)}")
+
+    def _end_peer(self, peer: int) -> str:
+        """SIGKILL a silent controller on this machine (a frozen one would hold its resources forever);
+        returns what was done, for the loss message."""
+        if peer not in self._where or self._where[peer][1] == os.getpid():  # (one process in tests)
+            return ""
+        host, pid = self._where[peer]
+        if host != socket.gethostname():
+            return f"; it runs on {host} as pid {pid}: end it there"
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return ""  # it already exited
+        except OSError as err:
+            return f"; could not end its process {pid}: {err}"
+        return f"; its process {pid} was ended"
 
     def _end_process(self) -> None:
         print(f"gcore: controller {self.rank}: still running {self.grace:.0f} s after the loss ({self.describe()}); "

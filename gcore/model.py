@@ -15,6 +15,9 @@ import torch
 from gcore.errors import ConfigError, GcoreError
 
 CHAR_TOKENIZER = Path(__file__).parent / "assets" / "char_tokenizer.json"
+#: files of which an HF tokenizer is built: a folder with none of them has no tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                   "spiece.model", "sentencepiece.bpe.model", "tokenizer.tiktoken")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -104,10 +107,16 @@ def load_tokenizer(config: ModelConfig):  # noqa: ANN201
     from transformers import AutoTokenizer
 
     _check_path(config.path)
+    if not any(os.path.isfile(os.path.join(config.path, name)) for name in TOKENIZER_FILES):
+        raise ConfigError(f"--model.path {config.path}: no tokenizer files in the folder (none of "
+                          f"{', '.join(TOKENIZER_FILES)}); copy the model's tokenizer files next to its weights")
     try:
         tokenizer = AutoTokenizer.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
     except Exception as err:
         raise ConfigError(f"--model.path {config.path}: cannot load a tokenizer: {type(err).__name__}: {err}") from err
+    if len(tokenizer) < 2:  # transformers builds an empty tokenizer from a config that names its class only
+        raise ConfigError(f"--model.path {config.path}: the tokenizer has a vocabulary of {len(tokenizer)}: its "
+                          "tokenizer files are missing or empty")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"

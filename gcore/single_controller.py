@@ -182,11 +182,12 @@ class SingleController(Controller):
     def step(self, step: int, prompts: list[Prompt], on_stage: Callable[[str], None] | None = None) -> dict[str, float]:
         timer = StageTimer(on_stage)
         step_start = time.perf_counter()
-        self._reward_errors = 0
+        self._reward_errors, self._first_reward_error = 0, None
         if self.rank == 0:
             self.engine.sent_bytes = 0
             samples = self._rollout(prompts, timer, first_group=0)  # every rank generates a part
             kept, samples, rounds = self._resample(prompts, samples, timer)
+            self._warn_reward_errors(step)
             self.engine.finish_rollout()
         else:
             with timer("generate"):

@@ -98,8 +98,13 @@ class TrainerConfig:
             another number of controllers (elastic resume). A resumed run appends to its own
             ``metrics.csv`` (the steps it redoes are replaced).
         collective_timeout: seconds a collective may wait for the other controllers before the run
-            fails (instead of hanging when one of them died); also how long a controller may send no
-            heartbeat before the others declare it lost. A controller that is killed is named at once.
+            fails (instead of hanging when one of them died). A controller that is killed is named at
+            once; one that is frozen is found by ``heartbeat_timeout``, usually much sooner.
+        heartbeat_timeout: seconds a controller may send no heartbeat (sent every half second by a
+            thread of its own, also while it computes) before the others declare it lost, name it,
+            and end every process of the run, the silent one included.
+        max_skipped_updates: stop the run after this many consecutive steps that skipped an update
+            because the loss or the gradient was NaN or infinite (0: never stop).
         controllers: ``None``: one controller per process (G-Core's parallel controllers); ``1``: one
             controller on rank 0 drives the engines and training shards of every process, and all
             rollout data passes through it (the single-driver baseline, for comparison).
@@ -121,6 +126,8 @@ class TrainerConfig:
     async_checkpoint: bool = True
     resume: str | None = None
     collective_timeout: float = 600.0
+    heartbeat_timeout: float = 30.0
+    max_skipped_updates: int = 3
     controllers: int | None = None
 
 
@@ -177,10 +184,17 @@ class Trainer:
         checks = [
             (c.max_steps >= 1, f"--trainer.max_steps must be >= 1, got {c.max_steps}"),
             (c.devices >= 1, f"--trainer.devices must be >= 1, got {c.devices}"),
+            (c.checkpoint_every >= 0,
+             f"--trainer.checkpoint_every must be >= 0 (0: no checkpoints), got {c.checkpoint_every}"),
+            (c.keep_checkpoints >= 1, f"--trainer.keep_checkpoints must be >= 1, got {c.keep_checkpoints}"),
+            (c.heartbeat_timeout > 0, f"--trainer.heartbeat_timeout must be > 0 seconds, got {c.heartbeat_timeout}"),
+            (c.collective_timeout > 0, f"--trainer.collective_timeout must be > 0 seconds, got {c.collective_timeout}"),
+            (c.max_skipped_updates >= 0, f"--trainer.max_skipped_updates must be >= 0, got {c.max_skipped_updates}"),
             (s.n >= 1, f"--sampling.n must be >= 1, got {s.n}"),
             (s.max_new_tokens >= 1, f"--sampling.max_new_tokens must be >= 1, got {s.max_new_tokens}"),
             (s.temperature > 0, f"--sampling.temperature must be > 0 for RL sampling, got {s.temperature}"),
             (0 < s.top_p <= 1, f"--sampling.top_p must be in (0, 1], got {s.top_p}"),
+            (s.top_k >= 0, f"--sampling.top_k must be >= 0 (0: no top-k), got {s.top_k}"),
         ]
         if self.algorithm.needs_critic and not self.backend.supports_critic:
             checks.append((False, f"--algorithm {type(self.algorithm).__name__} needs a critic, which backend "
@@ -229,6 +243,7 @@ class Trainer:
         _quiet_dependencies()
         _check_writable(self.config.default_root_dir)
         self._resume_from = self._pick_resume()
+        self._check_resume_steps(self._resume_from[0])  # before anything is built: nothing to do fails at once
         fabric, device_type = self._fabric()
         workdir = make_workdir()
         restore_signals = _SIGNALS.install()
@@ -242,7 +257,7 @@ class Trainer:
             fabric.launch()
             watch = None
             if fabric.world_size > 1:  # names a controller that dies, and stops this one if it is lost
-                watch = ControllerWatch.for_fabric(fabric, silence_limit=self.config.collective_timeout)
+                watch = ControllerWatch.for_fabric(fabric, silence_limit=self.config.heartbeat_timeout)
             try:
                 result = self._fit(fabric, device_type, tokenizer, model_path)
                 if watch is not None:
@@ -317,6 +332,7 @@ class Trainer:
         bar = _progress(c.max_steps, enabled=c.enable_progress_bar and rank == 0)
         bar.update(start_step)
         step = start_step
+        skipping = 0  # consecutive steps that skipped an update (non-finite loss or gradient)
         try:
             for step in range(start_step, c.max_steps):
                 shard = sampler.shard(sampler.next_global())
@@ -336,6 +352,13 @@ class Trainer:
                 bar.set_description("step", refresh=False)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s=f"{metrics['time/step']:.2f}")
                 bar.update(1)
+                skipping = skipping + 1 if metrics.get("skipped_updates", 0.0) > 0 else 0
+                if c.max_skipped_updates and skipping >= c.max_skipped_updates:
+                    checkpoints.wait()
+                    raise GcoreError(
+                        f"step {step}: {skipping} steps in a row skipped their update because the loss or the "
+                        f"gradient was NaN or infinite (loss {metrics.get('loss', float('nan')):g}, grad_norm "
+                        f"{metrics.get('grad_norm', float('nan')):g}); stopping (see --trainer.max_skipped_updates)")
             checkpoints.wait()
         except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (``Interrupted``)
             bar.close()
@@ -393,6 +416,25 @@ class Trainer:
                         else "it could not be written to the temp dir either, and no checkpoint holds it: "
                         "the trained weights are lost (free space, or use --trainer.checkpoint_every)")
             raise GcoreError(f"{reason}; {kept}") from err
+
+    def _check_resume_steps(self, path: str | None = None, start: int | None = None) -> None:
+        """Fail when the checkpoint to resume from is already past ``--trainer.max_steps``.
+
+        Called before the model is built (reading the chosen checkpoint's ``trainer_state.json``;
+        an unreadable one is left to the resume to report) and again with the loaded step.
+        """
+        c = self.config
+        if start is None:
+            if path is None:
+                return
+            try:
+                with open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as f:
+                    start = int(json.load(f)["step"]) + 1
+            except Exception:  # noqa: BLE001  no checkpoint, or a broken one: the resume itself says which
+                return
+        if start > c.max_steps:
+            raise ConfigError(f"--trainer.max_steps {c.max_steps} is below the {start} steps already trained in "
+                              f"the checkpoint {path}: nothing to train; pass a larger --trainer.max_steps to go on")
 
     def _single_controller(self, world_size: int) -> bool:
         """Whether one controller drives every process (``--trainer.controllers 1`` with several)."""
@@ -534,6 +576,7 @@ class Trainer:
             if name in trainer_state and callable(getattr(plugin, "load_state_dict", None)):
                 plugin.load_state_dict(trainer_state[name])
         start = int(trainer_state["step"]) + 1
+        self._check_resume_steps(path, start)
         saved_world = int(trainer_state["world_size"])
         if saved_world == fabric.world_size:
             set_rng_state(rank_state["rng"])  # same rank count: continue exactly

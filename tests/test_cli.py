@@ -76,6 +76,8 @@ def test_help_shows_plugin_options():
         (["--data.path", "missing.jsonl"], "--data.path missing.jsonl: no such file"),
         (["--placement", "dynamic"], "--placement dynamic needs at least 2 devices"),
         (["--sampling.n", "0"], "--sampling.n must be >= 1"),
+        (["--sampling.top_k", "-3"], "--sampling.top_k must be >= 0 (0: no top-k), got -3"),
+        (["--trainer.checkpoint_every", "-1"], "--trainer.checkpoint_every must be >= 0 (0: no checkpoints), got -1"),
         (["--reward", "regex", "--reward.pattern", "("], "is not a valid regular expression"),
     ],
 )

@@ -105,3 +105,18 @@ def test_unsupported_architectures_fall_back(tmp_path):
     assert engine._decoder is None
     assert all(len(g.token_ids) == len(g.logprobs) > 0 for group in outputs for g in group)
     assert _max_gap(engine, [[1, 5], [1, 6, 7]], outputs, 1.0) < 1e-4
+
+
+@pytest.mark.parametrize("use_generate", [False, True])
+def test_pad_and_bos_are_never_sampled_inside_a_response(tmp_path, use_generate):
+    """A pad token inside a response would read as padding (and HF's embedding gives it no gradient,
+    megatron's would): the engine never samples pad (0) or bos (1); eos (2) still ends responses.
+    With a flat distribution (temperature 5, 40 tokens) about 1 in 40 draws would be each of them."""
+    engine = HFEngine(use_generate=use_generate)
+    engine.setup(_checkpoint(tmp_path, "qwen2"), torch.device("cpu"), torch.float32, False)
+    torch.manual_seed(0)
+    outputs = engine.generate(PROMPTS, SamplingParams(n=16, max_new_tokens=12, temperature=5.0))
+    tokens = [t for generations in outputs for g in generations for t in g.token_ids]
+    assert len(tokens) > 400
+    assert 0 not in tokens and 1 not in tokens
+    assert 2 in tokens  # the stop token is not banned

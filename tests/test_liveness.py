@@ -1,11 +1,16 @@
 """ControllerWatch on its own: a real rendezvous store (TCPStore) and real child processes, one process."""
 
+import os
 import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
+import psutil
+import pytest
 import torch.distributed as dist
+from conftest import FAST
 
 from gcore.liveness import ControllerWatch, describe_exit
 
@@ -86,6 +91,28 @@ def test_losing_the_store_means_losing_controller_zero():
     watch._stop.set()
 
 
+def test_a_frozen_controller_zero_is_named_and_ended_although_its_store_hangs():
+    """A SIGSTOPped controller 0 freezes the store it hosts: store calls then block (they have no timeout),
+    so the watch judges from when the store last answered, names controller 0 and ends its process."""
+    import socket
+
+    code = ("import sys, time, torch.distributed as dist; s = dist.TCPStore('127.0.0.1', 0, is_master=True, "
+            "wait_for_workers=False); print(s.port, flush=True); time.sleep(120)")
+    host = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    port = int(host.stdout.readline())
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
+    store.set("gcore/watch/pid/0", f"{socket.gethostname()} {host.pid}")  # as controller 0's watch records it
+    watch = _watch(1, store)
+    watch.start()
+    assert watch.wait_for_loss(timeout=0.5) == {}
+    host.send_signal(signal.SIGSTOP)
+    lost = watch.wait_for_loss(timeout=30.0)
+    assert lost == {0: "is frozen or gone: the rendezvous store it hosts has not answered for 1.5 s; "
+                       f"its process {host.pid} was ended"}
+    assert host.wait(timeout=30) == -signal.SIGKILL
+    watch._stop.set()
+
+
 def test_controller_zero_does_not_lose_itself_with_the_store():
     server = _server()
     watch = _watch(0, _client(server))
@@ -93,3 +120,56 @@ def test_controller_zero_does_not_lose_itself_with_the_store():
     del server
     assert watch.wait_for_loss(timeout=1.0) == {}
     watch._stop.set()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_frozen_controller_is_named_and_every_process_ends(tmp_path, victim):
+    """A real 2-controller run; one controller is frozen with SIGSTOP mid-run. The other names it within
+    ``--trainer.heartbeat_timeout`` (5 s here; 30 s by default) instead of waiting for the 600 s collective
+    timeout, and every process of the run ends, the frozen one too. Frozen controller 0 also freezes
+    the rendezvous store it hosts: controller 1 finds that out when its store calls time out."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gcore", "fit", *FAST, "--trainer.max_steps", "100000", "--trainer.accelerator", "cpu",
+         "--trainer.devices", "2", "--trainer.heartbeat_timeout", "5", "--trainer.save_final", "false",
+         "--trainer.default_root_dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics = tmp_path / "gcore" / "version_0" / "metrics.csv"
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None and (
+            not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    assert process.poll() is None, process.communicate()
+    children = psutil.Process(process.pid).children()
+    assert len(children) == 1  # controller 0 launched controller 1
+    frozen = process.pid if victim == 0 else children[0].pid
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        _, stderr = process.communicate(timeout=180)  # a generous bound: detection takes about 5 s
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError(f"the run hung after controller {victim} was frozen") from None
+    deadline = time.time() + 60
+    while time.time() < deadline and _alive(process.pid, children[0].pid):
+        time.sleep(0.2)
+    assert not _alive(process.pid, children[0].pid), "a controller of the run was left behind"
+    survivor = 1 - victim
+    if victim == 1:
+        expected = f"controller 0: controller 1 sent no heartbeat for 5 s (frozen, killed, or its machine is gone); " \
+                   f"its process {frozen} was ended"
+    else:
+        expected = "controller 1: controller 0 is frozen or gone: the rendezvous store it hosts has not answered for 5 s"
+    assert expected in stderr, stderr
+    assert f"its process {frozen} was ended" in stderr, stderr
+    assert f"controller {survivor}" in stderr and "--trainer.resume auto" in stderr, stderr
+
+
+def _alive(*pids: int) -> bool:
+    """Whether any of ``pids`` still runs (a zombie waiting for its parent does not)."""
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            pass
+    return False

@@ -165,6 +165,7 @@ def test_logprobs_match_the_hf_model(tmp_path):
     backend.setup(Fabric(accelerator="cpu", devices=1), model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
     hf = AutoModelForCausalLM.from_pretrained(model_dir)
     ids = torch.randint(4, 100, (3, 12), generator=torch.Generator().manual_seed(0))
+    ids[0, 4:8] = torch.tensor([0, 1, 2, 3])  # pad, bos, eos, unk
     for temperature in (1.0, 0.7):
         ours, our_entropy = backend._forward_logprobs(backend.policy, ids, temperature)
         theirs, their_entropy = token_logprobs(hf(input_ids=ids).logits, ids, temperature)
@@ -176,10 +177,15 @@ def test_logprobs_match_the_hf_model(tmp_path):
 
 
 def _rank_batch(rank):
-    """A different batch on each rank, of different lengths (the TP group stacks them)."""
+    """A different batch on each rank, of different lengths (the TP group stacks them). The responses
+    hold the special tokens: pad (0; HF's embedding has ``padding_idx=0``, which the megatron backend
+    must mirror), bos (1), eos (2) and unk (3)."""
     length = 7 + rank
     batch = make_batch([1.0, 0.0, 0.3, 0.9][: 4 - rank], [0, 0, 1, 1][: 4 - rank], length=length)
     batch.input_ids = torch.randint(4, 100, batch.input_ids.shape, generator=torch.Generator().manual_seed(rank))
+    batch.input_ids[0, 3:5] = torch.tensor([0, 1])  # inside the response, where the loss sees their gradient
+    batch.input_ids[-1, 5:7] = torch.tensor([3, 0])
+    batch.input_ids[-1, 2] = 2
     batch.response_mask[:, :2] = 0
     batch.advantages = GRPO(kl_coef=0.0).advantages(batch)
     return batch

@@ -8,6 +8,7 @@ import torch
 from gcore.engines.hf import HFEngine
 from gcore.errors import ConfigError, RewardError
 from gcore.model import ModelConfig, char_tokenizer, materialize
+from gcore.rewards.base import RuleReward, as_reward
 from gcore.rewards.classifier import ClassifierReward
 from gcore.rewards.combined import CombinedReward
 from gcore.rewards.generative import GenerativeReward, parse_verdict
@@ -46,6 +47,48 @@ def test_combined_weights_and_parts():
     assert samples[0].reward_info == {"0_MathReward": 1.0, "1_RegexReward": 1.0}
     with pytest.raises(ConfigError):
         CombinedReward([MathReward()], weights=[1.0, 2.0])
+
+
+class Returns(RuleReward):
+    """A rule reward that returns what it is given, as a user's reward function might."""
+
+    def __init__(self, values, on_error="raise"):
+        super().__init__(on_error)
+        self.values = list(values)
+
+    def score_one(self, sample):
+        return self.values.pop(0)
+
+
+def test_rewards_are_finite_numbers_and_bools_count_as_one_or_zero():
+    import numpy as np
+
+    assert [as_reward(v) for v in (1, 0.5, True, False, np.float32(0.25), np.bool_(True), torch.tensor(2.0))] \
+        == [1.0, 0.5, 1.0, 0.0, 0.25, 1.0, 2.0]
+    for bad, kind in (("0.5", "str"), (None, "NoneType"), ([1.0], "list"), (torch.ones(2), "Tensor")):
+        with pytest.raises(TypeError, match=f"must be a number, got {kind}"):
+            as_reward(bad)
+    for bad in (float("nan"), float("inf"), -float("inf"), np.float64("nan")):
+        with pytest.raises(ValueError, match="must be finite"):
+            as_reward(bad)
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    (float("nan"), "returned nan: a reward must be finite, got nan"),
+    (float("inf"), "returned inf: a reward must be finite, got inf"),
+    ("0.5", "returned '0.5': a reward must be a number, got str '0.5'"),
+])
+def test_a_non_finite_or_non_number_reward_names_the_sample_unless_scored_zero(value, message):
+    samples = [sample("fine"), sample("bad response", prompt="the prompt")]
+    samples[1].prompt.source = "data.jsonl:7"
+    with pytest.raises(RewardError) as err:
+        Returns([1.0, value]).score(samples)
+    text = str(err.value)
+    assert message in text and "data.jsonl:7: 'the prompt'" in text and "'bad response'" in text, text
+    assert "--reward.on_error zero" in text and "\n" not in text
+    zero = Returns([1.0, value, 0.5], on_error="zero")
+    assert zero.score(samples + [sample("ok")]) == [1.0, 0.0, 0.5]
+    assert zero.last_errors == 1 and message in zero.last_error
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +141,7 @@ def test_generative_unparsable_is_counted(judge_dir):
     samples = [sample("r1", "1"), sample("r2", "2"), sample("r3", "3")]
     assert reward.score(samples) == [-1.0] * 3
     assert reward.last_errors == reward.last_unparsable == 3
+    assert reward.last_error.startswith("unparsable judge verdict") and "scored -1.0" in reward.last_error
     assert all(s.reward_info["judge_unparsable"] == 1.0 for s in samples)
     strict = GenerativeReward(judge_dir, max_new_tokens=4, unparsable_score=None)
     strict.setup("cpu")

@@ -182,6 +182,8 @@ class MegatronBackend(TrainingBackend):
         self._init_parallel_state(fabric)
         hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
         hf_state = hf.state_dict()
+        # HF's nn.Embedding(padding_idx=pad): a pad token in the input gives the embedding no gradient
+        self.padding_idx = getattr(hf.get_input_embeddings(), "padding_idx", None)
         del hf
         self.policy = self._build_model(dtype)
         self._load_hf_state(self.policy, hf_state)
@@ -384,6 +386,8 @@ class MegatronBackend(TrainingBackend):
 
             keep_rotary_on_cpu(model)
         _mark_tensor_parallel(model)
+        if self.first_stage and getattr(self, "padding_idx", None) is not None:
+            _no_gradient_through_padding(model.embedding.word_embeddings, self.padding_idx)
         return model.to(self.device)
 
     def _global_name(self, name: str) -> str:
@@ -867,6 +871,20 @@ def _mark_tensor_parallel(model) -> None:  # noqa: ANN001
         param.tensor_model_parallel = is_tensor_parallel(name)
         param.partition_dim = 1 if row_parallel else 0
         param.partition_stride = 1
+
+
+def _no_gradient_through_padding(embedding: torch.nn.Module, padding_idx: int) -> None:
+    """Give ``padding_idx`` in the input no embedding gradient, as HF's ``nn.Embedding(padding_idx=...)``
+    does, so that both backends train alike on sequences holding the pad token (the output layer's
+    gradient, tied or not, is untouched). The forward values are unchanged."""
+
+    def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        ids = args[0]
+        if not torch.is_grad_enabled() or output.shape[:2] != ids.shape:  # [b, s, h]: no sequence-parallel scatter
+            return output
+        return torch.where((ids == padding_idx).unsqueeze(-1), output.detach(), output)
+
+    embedding.register_forward_hook(hook)
 
 
 def _rope(config) -> dict:  # noqa: ANN001

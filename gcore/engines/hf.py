@@ -28,6 +28,10 @@ class HFEngine(Engine):
         static_cache: decode Llama-style models (``llama``, ``qwen2``) with the engine's own decode
             step and a preallocated KV cache (``StaticCacheDecoder``); other architectures, or
             ``false``, decode through the model's forward with a growing ``DynamicCache``.
+
+    The pad and bos tokens are never sampled inside a response (unless they are stop tokens): a
+    pad token there would read as padding, and HF's embedding gives it no gradient. The recorded
+    log-probabilities are those of the model's own distribution, as with top-k and top-p.
     """
 
     def __init__(
@@ -46,6 +50,7 @@ class HFEngine(Engine):
         self.device = torch.device("cpu")
         self.pad_id = 0
         self.eos_ids: tuple[int, ...] = ()
+        self.bos_id: int | None = None
         self.asleep = False
 
     def setup(self, model_path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool) -> None:
@@ -64,6 +69,11 @@ class HFEngine(Engine):
         self.eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         pad = generation.pad_token_id if generation.pad_token_id is not None else config.pad_token_id
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
+        self.bos_id = generation.bos_token_id if generation.bos_token_id is not None else config.bos_token_id
+
+    def _banned(self, stop_ids: Sequence[int]) -> list[int]:
+        """Token ids never sampled in a response: pad and bos, unless they end a response."""
+        return [t for t in dict.fromkeys((self.pad_id, self.bos_id)) if t is not None and t not in stop_ids]
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
@@ -109,6 +119,7 @@ class HFEngine(Engine):
         stop_ids = tuple(dict.fromkeys(self.eos_ids + tuple(params.stop_token_ids)))
         stop = torch.tensor(stop_ids, dtype=torch.long, device=device) if stop_ids else None
         greedy = params.temperature == 0
+        banned = torch.tensor(self._banned(stop_ids), dtype=torch.long, device=device)
         # positions count real tokens only, so a left-padded row sees the positions it would see alone
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=model.config)
@@ -144,10 +155,11 @@ class HFEngine(Engine):
             if not greedy and params.temperature != 1.0:
                 logits = logits / params.temperature
             logp = torch.log_softmax(logits, dim=-1)
+            allowed = logp.index_fill(-1, banned, float("-inf")) if len(banned) else logp
             if greedy:
-                chosen = logp.argmax(-1)
+                chosen = allowed.argmax(-1)
             else:
-                chosen = _sample_rows(_truncate(logp, params.top_k, params.top_p).exp())
+                chosen = _sample_rows(_truncate(allowed, params.top_k, params.top_p).exp())
             chosen = torch.where(done, self.pad_id, chosen)
             tokens[:, t] = chosen
             logprobs[:, t] = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
@@ -181,6 +193,7 @@ class HFEngine(Engine):
             max_new_tokens=params.max_new_tokens,
             eos_token_id=list(stop_ids) or None,
             pad_token_id=self.pad_id,
+            suppress_tokens=self._banned(stop_ids) or None,
             return_dict_in_generate=True,
             output_logits=True,
         )

@@ -49,7 +49,8 @@ class GenerativeReward(RewardModel):
         max_new_tokens: the judge's generation budget.
         batch_size: samples per judge call.
         unparsable_score: the reward of a sample whose verdict cannot be parsed (counted in
-            ``reward/errors`` and logged); ``None`` fails the step instead.
+            ``reward/errors``; the controller warns once per step with the first such verdict);
+            ``None`` fails the step instead.
         retries: attempts again on a judge call that raises before the step fails.
         timeout_s: a judge call slower than this counts as failed (checked after it returns).
     """
@@ -124,6 +125,7 @@ class GenerativeReward(RewardModel):
         if self.tokenizer is None:
             self.setup(None)
         self.last_errors = self.last_unparsable = self.last_judge_tokens = 0
+        self.last_error = None
         scores: list[float] = []
         for start in range(0, len(samples), self.batch_size):
             chunk = samples[start : start + self.batch_size]
@@ -137,7 +139,9 @@ class GenerativeReward(RewardModel):
                             f"unparsable judge verdict {text!r} for prompt {sample.prompt.source or sample.prompt.index}; "
                             "set --reward.unparsable_score to score such samples and go on"
                         )
-                    log.warning("unparsable judge verdict %r; scored %s", text, self.unparsable_score)
+                    if self.last_error is None:  # no log line per sample: reward/errors counts them
+                        where, score = sample.prompt.source or sample.prompt.index, self.unparsable_score
+                        self.last_error = f"unparsable judge verdict {text!r} for prompt {where}, scored {score}"
                     value = self.unparsable_score
                     sample.reward_info["judge_unparsable"] = 1.0
                 scores.append(float(value))
