@@ -15,7 +15,7 @@ from gcore.algorithms.base import Algorithm
 from gcore.backends.base import TrainingBackend
 from gcore.checkpoint import CheckpointManager, resolve_resume, rng_state, set_rng_state
 from gcore.controller import Controller
-from gcore.data import CostBalancer, DataConfig, PromptSampler, load_prompts, with_synthetic_feature
+from gcore.data import CostBalancer, DataConfig, PromptSampler, load_eval_prompts, load_prompts, with_synthetic_feature
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError, GcoreError
 from gcore.liveness import ControllerWatch
@@ -76,6 +76,9 @@ class TrainerConfig:
         collective_timeout: seconds a collective may wait for the other controllers before the run
             fails (instead of hanging when one of them died); also how long a controller may send no
             heartbeat before the others declare it lost. A controller that is killed is named at once.
+        eval_every: evaluate on the held-out prompts (``--data.eval_path`` or the embedded task's test
+            split) before the first step, every N steps and after the last (0: never); see
+            ``gcore/evaluation.py`` for the ``eval/*`` metrics.
         controllers: ``None``: one controller per process (G-Core's parallel controllers); ``1``: one
             controller on rank 0 drives the engines and training shards of every process, and all
             rollout data passes through it (the single-driver baseline, for comparison).
@@ -98,15 +101,21 @@ class TrainerConfig:
     resume: str | None = None
     collective_timeout: float = 600.0
     controllers: int | None = None
+    eval_every: int = 0
 
 
 @dataclass
 class FitResult:
-    """What ``fit`` returns on rank 0 (``None`` fields on other ranks)."""
+    """What ``fit`` returns on rank 0 (``None`` fields on other ranks).
+
+    ``evaluations`` holds the ``--trainer.eval_every`` results, each with the ``step`` (updates
+    done) it measured.
+    """
 
     run_dir: str | None
     final_model_dir: str | None
     history: list[dict[str, float]] = field(default_factory=list)
+    evaluations: list[dict[str, float]] = field(default_factory=list)
 
 
 class Trainer:
@@ -151,6 +160,7 @@ class Trainer:
         checks = [
             (c.max_steps >= 1, f"--trainer.max_steps must be >= 1, got {c.max_steps}"),
             (c.devices >= 1, f"--trainer.devices must be >= 1, got {c.devices}"),
+            (c.eval_every >= 0, f"--trainer.eval_every must be >= 0, got {c.eval_every}"),
             (s.n >= 1, f"--sampling.n must be >= 1, got {s.n}"),
             (s.max_new_tokens >= 1, f"--sampling.max_new_tokens must be >= 1, got {s.max_new_tokens}"),
             (s.temperature > 0, f"--sampling.temperature must be > 0 for RL sampling, got {s.temperature}"),
@@ -276,9 +286,22 @@ class Trainer:
                 if not isinstance(logger, CSVLogger):  # Fabric's CSV logger takes no hyperparameters
                     logger.log_hyperparams(self.hyperparameters())
         history: list[dict[str, float]] = []
+        evaluations: list[dict[str, float]] = []
+        eval_prompts = self._eval_prompts(tokenizer, model_path, central)
+
+        def run_eval(step: int) -> dict[str, float]:
+            from gcore.evaluation import evaluate
+
+            bar.set_description("eval", refresh=False)
+            metrics = evaluate(self.rollout_engine, self.reward, tokenizer, eval_prompts, self.sampling, fabric)
+            evaluations.append({"step": float(step), **metrics})
+            return metrics
+
         bar = _progress(c.max_steps, enabled=c.enable_progress_bar and rank == 0)
         bar.update(start_step)
         for step in range(start_step, c.max_steps):
+            # the policy after ``step`` updates, logged with the step that starts from it
+            eval_metrics = run_eval(step) if eval_prompts and step % c.eval_every == 0 else {}
             shard = sampler.shard(sampler.next_global())
             shard = take(shard) if not central or rank == 0 else []
             metrics = controller.step(step, shard, on_stage=lambda stage: bar.set_description(stage, refresh=False))
@@ -287,11 +310,14 @@ class Trainer:
             if balancer is not None:
                 _learn_lengths(fabric, balancer, controller.last_samples, self.data_config.prompts_per_step)
             metrics.update(self._checkpoint_step(fabric, step, checkpoints, sampler, extra, model_path))
+            metrics.update(eval_metrics)
             fabric.log_dict(metrics, step=step)
             history.append(metrics)
             bar.set_description("step", refresh=False)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s=f"{metrics['time/step']:.2f}")
             bar.update(1)
+        if eval_prompts and start_step < c.max_steps:  # the trained policy, on a row of its own
+            fabric.log_dict({"step": float(c.max_steps), **run_eval(c.max_steps)}, step=c.max_steps)
         checkpoints.wait()
         bar.close()
         for logger in fabric.loggers:
@@ -304,8 +330,17 @@ class Trainer:
             tokenizer.save_pretrained(final_dir)
         fabric.barrier()
         if rank == 0:
-            return FitResult(run_dir, final_dir, history)
-        return FitResult(None, None, history)
+            return FitResult(run_dir, final_dir, history, evaluations)
+        return FitResult(None, None, history, evaluations)
+
+    def _eval_prompts(self, tokenizer, model_path: str, central: bool) -> list:  # noqa: ANN001
+        """The held-out prompts of ``--trainer.eval_every`` (none when it is 0)."""
+        if not self.config.eval_every:
+            return []
+        if central:
+            raise ConfigError("--trainer.eval_every runs with one controller per process (not --trainer.controllers 1)")
+        context = context_length(model_path, self.model_config.trust_remote_code)
+        return load_eval_prompts(self.data_config, tokenizer, self.sampling.max_new_tokens, context)
 
     def _single_controller(self, world_size: int) -> bool:
         """Whether one controller drives every process (``--trainer.controllers 1`` with several)."""
