@@ -44,7 +44,7 @@ def summary(rows: list[dict[str, float]]) -> str:
         return sum(values) / len(values) if values else math.nan
 
     all_rows = rows
-    # training steps only: the final evaluation has a row of its own, with no reward
+    # training steps only: each evaluation has a row of its own, with no reward
     rows = [r for r in rows if not math.isnan(r.get("reward/mean", math.nan))] or rows
     k = max(1, min(5, len(rows) // 2))
     first, last = rows[:k], rows[-k:]

@@ -289,19 +289,24 @@ class Trainer:
         evaluations: list[dict[str, float]] = []
         eval_prompts = self._eval_prompts(tokenizer, model_path, central)
 
-        def run_eval(step: int) -> dict[str, float]:
+        def run_eval(step: int) -> None:
+            """Evaluate the policy after ``step`` updates; logged at once, on a row of its own."""
             from gcore.evaluation import evaluate
 
             bar.set_description("eval", refresh=False)
-            metrics = evaluate(self.rollout_engine, self.reward, tokenizer, eval_prompts, self.sampling, fabric)
-            evaluations.append({"step": float(step), **metrics})
-            return metrics
+            metrics = {"step": float(step),
+                       **evaluate(self.rollout_engine, self.reward, tokenizer, eval_prompts, self.sampling, fabric)}
+            fabric.log_dict(metrics, step=step)
+            evaluations.append(metrics)
+            if rank == 0 and c.enable_progress_bar:
+                bar.write(f"step {step}: held-out accuracy greedy {metrics['eval/accuracy_greedy']:.3f}, "
+                          f"sampled {metrics['eval/accuracy_sampled']:.3f} ({metrics['eval/prompts']:.0f} prompts)")
 
         bar = _progress(c.max_steps, enabled=c.enable_progress_bar and rank == 0)
         bar.update(start_step)
         for step in range(start_step, c.max_steps):
-            # the policy after ``step`` updates, logged with the step that starts from it
-            eval_metrics = run_eval(step) if eval_prompts and step % c.eval_every == 0 else {}
+            if eval_prompts and step % c.eval_every == 0:
+                run_eval(step)
             shard = sampler.shard(sampler.next_global())
             shard = take(shard) if not central or rank == 0 else []
             metrics = controller.step(step, shard, on_stage=lambda stage: bar.set_description(stage, refresh=False))
@@ -310,14 +315,13 @@ class Trainer:
             if balancer is not None:
                 _learn_lengths(fabric, balancer, controller.last_samples, self.data_config.prompts_per_step)
             metrics.update(self._checkpoint_step(fabric, step, checkpoints, sampler, extra, model_path))
-            metrics.update(eval_metrics)
             fabric.log_dict(metrics, step=step)
             history.append(metrics)
             bar.set_description("step", refresh=False)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s=f"{metrics['time/step']:.2f}")
             bar.update(1)
-        if eval_prompts and start_step < c.max_steps:  # the trained policy, on a row of its own
-            fabric.log_dict({"step": float(c.max_steps), **run_eval(c.max_steps)}, step=c.max_steps)
+        if eval_prompts and start_step < c.max_steps:  # the trained policy
+            run_eval(c.max_steps)
         checkpoints.wait()
         bar.close()
         for logger in fabric.loggers:

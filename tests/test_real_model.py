@@ -53,7 +53,8 @@ def test_gguf_converts_to_a_plain_llama_checkpoint(smollm2):
 
 def test_engine_and_trainer_logprobs_agree_on_smollm2(smollm2):
     """float32 on CPU: the engine's sampled-token logprobs and the trainer's recomputed ones differ only by
-    kernel order (KV-cached decode vs one full forward over 30 layers); measured max gap 2e-5 here, bound 1e-3."""
+    kernel order (static-KV-cache decode vs one full forward over 30 layers): measured max gap 9.5e-6 on a
+    2-core x86-64 CPU (2026-11-23), bound 1e-4 (the tiny model's parity bound in test_weight_sync.py)."""
     from lightning.fabric import Fabric
 
     from gcore import GRPO, HFEngine, ModelConfig, SamplingParams, TorchBackend
@@ -77,7 +78,7 @@ def test_engine_and_trainer_logprobs_agree_on_smollm2(smollm2):
     batch = collate(samples, tokenizer.pad_token_id, params.temperature)
     gap = ((backend.compute_logprobs(batch, "policy") - batch.engine_logprobs) * batch.response_mask).abs().max()
     print(f"engine vs trainer max |logprob gap| on SmolLM2-135M: {float(gap):.2e}")
-    assert float(gap) < 1e-3
+    assert float(gap) < 1e-4
 
 
 def test_two_grpo_steps_on_smollm2_move_the_weights(smollm2, tmp_path):
@@ -96,10 +97,9 @@ def test_two_grpo_steps_on_smollm2_move_the_weights(smollm2, tmp_path):
 
     path, _ = smollm2
     result = Trainer(
-        trainer=TrainerConfig(max_steps=2, default_root_dir=str(tmp_path), enable_progress_bar=False, seed=0,
-                              eval_every=2),
+        trainer=TrainerConfig(max_steps=2, default_root_dir=str(tmp_path), enable_progress_bar=False, seed=0),
         model=ModelConfig(path=path),
-        data=DataConfig(task="arithmetic", chat_template=True, prompts_per_step=2, num_eval_prompts=2),
+        data=DataConfig(task="arithmetic", chat_template=True, prompts_per_step=2, num_synthetic_prompts=16),
         sampling=SamplingParams(n=2, max_new_tokens=12),
         reward=MathAndLength(),
         algorithm=GRPO(kl_coef=0.0),
@@ -108,9 +108,6 @@ def test_two_grpo_steps_on_smollm2_move_the_weights(smollm2, tmp_path):
     assert len(result.history) == 2
     for row in result.history:
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
-    # evaluated before the first step and after the last, on the 2 held-out prompts
-    assert [e["step"] for e in result.evaluations] == [0.0, 2.0]
-    assert all(e["eval/prompts"] == 2 and math.isfinite(e["eval/accuracy_greedy"]) for e in result.evaluations)
     before, after = load_file(os.path.join(path, "model.safetensors")), load_file(
         os.path.join(result.final_model_dir, "model.safetensors"))
     moved = [name for name in before if not torch.equal(before[name], after[name])]
