@@ -13,7 +13,9 @@ import os
 import pytest
 import torch
 
-pytestmark = pytest.mark.real_model
+# converting the GGUF and loading the 135M model (twice per run: trainer and engine) take most of the time;
+# the timeout leaves room for a loaded machine
+pytestmark = [pytest.mark.real_model, pytest.mark.timeout(1200)]
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
