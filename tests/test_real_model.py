@@ -9,6 +9,7 @@ that two training steps move it.
 import importlib.util
 import math
 import os
+import zlib
 
 import pytest
 import torch
@@ -90,20 +91,21 @@ def test_two_grpo_steps_on_smollm2_move_the_weights(smollm2, tmp_path):
     from gcore.data import DataConfig
     from gcore.rewards.math import MathReward
 
-    class MathAndLength(MathReward):
-        """math, plus a little for length: the untrained model is rarely right, and a group whose rewards are
-        all equal has no advantage to learn from (GRPO would leave the weights as they are)."""
+    class MathAndText(MathReward):
+        """math, plus an arbitrary but deterministic function of the text: the untrained model is never right
+        here (BENCHMARKS.md), and a group whose rewards are all equal has no advantage to learn from (GRPO
+        would leave the weights as they are; length alone ties when every sample is cut at 12 tokens)."""
 
         def score_one(self, sample):
-            return super().score_one(sample) + 0.01 * len(sample.response_ids)
+            return super().score_one(sample) + zlib.crc32(sample.response_text.encode()) % 1000 / 1000
 
     path, _ = smollm2
     result = Trainer(
         trainer=TrainerConfig(max_steps=2, default_root_dir=str(tmp_path), enable_progress_bar=False, seed=0),
         model=ModelConfig(path=path),
         data=DataConfig(task="arithmetic", chat_template=True, prompts_per_step=2, num_synthetic_prompts=16),
-        sampling=SamplingParams(n=2, max_new_tokens=12),
-        reward=MathAndLength(),
+        sampling=SamplingParams(n=3, max_new_tokens=12),
+        reward=MathAndText(),
         algorithm=GRPO(kl_coef=0.0),
         backend=TorchBackend(lr=1e-5),
     ).fit()
