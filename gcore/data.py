@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 
 from gcore.balance import LengthPredictor, imbalance, karmarkar_karp, round_robin
 from gcore.errors import DataError
-from gcore.tasks import target_char_rows
+from gcore.tasks import TASKS
 from gcore.types import Prompt
 
 
@@ -20,7 +21,9 @@ class DataConfig:
 
     Args:
         path: a ``.jsonl`` or ``.parquet`` file, or a folder saved with ``datasets``'
-            ``save_to_disk``. Unset: the embedded synthetic task.
+            ``save_to_disk``. Unset: the embedded task named by ``task``.
+        task: the embedded task when ``path`` is unset: ``target_char`` (for the embedded tiny model)
+            or ``arithmetic`` (2-3 digit addition/subtraction word problems, for the ``math`` reward).
         prompt_key: the column holding the prompt text.
         answer_key: the column holding the reference answer (optional per row).
         prompt_template: a format string applied to each prompt, e.g. ``"Q: {prompt}\\nA:"``.
@@ -32,12 +35,16 @@ class DataConfig:
         balance: split each step's prompts over the controllers by predicted cost (Karmarkar-Karp
             on prompt length + learnt response length) instead of round robin.
         num_synthetic_prompts: size of the embedded task's prompt set.
+        eval_path: held-out prompts (same format and keys as ``path``) for ``--trainer.eval_every`` and
+            ``gcore eval``. Unset: the embedded task's held-out split when ``path`` is unset.
+        num_eval_prompts: how many held-out prompts to evaluate on (the first ones).
         synthetic_feature_mb: attach to every prompt a synthetic per-sample feature of this many MB (an
             image stand-in, made by the controller that takes the prompt) that travels with its samples
             to generation and training; for benchmarks of data movement (the text models ignore it).
     """
 
     path: str | None = None
+    task: Literal["target_char", "arithmetic"] = "target_char"
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     prompt_template: str = "{prompt}"
@@ -47,6 +54,8 @@ class DataConfig:
     balance: bool = True
     num_synthetic_prompts: int = 1000
     synthetic_feature_mb: float = 0.0
+    eval_path: str | None = None
+    num_eval_prompts: int = 64
 
 
 def with_synthetic_feature(prompt: Prompt, megabytes: float) -> Prompt:
@@ -105,14 +114,43 @@ def read_rows(path: str) -> list[tuple[dict, str]]:
     raise DataError(f"--data.path {path}: unknown format; expected .jsonl or .parquet")
 
 
+def embedded_rows(task: str, num_prompts: int, split: Literal["train", "test"]) -> list[tuple[dict, str]]:
+    """Rows of an embedded task's split, each with its source (``<task:split>:row``)."""
+    if task not in TASKS:
+        raise DataError(f"--data.task {task!r}: valid choices: {', '.join(TASKS)}")
+    return [(row, f"<{task}:{split}>:{i + 1}") for i, row in enumerate(TASKS[task](num_prompts, 0, split))]
+
+
 def load_prompts(config: DataConfig, tokenizer, max_new_tokens: int, context: int | None) -> list[Prompt]:  # noqa: ANN001
     """Read, template and tokenize every prompt; reject rows that cannot be used."""
     if config.path is None:
-        rows = [(row, f"<embedded>:{i + 1}") for i, row in enumerate(target_char_rows(config.num_synthetic_prompts))]
+        rows = embedded_rows(config.task, config.num_synthetic_prompts, "train")
     else:
         rows = read_rows(config.path)
     if not rows:
         raise DataError(f"--data.path {config.path or '<embedded>'}: the dataset is empty")
+    return tokenize_rows(rows, config, tokenizer, max_new_tokens, context)
+
+
+def load_eval_prompts(config: DataConfig, tokenizer, max_new_tokens: int, context: int | None) -> list[Prompt]:  # noqa: ANN001
+    """The held-out prompts: ``eval_path``, else the embedded task's test split (first ``num_eval_prompts``)."""
+    if config.num_eval_prompts < 1:
+        raise DataError(f"--data.num_eval_prompts must be >= 1, got {config.num_eval_prompts}")
+    if config.eval_path is not None:
+        rows = read_rows(config.eval_path)[: config.num_eval_prompts]
+    elif config.path is None:
+        rows = embedded_rows(config.task, config.num_eval_prompts, "test")
+    else:
+        raise DataError("evaluation needs held-out prompts: set --data.eval_path (a .jsonl or .parquet file "
+                        "like --data.path)")
+    if not rows:
+        raise DataError(f"--data.eval_path {config.eval_path}: the dataset is empty")
+    return tokenize_rows(rows, config, tokenizer, max_new_tokens, context)
+
+
+def tokenize_rows(rows: list[tuple[dict, str]], config: DataConfig, tokenizer, max_new_tokens: int,  # noqa: ANN001
+                  context: int | None) -> list[Prompt]:
+    """Template and tokenize rows (with their sources) as ``Prompt``s; reject rows that cannot be used."""
     prompts = []
     for index, (row, source) in enumerate(rows):
         if config.prompt_key not in row:

@@ -26,8 +26,10 @@ class ModelConfig:
     """The policy model.
 
     Args:
-        path: a local HF checkpoint directory (model and tokenizer). Unset: build the embedded tiny
-            Qwen2-style model from the fields below, with the shipped character tokenizer.
+        path: a local HF checkpoint directory (model and tokenizer), or a ``.gguf`` file (dequantised
+            and converted to an HF checkpoint when the run starts; ``gcore import`` does it once). Unset:
+            build the embedded tiny Qwen2-style model from the fields below, with the shipped character
+            tokenizer.
         trust_remote_code: allow the checkpoint's own Python code to run.
         dtype: parameter dtype of the trainer's and engine's copies.
         hidden_size: embedded model only.
@@ -107,11 +109,16 @@ def load_tokenizer(config: ModelConfig):  # noqa: ANN201
     from transformers import AutoTokenizer
 
     _check_path(config.path)
-    if not any(os.path.isfile(os.path.join(config.path, name)) for name in TOKENIZER_FILES):
+    if not is_gguf(config.path) and not any(os.path.isfile(os.path.join(config.path, name))
+                                            for name in TOKENIZER_FILES):
         raise ConfigError(f"--model.path {config.path}: no tokenizer files in the folder (none of "
                           f"{', '.join(TOKENIZER_FILES)}); copy the model's tokenizer files next to its weights")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
+        if is_gguf(config.path):
+            tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(config.path)),
+                                                      gguf_file=os.path.basename(config.path))
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
     except Exception as err:
         raise ConfigError(f"--model.path {config.path}: cannot load a tokenizer: {type(err).__name__}: {err}") from err
     if len(tokenizer) < 2:  # transformers builds an empty tokenizer from a config that names its class only
@@ -123,9 +130,18 @@ def load_tokenizer(config: ModelConfig):  # noqa: ANN201
     return tokenizer
 
 
+def is_gguf(path: str) -> bool:
+    """Whether ``path`` names a GGUF file (llama.cpp's single-file format)."""
+    return path.lower().endswith(".gguf")
+
+
 def _check_path(path: str) -> None:
+    if is_gguf(path):
+        if not os.path.isfile(path):
+            raise ConfigError(f"--model.path {path!r}: no such GGUF file")
+        return
     if not os.path.isdir(path):
-        raise ConfigError(f"--model.path {path!r} is not a directory (expected a local HF checkpoint)")
+        raise ConfigError(f"--model.path {path!r} is not a directory (expected a local HF checkpoint or a .gguf file)")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"--model.path {path!r} has no config.json: not an HF checkpoint directory")
 
@@ -184,10 +200,15 @@ def materialize(config: ModelConfig, tokenizer, seed: int, workdir: str) -> str:
     """The HF checkpoint directory that trainer and engine load from.
 
     For the embedded model, builds it with ``seed`` and writes it (with its tokenizer) under
-    ``workdir``, so that every engine loads weights the same way: from a directory.
+    ``workdir``, so that every engine loads weights the same way: from a directory. A GGUF file
+    is converted into ``workdir`` (``import_gguf``).
     """
     if not config.embedded:
         _check_path(config.path)
+        if is_gguf(config.path):
+            print(f"converting {config.path} to an HF checkpoint for this run "
+                  "(`gcore import` converts it once for later runs)", flush=True)
+            return import_gguf(config.path, workdir, config.torch_dtype)
         check_weights(config.path)
         return config.path
     from safetensors.torch import save_file
@@ -208,6 +229,60 @@ def materialize(config: ModelConfig, tokenizer, seed: int, workdir: str) -> str:
     if not os.path.isfile(os.path.join(workdir, "config.json")):
         raise GcoreError(f"could not write the embedded model to {workdir}")
     return workdir
+
+
+def import_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float32) -> str:
+    """Convert a GGUF file into an HF checkpoint directory (model, tokenizer, chat template).
+
+    transformers dequantises the GGUF tensors (Q4/Q8/...) to ``dtype``; the model it returns is marked
+    quantised and refuses ``save_pretrained``, so its weights are loaded into a plain model built from
+    the same config and that one is saved. Needs the ``gguf`` package. Returns ``out_dir``.
+    """
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"{gguf_path}: reading GGUF files needs the gguf package: pip install gguf") from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _check_path(gguf_path)
+    folder, name = os.path.dirname(os.path.abspath(gguf_path)), os.path.basename(gguf_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    except Exception as err:
+        raise ConfigError(f"{gguf_path}: cannot load as a GGUF model: {type(err).__name__}: {err}") from err
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    model.generation_config = loaded.generation_config
+    del loaded
+    os.makedirs(out_dir, exist_ok=True)
+    # not model.save_pretrained under torch.distributed: see ``materialize``; this runs before launch
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def import_main(argv) -> int:  # noqa: ANN001
+    """``gcore import FILE.gguf OUT_DIR [--dtype float32]``: a GGUF file as an HF checkpoint directory."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="gcore import", description="Convert a GGUF model file (dequantised) to an HF checkpoint directory "
+        "that --model.path, from_pretrained, vLLM and SGLang load.")
+    parser.add_argument("gguf_file", help="a .gguf file")
+    parser.add_argument("out_dir", help="the HF checkpoint directory to write")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter dtype (default float32)")
+    args = parser.parse_args(list(argv))
+    if not is_gguf(args.gguf_file):
+        raise ConfigError(f"gcore import {args.gguf_file}: expected a .gguf file")
+    if os.path.exists(os.path.join(args.out_dir, "config.json")):
+        raise ConfigError(f"gcore import: {args.out_dir} already holds a checkpoint; choose another folder")
+    import_gguf(args.gguf_file, args.out_dir, DTYPES[args.dtype])
+    print(f"HF checkpoint: {args.out_dir}")
+    return 0
 
 
 def context_length(model_path: str, trust_remote_code: bool) -> int | None:

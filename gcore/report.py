@@ -16,6 +16,7 @@ PANELS: list[tuple[str, list[str]]] = [
     ("kl_entropy", ["kl", "entropy"]),
     ("loss", ["loss", "grad_norm"]),
     ("stage_times", ["time/generate", "time/reward", "time/swap", "time/prepare", "time/train", "time/sync"]),
+    ("eval_accuracy", ["eval/accuracy_greedy", "eval/accuracy_sampled"]),  # with --trainer.eval_every
 ]
 
 
@@ -42,6 +43,9 @@ def summary(rows: list[dict[str, float]]) -> str:
         values = [r[key] for r in part if key in r and not math.isnan(r[key])]
         return sum(values) / len(values) if values else math.nan
 
+    all_rows = rows
+    # training steps only: each evaluation has a row of its own, with no reward
+    rows = [r for r in rows if not math.isnan(r.get("reward/mean", math.nan))] or rows
     k = max(1, min(5, len(rows) // 2))
     first, last = rows[:k], rows[-k:]
     lines = [
@@ -57,6 +61,11 @@ def summary(rows: list[dict[str, float]]) -> str:
             if not math.isnan(t):
                 parts.append(f"{stage} {100 * t / step:.0f}%")
         lines.append(f"time/step: {step:.3f} s ({', '.join(parts)})")
+    for key in ("eval/accuracy_greedy", "eval/accuracy_sampled"):
+        evals = [(r.get("step", math.nan), r[key]) for r in all_rows if not math.isnan(r.get(key, math.nan))]
+        if evals:
+            lines.append(f"{key}: {evals[0][1]:.3f} at step {evals[0][0]:g} -> {evals[-1][1]:.3f} at step "
+                         f"{evals[-1][0]:g} ({len(evals)} evaluations)")
     placement = sorted(key for key in rows[-1] if key.startswith("placement/"))
     if placement:
         lines.append("placement (last step): " + ", ".join(f"{key[10:]}={rows[-1][key]:g}" for key in placement))
@@ -86,8 +95,9 @@ def render(run_dir: str, out_dir: str | None = None) -> list[str]:
         if not present:
             continue
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-        for key in present:
-            ax.plot(steps, [r.get(key, math.nan) for r in rows], label=key, marker="." if len(rows) < 50 else None)
+        for key in present:  # only the steps that logged the key (evaluations run every N steps)
+            points = [(x, r[key]) for x, r in zip(steps, rows) if not math.isnan(r.get(key, math.nan))]
+            ax.plot(*zip(*points), label=key, marker="." if len(points) < 50 else None)
         ax.set_xlabel("step")
         ax.set_title(title)
         ax.grid(alpha=0.3)

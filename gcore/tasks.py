@@ -1,8 +1,11 @@
-"""The embedded default task: a synthetic prompt set that a randomly initialised model can learn."""
+"""The embedded tasks, generated (no downloads): ``target_char``, the default, which a randomly
+initialised model can learn; ``arithmetic``, word problems for a small pretrained instruct model."""
 
 from __future__ import annotations
 
 import random
+import zlib
+from typing import Literal
 
 
 def target_char_rows(num_prompts: int, seed: int = 0) -> list[dict[str, str]]:
@@ -17,3 +20,54 @@ def target_char_rows(num_prompts: int, seed: int = 0) -> list[dict[str, str]]:
         digit = str(rng.randrange(10))
         rows.append({"prompt": f"{digit}=", "answer": digit})
     return rows
+
+
+#: (question, operation) templates of the arithmetic task; ``{a}`` and ``{b}`` are the operands
+_WORD_PROBLEMS: list[tuple[str, str]] = [
+    ("{name} has {a} marbles and finds {b} more. How many marbles does {name} have now?", "+"),
+    ("A library owns {a} books and buys {b} new ones. How many books does it own now?", "+"),
+    ("A farm has {a} sheep. {b} lambs are born. How many sheep are on the farm now?", "+"),
+    ("{name} walked {a} metres in the morning and {b} metres in the afternoon. How many metres in all?", "+"),
+    ("A shop had {a} apples and sold {b} of them. How many apples are left?", "-"),
+    ("{name} had {a} stickers and gave {b} to a friend. How many stickers does {name} have left?", "-"),
+    ("A tank holds {a} litres of water. {b} litres are drained. How many litres remain?", "-"),
+    ("A train carries {a} passengers. At the station {b} get off. How many passengers are still on the train?", "-"),
+]
+_NAMES = ["Tom", "Ana", "Sam", "Mia", "Leo", "Ivy", "Max", "Zoe"]
+#: appended to every question: the ``math`` reward reads the number after "The answer is"
+ANSWER_FORMAT = "End your reply with 'The answer is N.' where N is the number."
+
+
+def held_out(a: int, b: int, op: str) -> bool:
+    """Whether the problem ``a op b`` belongs to the held-out split (about one problem in ten)."""
+    return zlib.crc32(f"{a}{op}{b}".encode()) % 10 == 0
+
+
+def arithmetic_rows(num_prompts: int, seed: int = 0, split: Literal["train", "test"] = "train") -> list[dict[str, str]]:
+    """Word problems adding or subtracting 2-3 digit numbers; the answer is the resulting number.
+
+    ``split="test"`` draws only held-out problems and ``"train"`` never does (``held_out`` decides
+    by the operands and the operation, whatever the wording), so accuracy on the test split measures
+    arithmetic the policy did not train on. Subtractions never go below zero. Score with the ``math``
+    reward: the prompt asks for a final "The answer is N.".
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    rng = random.Random(f"arithmetic-{split}-{seed}")
+    rows, seen = [], set()
+    while len(rows) < num_prompts:
+        template, op = rng.choice(_WORD_PROBLEMS)
+        a, b = rng.randrange(10, 1000), rng.randrange(10, 1000)
+        if op == "-" and b > a:
+            a, b = b, a
+        if held_out(a, b, op) != (split == "test") or (a, b, op) in seen:
+            continue
+        seen.add((a, b, op))
+        question = template.format(name=rng.choice(_NAMES), a=a, b=b)
+        rows.append({"prompt": f"{question} {ANSWER_FORMAT}", "answer": str(a + b if op == "+" else a - b)})
+    return rows
+
+
+#: the embedded tasks by name: ``(num_prompts, seed, split) -> rows``
+TASKS = {"target_char": lambda n, seed, split: target_char_rows(n, seed + (split == "test") * 10_000),
+         "arithmetic": arithmetic_rows}

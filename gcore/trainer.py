@@ -33,7 +33,7 @@ from gcore.checkpoint import (
     verify,
 )
 from gcore.controller import Controller
-from gcore.data import CostBalancer, DataConfig, PromptSampler, load_prompts, with_synthetic_feature
+from gcore.data import CostBalancer, DataConfig, PromptSampler, load_eval_prompts, load_prompts, with_synthetic_feature
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError, GcoreError, Interrupted
 from gcore.liveness import ControllerWatch
@@ -105,6 +105,9 @@ class TrainerConfig:
             and end every process of the run, the silent one included.
         max_skipped_updates: stop the run after this many consecutive steps that skipped an update
             because the loss or the gradient was NaN or infinite (0: never stop).
+        eval_every: evaluate on the held-out prompts (``--data.eval_path`` or the embedded task's test
+            split) before the first step, every N steps and after the last (0: never); see
+            ``gcore/evaluation.py`` for the ``eval/*`` metrics.
         controllers: ``None``: one controller per process (G-Core's parallel controllers); ``1``: one
             controller on rank 0 drives the engines and training shards of every process, and all
             rollout data passes through it (the single-driver baseline, for comparison).
@@ -129,15 +132,21 @@ class TrainerConfig:
     heartbeat_timeout: float = 30.0
     max_skipped_updates: int = 3
     controllers: int | None = None
+    eval_every: int = 0
 
 
 @dataclass
 class FitResult:
-    """What ``fit`` returns on rank 0 (``None`` fields on other ranks)."""
+    """What ``fit`` returns on rank 0 (``None`` fields on other ranks).
+
+    ``evaluations`` holds the ``--trainer.eval_every`` results, each with the ``step`` (updates
+    done) it measured.
+    """
 
     run_dir: str | None
     final_model_dir: str | None
     history: list[dict[str, float]] = field(default_factory=list)
+    evaluations: list[dict[str, float]] = field(default_factory=list)
 
 
 class Trainer:
@@ -190,6 +199,7 @@ class Trainer:
             (c.heartbeat_timeout > 0, f"--trainer.heartbeat_timeout must be > 0 seconds, got {c.heartbeat_timeout}"),
             (c.collective_timeout > 0, f"--trainer.collective_timeout must be > 0 seconds, got {c.collective_timeout}"),
             (c.max_skipped_updates >= 0, f"--trainer.max_skipped_updates must be >= 0, got {c.max_skipped_updates}"),
+            (c.eval_every >= 0, f"--trainer.eval_every must be >= 0, got {c.eval_every}"),
             (s.n >= 1, f"--sampling.n must be >= 1, got {s.n}"),
             (s.max_new_tokens >= 1, f"--sampling.max_new_tokens must be >= 1, got {s.max_new_tokens}"),
             (s.temperature > 0, f"--sampling.temperature must be > 0 for RL sampling, got {s.temperature}"),
@@ -329,12 +339,30 @@ class Trainer:
                 if not isinstance(logger, CSVLogger):  # Fabric's CSV logger takes no hyperparameters
                     logger.log_hyperparams(self.hyperparameters())
         history: list[dict[str, float]] = []
+        evaluations: list[dict[str, float]] = []
+        eval_prompts = self._eval_prompts(tokenizer, model_path, central)
+
+        def run_eval(step: int) -> None:
+            """Evaluate the policy after ``step`` updates; logged at once, on a row of its own."""
+            from gcore.evaluation import evaluate
+
+            bar.set_description("eval", refresh=False)
+            metrics = {"step": float(step),
+                       **evaluate(self.rollout_engine, self.reward, tokenizer, eval_prompts, self.sampling, fabric)}
+            fabric.log_dict(metrics, step=step)
+            evaluations.append(metrics)
+            if rank == 0 and c.enable_progress_bar:
+                bar.write(f"step {step}: held-out accuracy greedy {metrics['eval/accuracy_greedy']:.3f}, "
+                          f"sampled {metrics['eval/accuracy_sampled']:.3f} ({metrics['eval/prompts']:.0f} prompts)")
+
         bar = _progress(c.max_steps, enabled=c.enable_progress_bar and rank == 0)
         bar.update(start_step)
         step = start_step
         skipping = 0  # consecutive steps that skipped an update (non-finite loss or gradient)
         try:
             for step in range(start_step, c.max_steps):
+                if eval_prompts and step % c.eval_every == 0:
+                    run_eval(step)
                 shard = sampler.shard(sampler.next_global())
                 shard = take(shard) if not central or rank == 0 else []
                 metrics = controller.step(step, shard,
@@ -359,6 +387,8 @@ class Trainer:
                         f"step {step}: {skipping} steps in a row skipped their update because the loss or the "
                         f"gradient was NaN or infinite (loss {metrics.get('loss', float('nan')):g}, grad_norm "
                         f"{metrics.get('grad_norm', float('nan')):g}); stopping (see --trainer.max_skipped_updates)")
+            if eval_prompts and start_step < c.max_steps:  # the trained policy
+                run_eval(c.max_steps)
             checkpoints.wait()
         except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (``Interrupted``)
             bar.close()
@@ -379,8 +409,17 @@ class Trainer:
             final_dir = self._save_final(os.path.join(run_dir, "final"), tokenizer, checkpoints.root)
         fabric.barrier()
         if rank == 0:
-            return FitResult(run_dir, final_dir, history)
-        return FitResult(None, None, history)
+            return FitResult(run_dir, final_dir, history, evaluations)
+        return FitResult(None, None, history, evaluations)
+
+    def _eval_prompts(self, tokenizer, model_path: str, central: bool) -> list:  # noqa: ANN001
+        """The held-out prompts of ``--trainer.eval_every`` (none when it is 0)."""
+        if not self.config.eval_every:
+            return []
+        if central:
+            raise ConfigError("--trainer.eval_every runs with one controller per process (not --trainer.controllers 1)")
+        context = context_length(model_path, self.model_config.trust_remote_code)
+        return load_eval_prompts(self.data_config, tokenizer, self.sampling.max_new_tokens, context)
 
     def _save_final(self, final_dir: str, tokenizer, checkpoint_root: str) -> str:  # noqa: ANN001
         """Write the trained policy to ``final_dir`` atomically (``final.tmp``, then renamed).

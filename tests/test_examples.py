@@ -11,7 +11,8 @@ from conftest import run_gcore
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.mark.parametrize("config", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("config", sorted([*EXAMPLES.glob("*.yaml"), *EXAMPLES.glob("real_model/*.yaml")]),
+                         ids=lambda p: p.name)
 def test_example_config_parses(config, tmp_path):
     result = run_gcore("fit", "--config", str(config), "--print_config", cwd=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -1,0 +1,100 @@
+"""Held-out evaluation: the policy's accuracy on prompts it does not train on, with the rollout engine.
+
+``--trainer.eval_every N`` runs it inside ``gcore fit`` (before the first step, every N steps, and
+after the last one); ``gcore eval`` runs it once on a checkpoint. Each prompt gets one greedy
+completion and one at the training temperature; the metrics are the mean reward of each, which for
+a 0/1 reward such as ``math`` is the share answered correctly:
+
+- ``eval/accuracy_greedy``: temperature 0 (the model's best guess);
+- ``eval/accuracy_sampled``: ``--sampling.temperature`` (what training samples see);
+- ``eval/prompts``, ``time/eval``.
+
+With several controllers each evaluates its share of the prompts and the sums are all-reduced.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from gcore.engines.base import Engine
+from gcore.rewards.base import RewardModel
+from gcore.types import Prompt, Sample, SamplingParams
+
+MODES = ("greedy", "sampled")
+
+
+def evaluate(engine: Engine, reward: RewardModel, tokenizer, prompts: Sequence[Prompt],  # noqa: ANN001
+             sampling: SamplingParams, fabric=None) -> dict[str, float]:  # noqa: ANN001
+    """Mean reward of one greedy and one sampled completion per prompt (see the module docstring)."""
+    start = time.perf_counter()
+    rank, world = (fabric.global_rank, fabric.world_size) if fabric is not None else (0, 1)
+    mine = list(prompts)[rank::world]
+    sums = torch.zeros(len(MODES) + 1, dtype=torch.float64)
+    sums[-1] = len(mine)
+    for i, mode in enumerate(MODES):
+        params = replace(sampling, n=1, temperature=0.0 if mode == "greedy" else sampling.temperature)
+        outputs = engine.generate([p.token_ids for p in mine], params) if mine else []
+        samples = [
+            Sample(prompt=p, group=j, response_ids=g.token_ids, response_logprobs=g.logprobs,
+                   response_text=tokenizer.decode(g.token_ids, skip_special_tokens=True), finished=g.finished)
+            for j, (p, generations) in enumerate(zip(mine, outputs))
+            for g in generations
+        ]
+        sums[i] = float(sum(reward.score(samples))) if samples else 0.0
+    if world > 1:
+        sums = fabric.all_reduce(sums, reduce_op="sum")
+    count = max(float(sums[-1]), 1.0)
+    metrics = {f"eval/accuracy_{mode}": float(sums[i]) / count for i, mode in enumerate(MODES)}
+    metrics["eval/prompts"] = float(sums[-1])
+    metrics["time/eval"] = time.perf_counter() - start
+    return metrics
+
+
+def eval_main(argv: Sequence[str]) -> int:
+    """``gcore eval``: ``gcore fit``'s model, data, sampling, engine and reward options; prints the metrics.
+
+    One process. Example: ``gcore eval --model.path final/ --data.task arithmetic --data.chat_template
+    true --reward math --sampling.max_new_tokens 48``.
+    """
+    import json
+    import shutil
+    import tempfile
+
+    from gcore.cli import build_fit_parser, resolve_argv, with_default_plugins
+    from gcore.data import load_eval_prompts
+    from gcore.model import context_length, load_tokenizer, materialize
+
+    argv = list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: gcore eval [gcore fit options]\n\nHeld-out accuracy of --model.path (greedy and at "
+              "--sampling.temperature) on --data.eval_path, or on the embedded --data.task's held-out split.\n"
+              "The --model, --data, --sampling, --engine and --reward options are gcore fit's "
+              "(gcore fit --help); the others are ignored.")
+        return 0
+    parser = build_fit_parser()
+    config = parser.parse_args(with_default_plugins(resolve_argv(argv)))
+    init = parser.instantiate_classes(config)
+    model_config, data, sampling = init["model"], init["data"], init["sampling"]
+    engine, reward = init["engine"], init["reward"]
+    device = torch.device("cuda" if torch.cuda.is_available() and init["trainer"].accelerator != "cpu" else "cpu")
+    workdir = tempfile.mkdtemp(prefix="gcore-eval-")
+    try:
+        tokenizer = load_tokenizer(model_config)
+        model_path = materialize(model_config, tokenizer, init["trainer"].seed, workdir)
+        prompts = load_eval_prompts(data, tokenizer, sampling.max_new_tokens,
+                                    context_length(model_path, model_config.trust_remote_code))
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in sampling.stop_token_ids:
+            sampling.stop_token_ids = (*sampling.stop_token_ids, tokenizer.eos_token_id)
+        torch.manual_seed(init["trainer"].seed)
+        engine.setup(model_path, device, model_config.torch_dtype, model_config.trust_remote_code)
+        reward.setup(device)
+        metrics = evaluate(engine, reward, tokenizer, prompts, sampling)
+    finally:
+        engine.shutdown()
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(json.dumps(metrics, indent=1))
+    return 0

@@ -1,0 +1,131 @@
+"""The arithmetic task, held-out evaluation (``--trainer.eval_every``, ``gcore eval``) and GGUF errors."""
+
+import csv
+import json
+import math
+
+import pytest
+
+from conftest import FAST, run_gcore
+from gcore.data import DataConfig, load_eval_prompts, load_prompts
+from gcore.errors import ConfigError, DataError
+from gcore.evaluation import evaluate
+from gcore.model import ModelConfig, char_tokenizer, load_tokenizer
+from gcore.rewards.math import MathReward, final_answer
+from gcore.tasks import ANSWER_FORMAT, arithmetic_rows, held_out
+from gcore.types import Generation, SamplingParams
+
+
+def _problem(row):
+    """(a, op, b) of a row, read back from its text."""
+    numbers = [int(w) for w in row["prompt"].replace("?", " ").replace(".", " ").split() if w.isdigit()]
+    a, b = numbers
+    op = "+" if int(row["answer"]) == a + b and a - b != int(row["answer"]) else "-"
+    return a, op, b
+
+
+def test_arithmetic_task_has_disjoint_deterministic_splits():
+    train, test = arithmetic_rows(3000), arithmetic_rows(300, split="test")
+    assert train == arithmetic_rows(3000)  # the same rows every time: no downloads, no randomness per run
+    assert len({r["prompt"] for r in train}) == 3000
+    train_problems, test_problems = {_problem(r) for r in train}, {_problem(r) for r in test}
+    assert not train_problems & test_problems
+    assert all(held_out(*p[::2], p[1]) for p in test_problems)
+    for row in train[:200]:
+        a, op, b = _problem(row)
+        assert 10 <= a <= 999 and 10 <= b <= 999 and row["prompt"].endswith(ANSWER_FORMAT)
+        assert int(row["answer"]) == (a + b if op == "+" else a - b) >= 0
+    assert {op for _, op, _ in train_problems} == {"+", "-"}
+    with pytest.raises(ValueError, match="split must be"):
+        arithmetic_rows(1, split="dev")
+
+
+def test_the_math_reward_scores_the_tasks_answer_format():
+    reward, row = MathReward(), arithmetic_rows(1)[0]
+    from gcore.testing import make_sample
+
+    right = make_sample(row["prompt"], f"First, compute. The answer is {row['answer']}.", row["answer"])
+    wrong = make_sample(row["prompt"], f"The answer is {int(row['answer']) + 1}.", row["answer"])
+    assert final_answer(right.response_text) == row["answer"]
+    assert reward.score([right, wrong]) == [1.0, 0.0]
+
+
+def test_eval_prompts_come_from_the_held_out_split_or_a_file(tmp_path):
+    tokenizer = char_tokenizer()
+    config = DataConfig(task="arithmetic", num_eval_prompts=5, num_synthetic_prompts=50)
+    train = load_prompts(config, tokenizer, 8, None)
+    held = load_eval_prompts(config, tokenizer, 8, None)
+    assert len(train) == 50 and len(held) == 5 and held[0].source == "<arithmetic:test>:1"
+    assert not {p.text for p in train} & {p.text for p in held}
+    (tmp_path / "eval.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n')
+    with_file = DataConfig(path="x.jsonl", eval_path=str(tmp_path / "eval.jsonl"))
+    from_file = load_eval_prompts(with_file, tokenizer, 8, None)
+    assert [p.answer for p in from_file] == ["2", "4"]
+    with pytest.raises(DataError, match="set --data.eval_path"):
+        load_eval_prompts(DataConfig(path="x.jsonl"), tokenizer, 8, None)
+    with pytest.raises(DataError, match="--data.task 'nope': valid choices: target_char, arithmetic"):
+        load_prompts(DataConfig(task="nope"), tokenizer, 8, None)
+
+
+class _ScriptedEngine:
+    """Answers each prompt with a fixed text: greedy right, sampled wrong (records the temperatures)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.temperatures = tokenizer, []
+
+    def generate(self, prompts, params):
+        self.temperatures.append(params.temperature)
+        text = "The answer is 2." if params.temperature == 0 else "The answer is 3."
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return [[Generation(ids, [0.0] * len(ids), True)] for _ in prompts]
+
+
+def test_evaluate_reports_greedy_and_sampled_accuracy():
+    tokenizer = char_tokenizer()
+    prompts = load_eval_prompts(DataConfig(task="arithmetic", num_eval_prompts=3), tokenizer, 8, None)
+    for p in prompts:
+        p.answer = "2"
+    engine = _ScriptedEngine(tokenizer)
+    metrics = evaluate(engine, MathReward(), tokenizer, prompts, SamplingParams(temperature=0.7))
+    assert engine.temperatures == [0.0, 0.7]
+    assert metrics["eval/accuracy_greedy"] == 1.0 and metrics["eval/accuracy_sampled"] == 0.0
+    assert metrics["eval/prompts"] == 3
+
+
+def test_eval_every_logs_held_out_accuracy_and_report_plots_it(tmp_path):
+    root = tmp_path / "runs"
+    result = run_gcore("fit", *FAST, "--trainer.max_steps", "3", "--trainer.eval_every", "2",
+                       "--data.num_eval_prompts", "4", "--trainer.default_root_dir", str(root), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    run = next(root.glob("*/version_0"))
+    with open(run / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    evaluated = [int(float(r["step"])) for r in rows if r.get("eval/accuracy_greedy")]
+    assert evaluated == [0, 2, 3]  # before the first step, every 2 steps, after the last
+    trained = [int(float(r["step"])) for r in rows if r.get("reward/mean")]
+    assert trained == [0, 1, 2]  # each evaluation has a row of its own, logged when it is done
+    for r in rows:
+        if r.get("eval/accuracy_greedy"):
+            assert 0 <= float(r["eval/accuracy_greedy"]) <= 1 and float(r["eval/prompts"]) == 4
+    pytest.importorskip("matplotlib")
+    report = run_gcore("report", str(run))
+    assert report.returncode == 0, report.stderr
+    assert "steps: 3" in report.stdout and "eval/accuracy_greedy:" in report.stdout
+    assert "(3 evaluations)" in report.stdout
+    assert (run / "plots" / "eval_accuracy.png").is_file()
+
+
+def test_gcore_eval_prints_the_metrics(tmp_path):
+    result = run_gcore("eval", "--model.num_hidden_layers", "1", "--model.hidden_size", "32",
+                       "--model.intermediate_size", "64", "--sampling.max_new_tokens", "4",
+                       "--data.num_eval_prompts", "3", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads(result.stdout[result.stdout.index("{"):])
+    assert metrics["eval/prompts"] == 3 and math.isfinite(metrics["eval/accuracy_sampled"])
+
+
+def test_gguf_paths_are_checked(tmp_path):
+    with pytest.raises(ConfigError, match="no such GGUF file"):
+        load_tokenizer(ModelConfig(path=str(tmp_path / "missing.gguf")))
+    result = run_gcore("import", str(tmp_path / "model.bin"), str(tmp_path / "out"))
+    assert result.returncode == 2 and "expected a .gguf file" in result.stderr
