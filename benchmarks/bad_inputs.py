@@ -168,13 +168,15 @@ def run(args: list[str], root: str) -> subprocess.CompletedProcess:
 
 def classify(result: subprocess.CompletedProcess, keyword: str) -> tuple[str, str]:
     """(``clear``/``unclear``/``crash``/``silent``, the line that says why)."""
-    errors = [line for line in result.stderr.splitlines() if ": error:" in line]
-    last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
+    lines = result.stderr.strip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("error:") or ": error:" in line]
+    last = lines[-1] if lines else ""
     if result.returncode == 0:
         return "silent", last
-    if "Traceback" in result.stderr or result.returncode != 2 or not errors:
+    if "Traceback" in result.stderr or result.returncode != 2 or not starts:
         return "crash", last
-    return ("clear" if keyword.lower() in errors[-1].lower() else "unclear"), errors[-1]
+    message = " ".join(line.strip() for line in lines[starts[-1]:])  # jsonargparse's run over a few lines
+    return ("clear" if keyword.lower() in message.lower() else "unclear"), message
 
 
 def main() -> int:

@@ -31,7 +31,7 @@ def _reward_file(tmp_path, body: str) -> str:
 def test_a_nan_reward_stops_the_run_naming_the_sample(tmp_path):
     # before: the run went on with every update skipped, exited 0 and saved final/
     with pytest.raises(RewardError, match=r"CallableReward returned nan: a reward must be finite, got nan on sample "
-                                          r"\(prompt <embedded>:\d+: .*, response: .*\); pass --reward.on_error zero"):
+                                          r"\(prompt <[^>]+>:\d+: .*, response: .*\); pass --reward.on_error zero"):
         tiny_fit(steps=2, reward=CallableReward(_reward_file(tmp_path, "    return math.nan")))
 
 

@@ -58,8 +58,11 @@ def test_skipping_zero_advantage_rows_gives_the_same_update():
         assert abs(a["loss"] - b["loss"]) <= 1e-6 + 1e-4 * abs(b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 + 1e-4 * abs(b["grad_norm"])
     weights_skipped, weights_full = final_weights(results[True]), final_weights(results[False])
+    # atol 1e-5: Adam divides each gradient by its own magnitude, so where a gradient is almost 0 the
+    # summation order (other rows in the micro-batches) moves the update by up to ~1e-6 (measured:
+    # 1.4e-6 on 1 entry of 2048 in gate_proj), while the gradient norms above agree
     for name, tensor in weights_full.items():
-        torch.testing.assert_close(weights_skipped[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(weights_skipped[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_rows_to_train_keeps_every_row_when_zero_advantage_still_counts():
