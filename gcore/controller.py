@@ -138,10 +138,12 @@ class Controller:
             for g in generations
         ]
 
-    def score(self, samples: list[Sample]) -> None:
-        """Reward the samples: the raw score is kept in ``reward_info["raw"]``, the algorithm shapes it."""
-        raw = self.reward.score(samples)
-        self._reward_errors += getattr(self.reward, "last_errors", 0)
+    def score(self, samples: list[Sample], reward: RewardModel | None = None) -> None:
+        """Reward the samples (with ``reward``, e.g. one scored in worker processes, instead of this
+        controller's): the raw score is kept in ``reward_info["raw"]``, the algorithm shapes it."""
+        reward = reward or self.reward
+        raw = reward.score(samples)
+        self._reward_errors += getattr(reward, "last_errors", 0)
         for sample, value in zip(samples, raw):
             sample.reward_info["raw"] = value
             sample.reward = value

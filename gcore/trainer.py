@@ -201,6 +201,10 @@ class Trainer:
         """Launch the controllers and train for ``max_steps``; returns the run's results on rank 0."""
         _quiet_dependencies()
         fabric, device_type = self._fabric()
+        # invalid combinations fail here, once, before any controller process or engine is launched
+        world = self.config.devices * self.config.num_nodes
+        self._single_controller(world)
+        self.placement.setup(world, device_type, self.reward)
         workdir = tempfile.mkdtemp(prefix="gcore-model-")
         try:
             # before the process group exists: transformers saves only on rank 0 once it does, and
@@ -237,10 +241,11 @@ class Trainer:
         fabric.seed_everything(c.seed + rank, verbose=False)  # different samples per controller
 
         central = self._single_controller(fabric.world_size)
-        self.placement.setup(fabric.world_size, device_type)
         self.backend.setup(fabric, model_path, self.model_config.torch_dtype, trust, self.algorithm,
                            embedded=self.model_config.embedded)
         # the placement policy starts the engines where it places them (in this process by default)
+        if rank == 0 and self.placement.describe():
+            print(self.placement.describe(), flush=True)
         self.rollout_engine = self.placement.launch(self.engine, self.reward, model_path, self.model_config.torch_dtype,
                                                     trust, fabric.device, seed=c.seed + 1000 * rank)
         balancer = CostBalancer(prompts, self.sampling.n, self.sampling.max_new_tokens) if self.data_config.balance else None
