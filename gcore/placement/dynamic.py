@@ -303,6 +303,6 @@ def _picklable(reward: RewardModel | None) -> bool:
     """Whether a rule-based reward can be sent to a worker process (a reward holding a lambda cannot)."""
     try:
         pickle.dumps(reward)
-    except Exception:  # any object may refuse to be pickled in its own way
+    except (pickle.PicklingError, TypeError, AttributeError):  # a local class or lambda, a lock, an open file
         return False
     return True
