@@ -143,7 +143,7 @@ class DynamicPlacement(PlacementPolicy):
                  if self.max_reward_devices else "the reward cannot be sent to a worker process, so it stays there")
         return (f"dynamic placement: {self.total} engine worker process(es) per controller "
                 f"({self.threads} thread(s) each, from {usable_cores()} usable cores) generate; the "
-                f"rule reward scores {where}; training uses the controller's cores between rollouts; {moves} "
+                f"reward scores {where}; training uses the controller's cores between rollouts; {moves} "
                 "(placement/* in metrics.csv)")
 
     def launch(self, engine: Engine, reward: RewardModel, model_path: str, dtype: torch.dtype,
