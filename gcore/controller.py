@@ -149,18 +149,20 @@ class Controller:
             for g in generations
         ]
 
-    def score(self, samples: list[Sample]) -> None:
-        """Reward the samples: the raw score is kept in ``reward_info["raw"]``, the algorithm shapes it."""
-        raw = self.reward.score(samples)
+    def score(self, samples: list[Sample], reward: RewardModel | None = None) -> None:
+        """Reward the samples (with ``reward``, e.g. one scored in worker processes, instead of this
+        controller's): the raw score is kept in ``reward_info["raw"]``, the algorithm shapes it."""
+        reward = reward or self.reward
+        raw = reward.score(samples)
         if len(raw) != len(samples):
-            raise RewardError(f"{type(self.reward).__name__} returned {len(raw)} rewards for {len(samples)} samples")
-        self._reward_errors += getattr(self.reward, "last_errors", 0)
-        self._first_reward_error = self._first_reward_error or getattr(self.reward, "last_error", None)
+            raise RewardError(f"{type(reward).__name__} returned {len(raw)} rewards for {len(samples)} samples")
+        self._reward_errors += getattr(reward, "last_errors", 0)
+        self._first_reward_error = self._first_reward_error or getattr(reward, "last_error", None)
         for sample, value in zip(samples, raw):
             try:  # any reward model, not only the rule-based ones (which check their own values)
                 value = as_reward(value)
             except (TypeError, ValueError) as err:
-                name = type(self.reward).__name__
+                name = type(reward).__name__
                 raise RewardError(f"{name} gave {err} on sample ({describe_sample(sample)})") from None
             sample.reward_info["raw"] = value
             sample.reward = value

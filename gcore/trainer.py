@@ -255,6 +255,10 @@ class Trainer:
         self._resume_from = self._pick_resume()
         self._check_resume_steps(self._resume_from[0])  # before anything is built: nothing to do fails at once
         fabric, device_type = self._fabric()
+        # invalid combinations fail here, once, before any controller process or engine is launched
+        world = self.config.devices * self.config.num_nodes
+        self._single_controller(world)
+        self.placement.setup(world, device_type, self.reward)
         workdir = make_workdir()
         restore_signals = _SIGNALS.install()
         store = contextlib.ExitStack()  # the single-node rendezvous store lives as long as the run
@@ -296,10 +300,11 @@ class Trainer:
         fabric.seed_everything(c.seed + rank, verbose=False)  # different samples per controller
 
         central = self._single_controller(fabric.world_size)
-        self.placement.setup(fabric.world_size, device_type)
         self.backend.setup(fabric, model_path, self.model_config.torch_dtype, trust, self.algorithm,
                            embedded=self.model_config.embedded)
         # the placement policy starts the engines where it places them (in this process by default)
+        if rank == 0 and self.placement.describe():
+            print(self.placement.describe(), flush=True)
         self.rollout_engine = self.placement.launch(self.engine, self.reward, model_path, self.model_config.torch_dtype,
                                                     trust, fabric.device, seed=c.seed + 1000 * rank)
         balancer = CostBalancer(prompts, self.sampling.n, self.sampling.max_new_tokens) if self.data_config.balance else None

@@ -74,7 +74,8 @@ def test_help_shows_plugin_options():
         (["--engine=nope"], "unknown engine 'nope'; valid choices: hf"),
         (["--model.path", "/does/not/exist"], "--model.path '/does/not/exist' is not a directory"),
         (["--data.path", "missing.jsonl"], "--data.path missing.jsonl: no such file"),
-        (["--placement", "dynamic"], "--placement dynamic needs at least 2 devices"),
+        (["--trainer.devices", "2", "--trainer.controllers", "1", "--placement", "dynamic"],  # before any launch
+         "--trainer.controllers 1 runs with --placement static and no --placement.workers"),
         (["--sampling.n", "0"], "--sampling.n must be >= 1"),
         (["--sampling.top_k", "-3"], "--sampling.top_k must be >= 0 (0: no top-k), got -3"),
         (["--trainer.checkpoint_every", "-1"], "--trainer.checkpoint_every must be >= 0 (0: no checkpoints), got -1"),

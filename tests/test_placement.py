@@ -52,6 +52,65 @@ def test_placement_that_cannot_fit_fails_before_work():
         DynamicPlacement().setup(4, "cuda")
 
 
+def rule_telemetry(step: int, generate: float, reward: float, rollout: float) -> Telemetry:
+    return Telemetry(step, [{"generate": generate, "reward": reward, "rollout": rollout}])
+
+
+def test_rule_reward_moves_between_the_controller_and_a_worker_from_recorded_stage_times():
+    """A rule-based reward starts in the controller; a worker moves to it when scoring there holds up
+    generation more than the worker's generation is worth, and back when scoring gets cheap."""
+    from gcore.rewards.rule import TargetCharReward
+
+    policy = DynamicPlacement(devices=2)
+    policy.setup(1, "cpu", TargetCharReward())
+    assert (policy.generate_devices, policy.judge_devices) == (2, 0)
+    # (generate busy s per device, reward busy s per reward device (the controller at 0), rollout wall s)
+    recorded = [(1.0, 0.01, 1.02), (1.0, 1.5, 2.5), (2.0, 1.5, 2.1), (2.0, 0.05, 2.0)]
+    split, moves = [], []
+    for step, times in enumerate(recorded):
+        metrics = policy.update(rule_telemetry(step, *times))
+        split.append(int(metrics["placement/judge_devices"]))
+        moves.append(int(metrics["placement/moved"]))
+    # step 1: in the controller 1.0 + 1.5 = 2.5 s, on a worker max(2.0, 1.5) = 2.0 s: move;
+    # step 2: the same costs on a worker: stay; step 3: 1.0 + 0.05 < 2.0: back to the controller
+    assert split == [0, 1, 1, 0] and moves == [0, 1, 0, -1]
+
+
+def test_dynamic_sizes_its_workers_from_the_usable_cores(monkeypatch):
+    from gcore.placement import dynamic
+    from gcore.rewards.generative import GenerativeReward
+    from gcore.rewards.rule import TargetCharReward
+
+    monkeypatch.setattr(dynamic, "usable_cores", lambda: 4)
+    policy = DynamicPlacement()
+    policy.setup(1, "cpu", TargetCharReward())
+    assert (policy.total, policy.generate_devices, policy.judge_devices, policy.max_reward_devices) == (4, 4, 0, 3)
+    assert "4 engine worker process(es) per controller" in policy.describe()
+    assert "in the controller" in policy.describe()
+    policy.setup(2, "cpu", TargetCharReward())  # two controllers share the cores
+    assert policy.total == 2
+    judged = DynamicPlacement()
+    judged.setup(1, "cpu", GenerativeReward("unused-path"))  # a generative judge: today's split, over the cores
+    assert (judged.generate_devices, judged.judge_devices) == (3, 1)
+    assert "1 judging" in judged.describe()
+    with pytest.raises(ConfigError, match="generative judge needs at least 2 devices"):
+        DynamicPlacement().setup(4, "cpu", GenerativeReward("unused-path"))  # 4 controllers on 4 cores
+
+
+def test_a_reward_that_cannot_be_pickled_stays_in_the_controller():
+    from gcore.rewards.base import RewardModel
+
+    class Local(RewardModel):  # defined in a function: pickle cannot find it by name
+        def score(self, samples):
+            return [0.0] * len(samples)
+
+    policy = DynamicPlacement(devices=2)
+    policy.setup(1, "cpu", Local())
+    assert policy.max_reward_devices == 0 and "stays there" in policy.describe()
+    policy.update(rule_telemetry(0, 0.1, 5.0, 5.1))  # however costly the scoring, there is nowhere to move it
+    assert policy.judge_devices == 0
+
+
 def test_simulator_dynamic_follows_judge_cost(tmp_path):
     from gcore.placement.simulator import Workload, compare, load_workload, summarize
 

@@ -11,11 +11,12 @@ import torch
 from gcore.engines.hf import HFEngine
 from gcore.errors import ConfigError, GcoreError, RewardError
 from gcore.model import ModelConfig, char_tokenizer, materialize
+from gcore.placement.base import Telemetry
 from gcore.placement.dynamic import DynamicPlacement
 from gcore.placement.static import StaticPlacement
 from gcore.placement.workers import JUDGE, POLICY, PoolEngine, RoleSpec, WorkerPool
 from gcore.rewards.generative import GenerativeReward
-from gcore.rewards.rule import TargetCharReward
+from gcore.rewards.rule import CallableReward
 from gcore.testing import make_sample, tiny_fit
 from gcore.types import SamplingParams
 
@@ -43,12 +44,70 @@ def tokens(outputs):
 
 
 def test_placement_that_cannot_fit_fails_before_work(models):
+    _, judge_path = models
     with pytest.raises(ConfigError, match="at least 2 devices"):
-        DynamicPlacement().setup(1, "cpu")
+        DynamicPlacement(devices=1).setup(1, "cpu", GenerativeReward(judge_path))
     with pytest.raises(ConfigError, match="GPU partitions"):
         DynamicPlacement(devices=4).setup(1, "cuda")
-    with pytest.raises(ConfigError, match="needs a generative judge"):  # before any worker starts
-        tiny_fit(steps=1, placement=DynamicPlacement(devices=2))
+    with pytest.raises(ConfigError, match="at least 2 devices"):  # in Trainer.fit, before any worker starts
+        tiny_fit(steps=1, reward=GenerativeReward(judge_path), placement=DynamicPlacement(devices=1))
+
+
+def test_invalid_dynamic_placement_is_refused_once_before_the_controllers_start(models, gcore_cli, tmp_path):
+    _, judge_path = models
+    result = gcore_cli("--trainer.devices", "2", "--trainer.accelerator", "cpu", "--placement", "dynamic",
+                       "--placement.devices", "1", "--reward", "generative", "--reward.path", judge_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [(
+        "gcore: error: --placement dynamic with a generative judge needs at least 2 devices (one for generation, "
+        "one for the judge), got 1; give --placement.devices 2 or use --placement static")]
+    assert not list(tmp_path.rglob("metrics.csv"))  # no controller ran
+
+
+SCORED_BY = """
+import os
+def score(prompt, response, answer):
+    with open(os.path.join(os.path.dirname(__file__), "scored-by.txt"), "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    return float(response.count(answer[0])) / 6
+"""
+
+
+class RecordedStageTimes(DynamicPlacement):
+    """Dynamic placement fed recorded stage times instead of this machine's: its decisions are exact."""
+
+    def __init__(self, recorded: list[tuple[float, float, float]], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.recorded = recorded
+
+    def update(self, telemetry):
+        generate, reward, rollout = self.recorded[telemetry.step]
+        return super().update(Telemetry(telemetry.step, [{"generate": generate, "reward": reward, "rollout": rollout}]))
+
+
+@pytest.mark.slow
+def test_dynamic_moves_a_worker_to_a_rule_reward_and_back_from_recorded_stage_times(tmp_path):
+    """The policy's decisions are made real: the moved worker swaps to the reward and scores the samples."""
+    (tmp_path / "scored.py").write_text(SCORED_BY)
+    # the same recorded times as tests/test_placement.py: stay, move a worker to the reward, stay, move it back
+    recorded = [(1.0, 0.01, 1.02), (1.0, 1.5, 2.5), (2.0, 1.5, 2.1), (2.0, 0.05, 2.0), (1.0, 0.01, 1.02)]
+    placement = RecordedStageTimes(recorded, devices=2)
+    scored_by = tmp_path / "scored-by.txt"  # the pid of the process that scored each sample
+    history = tiny_fit(steps=len(recorded), reward=CallableReward(f"{tmp_path / 'scored.py'}:score"),
+                       placement=placement).history
+    assert [int(m["placement/judge_devices"]) for m in history] == [0, 1, 1, 0, 0]
+    assert [int(m["placement/moved"]) for m in history] == [0, 1, 0, -1, 0]
+    # steps 2 and 3 ran with worker 1 on the reward: it swapped engines once each way
+    assert history[2]["time/swap"] > 0 and history[4]["time/swap"] > 0 and placement.pool.swaps == 2
+    assert placement.pool.roles == [POLICY, POLICY]
+    pids = [int(line) for line in scored_by.read_text().split()]
+    per_step = len(pids) // len(recorded)
+    by_step = [set(pids[i * per_step : (i + 1) * per_step]) for i in range(len(recorded))]
+    here = os.getpid()
+    assert by_step[0] == by_step[1] == by_step[4] == {here}  # scored in the controller
+    assert by_step[2] == by_step[3] and here not in by_step[2]  # scored in the reward worker process
+    for m in history:
+        assert m["reward/errors"] == 0 and m["samples/total"] == per_step
 
 
 @pytest.mark.slow
@@ -133,19 +192,21 @@ class JudgeCostSchedule(DynamicPlacement):
 
 
 @pytest.mark.slow
-def test_dynamic_moves_a_worker_to_the_judge_when_its_cost_rises_and_back(models):
+def test_dynamic_moves_a_worker_to_the_judge_when_its_cost_rises(models):
+    """The one test of dynamic placement on this machine's own timings (the exact decisions are tested on
+    recorded stage times above): a judge writing 64 tokens per verdict instead of 1 costs so much more that
+    a worker moves to it, however loaded the machine. Whether it moves back in time is not asserted: that
+    depends on how the machine's load changes between steps."""
     _, judge_path = models
-    lengths = [1, 1, 64, 64, 1, 1]
+    lengths = [1, 64, 64, 64]
     placement = JudgeCostSchedule(lengths, devices=3, judge_fraction=0.34, min_fraction=0.3)
     reward = GenerativeReward(judge_path, max_new_tokens=1, batch_size=64)
     history = tiny_fit(steps=len(lengths), reward=reward, placement=placement).history
     judges = [int(m["placement/judge_devices"]) for m in history]  # the split decided after each step
-    assert judges[0] == 1
-    rise = judges.index(2)  # a worker moved to the judge after an expensive step ...
-    assert lengths[rise] == 64
-    assert judges[-1] == 1  # ... and back once the judge became cheap again
-    assert history[rise + 1]["time/swap"] > 0  # the moved worker swapped engines
-    assert placement.pool.swaps >= 2
+    assert 2 in judges[1:], judges  # a worker moved to the judge after an expensive step
+    rise = judges.index(2)
+    if rise + 1 < len(history):
+        assert history[rise + 1]["time/swap"] > 0  # the moved worker swapped engines
     for m in history:
         assert m["time/rollout"] > 0 and m["time/idle_generate"] >= 0 and m["time/idle_reward"] >= -0.05
 
@@ -158,10 +219,39 @@ def test_fit_cli_dynamic_placement_with_generative_judge(models, gcore_cli, tmp_
     result = gcore_cli("--placement", "dynamic", "--placement.devices", "2", "--reward", "generative",
                        "--reward.path", judge_path, "--reward.max_new_tokens", "4", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 engine worker processes per controller, 1 generating and 1 judging at once" in result.stdout
     metrics = next((tmp_path / "runs").rglob("metrics.csv"))
-    rows = list(csv.DictReader(metrics.open()))
-    assert rows and all(float(r["placement/judge_devices"]) >= 1 for r in rows if r.get("placement/judge_devices"))
-    assert any(float(r["time/rollout"]) > 0 for r in rows if r.get("time/rollout"))
+    rows = [r for r in csv.DictReader(metrics.open()) if r.get("placement/judge_devices")]
+    assert len(rows) == 2  # FAST: 2 steps
+    for r in rows:
+        # with 2 devices the split cannot move (each partition keeps one), and the judge ran on its worker:
+        # a random judge's verdicts cannot be parsed, so every sample counts as a reward error
+        assert (float(r["placement/generate_devices"]), float(r["placement/judge_devices"])) == (1.0, 1.0)
+        assert float(r["placement/moved"]) == 0
+        assert float(r["time/rollout"]) > 0 and float(r["time/reward"]) > 0
+        assert float(r["reward/errors"]) == float(r["samples/total"]) == 8
+
+
+@pytest.mark.slow
+def test_fit_cli_dynamic_placement_with_defaults(gcore_cli, tmp_path):
+    """`gcore fit --placement dynamic` with the rule-based default reward: one engine worker per usable core
+    generates, the reward is scored in the controller, and the line says so."""
+    import csv
+
+    from gcore.placement.dynamic import usable_cores
+
+    result = gcore_cli("--placement", "dynamic", timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cores = usable_cores()
+    line = [text for text in result.stdout.splitlines() if text.startswith("dynamic placement:")]
+    assert len(line) == 1 and f"{cores} engine worker process(es) per controller" in line[0]
+    assert "the reward scores in the controller" in line[0]
+    rows = [r for r in csv.DictReader(next((tmp_path / "runs").rglob("metrics.csv")).open())
+            if r.get("placement/judge_devices")]
+    assert len(rows) == 2
+    for r in rows:
+        assert (float(r["placement/generate_devices"]), float(r["placement/judge_devices"])) == (cores, 0.0)
+        assert float(r["time/generate"]) > 0 and float(r["reward/errors"]) == 0 and float(r["samples/total"]) == 8
 
 
 @pytest.mark.slow

@@ -1,11 +1,13 @@
 """The example third-party plugin package: installed, it is listed and usable; removed, it is gone."""
 
+import csv
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import FAST
 
@@ -38,6 +40,12 @@ def test_installed_plugin_is_listed_and_used(installed, tmp_path):
     run = _gcore(installed, "fit", "--trainer.default_root_dir", str(tmp_path), *FAST,
                  "--reward", "brevity", "--reward.max_chars", "8", "--algorithm", "reinforce", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
+    config = yaml.safe_load(next(tmp_path.rglob("config.yaml")).read_text())
+    assert config["reward"] == {"class": "gcore_example_plugin.BrevityReward", "on_error": "raise", "max_chars": 8}
+    assert config["algorithm"]["class"] == "gcore_example_plugin.Reinforce"
+    rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()))
+    # FAST generates at most 4 tokens (so at most 4 characters): the brevity reward is at least 1 - 4/8
+    assert len(rows) == 2 and all(0.5 <= float(r["reward/mean"]) <= 1 for r in rows)
 
 
 def test_without_the_package_the_names_are_unknown(tmp_path):

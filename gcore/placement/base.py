@@ -41,8 +41,15 @@ class PlacementPolicy(ABC):
     telemetry_keys: tuple[str, ...] = ()
 
     @abstractmethod
-    def setup(self, world_size: int, device_type: str) -> None:
-        """Check that the roles fit the devices; raise a ``GcoreError`` before any work if not."""
+    def setup(self, world_size: int, device_type: str, reward: RewardModel | None = None) -> None:
+        """Check that the roles fit the devices and the reward; raise a ``GcoreError`` if not.
+
+        The trainer calls it before it launches any controller process or engine.
+        """
+
+    def describe(self) -> str:
+        """One line on what this policy does on this machine, printed when a run starts ("": nothing)."""
+        return ""
 
     def launch(self, engine: Engine, reward: RewardModel, model_path: str, dtype: torch.dtype,
                trust_remote_code: bool, device: torch.device, seed: int) -> Engine:

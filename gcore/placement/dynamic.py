@@ -1,8 +1,10 @@
-"""``dynamic`` placement: generation and a generative judge on two partitions sized from utilization."""
+"""``dynamic`` placement: generation and the reward on two partitions sized from utilization."""
 
 from __future__ import annotations
 
 import math
+import os
+import pickle
 import time
 from typing import TYPE_CHECKING
 
@@ -16,29 +18,40 @@ from gcore.types import Prompt, Sample
 
 if TYPE_CHECKING:
     from gcore.controller import Controller, StageTimer
-    from gcore.placement.workers import PoolEngine, WorkerPool
+    from gcore.placement.workers import PoolEngine, PoolReward, WorkerPool
 
 GENERATE, JUDGE = "generate", "reward"
 
 
 class DynamicPlacement(PlacementPolicy):
-    """Splits ``devices`` into a policy-generation partition and a judge partition that run at once.
+    """Splits ``devices`` into a policy-generation partition and a reward partition that run at once.
 
     After each step ``update`` reads the busy seconds per role (the slowest rank's, from telemetry
     gathered on every rank, so every rank decides the same) and moves devices towards the split with
     the shortest predicted rollout: without a reported generation floor, the split that balances the
     measured work; with one (a long tail that more devices cannot shorten), more judge devices.
 
-    In the trainer (CPU) a device is an engine worker process, and each controller splits its own
-    ``devices`` workers the same way. Generation requests (``stream_groups`` prompt groups each) go
-    to the generation partition; each finished group is judged on the judge partition while the
-    rest is still generating. A worker that changes partition swaps engines (``time/swap``).
+    In the trainer (CPU) a device is an engine worker process with ``threads`` threads, and each
+    controller splits its own ``devices`` workers the same way; by default one worker per core this
+    process may use (``os.sched_getaffinity``), shared by the controllers of the machine. Generation
+    requests (``stream_groups`` prompt groups each) go to the generation partition; each finished
+    group is scored on the reward partition while the rest is still generating. A worker that changes
+    partition swaps engines (``time/swap``). Training runs in the controller, on every core, between
+    rollouts (the workers wait meanwhile).
+
+    The reward partition holds the generative judge (at least one device), or, with a rule-based
+    reward, worker processes that run the reward: there it may be empty, and the controller scores
+    each finished group itself, which holds up sending the next generation requests. It gets workers
+    when the scoring costs more than the generation they would have done. ``placement/judge_devices``
+    in the metrics is the reward partition's size, whichever reward it holds.
 
     Args:
-        devices: devices to split (0: the world size). In the trainer: engine worker processes per
-            controller.
-        judge_fraction: the judge partition's share at the start.
-        min_fraction: smallest share of devices either partition may get (at least one device).
+        devices: devices to split (0: the world size in ``gcore simulate``; in the trainer one engine
+            worker per core of this process divided by the world size).
+        judge_fraction: the judge partition's share at the start (a rule-based reward starts in the
+            controller).
+        min_fraction: smallest share of devices either partition may get (at least one device; the
+            reward partition of a rule-based reward may be empty).
         hysteresis: move only when the two roles' idle times differ by more than this share of the
             rollout phase.
         max_move_fraction: move at most this share of the devices in one step (at least one).
@@ -77,9 +90,12 @@ class DynamicPlacement(PlacementPolicy):
         self.worker_timeout_s, self.retries = worker_timeout_s, retries
         self.total = 0
         self.judge_devices = 0
+        self.reward_role = "judge"  # or "reward": worker processes running a rule-based reward
+        self.min_reward_devices = self.max_reward_devices = 0
         self.pool: WorkerPool | None = None
         self.policy_engine: PoolEngine | None = None
         self.judge_engine: PoolEngine | None = None
+        self.reward_pool: PoolReward | None = None
 
     @property
     def generate_devices(self) -> int:
@@ -89,25 +105,46 @@ class DynamicPlacement(PlacementPolicy):
     def min_devices(self) -> int:
         return max(1, math.ceil(self.min_fraction * self.total))
 
-    def setup(self, world_size: int, device_type: str) -> None:
+    def setup(self, world_size: int, device_type: str, reward: RewardModel | None = None) -> None:
+        """``reward`` ``None`` (``gcore simulate``) or one with a generative judge: a judge partition."""
+        from gcore.placement.workers import JUDGE, REWARD, generative_judges
+
         if device_type not in ("simulated", "cpu"):
             raise ConfigError(
                 f"--placement dynamic runs on CPU engine workers and in `gcore simulate`; on {device_type} "
                 "the generation and judge partitions need engine servers on GPU partitions, not built yet: "
                 "use --placement static"
             )
-        self.total = self.devices or world_size
-        if self.total < 2:
+        judged = reward is None or bool(generative_judges(reward))
+        self.reward_role = JUDGE if judged else REWARD
+        self.total = self.devices or (world_size if device_type == "simulated" else max(1, usable_cores() // world_size))
+        if judged and self.total < 2:
             raise ConfigError(
-                f"--placement dynamic needs at least 2 devices (one for generation, one for the judge), "
-                f"got {self.total}; use --placement static or give --placement.devices"
+                f"--placement dynamic with a generative judge needs at least 2 devices (one for generation, one "
+                f"for the judge), got {self.total}; give --placement.devices 2 or use --placement static"
             )
-        if 2 * self.min_devices > self.total:
+        if self.total - self.min_devices < (self.min_devices if judged else 0):
             raise ConfigError(
                 f"--placement.min_fraction {self.min_fraction} leaves no room to split {self.total} devices"
             )
-        wanted = round(self.judge_fraction * self.total)
-        self.judge_devices = min(max(wanted, self.min_devices), self.total - self.min_devices)
+        self.min_reward_devices = self.min_devices if judged else 0
+        self.max_reward_devices = self.total - self.min_devices if judged or _picklable(reward) else 0
+        wanted = round(self.judge_fraction * self.total) if judged else 0
+        self.judge_devices = min(max(wanted, self.min_reward_devices), self.max_reward_devices)
+
+    def describe(self) -> str:
+        if self.reward_role == "judge":
+            return (f"dynamic placement: {self.total} engine worker processes per controller, {self.generate_devices} "
+                    f"generating and {self.judge_devices} judging at once; the split is re-sized every step from "
+                    "the measured stage times (placement/* in metrics.csv)")
+        where = (f"in {self.judge_devices} reward worker(s)" if self.judge_devices else
+                 "in the controller as each group finishes")
+        moves = ("it moves workers between generation and reward scoring from the measured stage times every step"
+                 if self.max_reward_devices else "the reward cannot be sent to a worker process, so it stays there")
+        return (f"dynamic placement: {self.total} engine worker process(es) per controller "
+                f"({self.threads} thread(s) each, from {usable_cores()} usable cores) generate; the "
+                f"reward scores {where}; training uses the controller's cores between rollouts; {moves} "
+                "(placement/* in metrics.csv)")
 
     def launch(self, engine: Engine, reward: RewardModel, model_path: str, dtype: torch.dtype,
                trust_remote_code: bool, device: torch.device, seed: int) -> Engine:
@@ -116,15 +153,20 @@ class DynamicPlacement(PlacementPolicy):
 
         if self.total == 0:
             raise RuntimeError("DynamicPlacement.launch called before setup")
+        from gcore.placement.workers import REWARD, PoolReward
+
         self.pool, self.policy_engine, self.judge_engine = launch_workers(
             "--placement dynamic", engine, reward, model_path, dtype, trust_remote_code, device,
-            self._roles(), self.threads, seed, True, self.worker_timeout_s, self.retries)
+            self._roles(), self.threads, seed, True, self.worker_timeout_s, self.retries,
+            reward_workers=self.reward_role == REWARD and self.max_reward_devices > 0)
+        if self.reward_role == REWARD:
+            self.reward_pool = PoolReward(self.pool, [])
         return self.policy_engine
 
     def _roles(self) -> list[str]:
-        from gcore.placement.workers import JUDGE, POLICY
+        from gcore.placement.workers import POLICY
 
-        return [POLICY] * self.generate_devices + [JUDGE] * self.judge_devices
+        return [POLICY] * self.generate_devices + [self.reward_role] * self.judge_devices
 
     def rollout(self, controller: Controller, prompts: list[Prompt], timer: StageTimer, first_group: int) -> list[Sample]:
         """Generate on one partition and judge on the other at once: each finished request is judged
@@ -137,9 +179,13 @@ class DynamicPlacement(PlacementPolicy):
         pool.revive()
         with timer("swap"):  # the workers that changed partition since the last step swap engines
             pool.assign(self._roles())
-        generators = list(range(self.generate_devices))
+        generators, scorers = list(range(self.generate_devices)), list(range(self.generate_devices, self.total))
         self.policy_engine.workers = generators
-        self.judge_engine.workers = list(range(self.generate_devices, self.total))
+        for role_engine in (self.judge_engine, self.reward_pool):
+            if role_engine is not None:
+                role_engine.workers = scorers
+        reward = self.reward_pool if scorers and self.reward_pool is not None else None  # None: in the controller
+        in_controller = 0.0
         pool.busy.clear()
         started = time.perf_counter()
         chunks = {start: prompts[start : start + self.stream_groups] for start in range(0, len(prompts), self.stream_groups)}
@@ -153,14 +199,17 @@ class DynamicPlacement(PlacementPolicy):
                 if job.done and start not in by_chunk:
                     by_chunk[start] = controller.make_samples(chunks[start], job.result, first_group + start)
                     finished += by_chunk[start]
-            controller.score(finished)  # on the judge partition, while generation goes on
+            scored = time.perf_counter()
+            controller.score(finished, reward)  # on the reward partition, while generation goes on
+            in_controller += time.perf_counter() - scored
         wall = time.perf_counter() - started
-        busy_generate, busy_judge = pool.busy.get(POLICY, 0.0), pool.busy.get("judge", 0.0)
+        busy_generate = pool.busy.get(POLICY, 0.0)
+        busy_judge = pool.busy.get(self.reward_role, 0.0) if scorers else in_controller
         timer.add("generate", busy_generate / self.generate_devices)
-        timer.add("reward", busy_judge / self.judge_devices)
+        timer.add("reward", busy_judge / max(self.judge_devices, 1))
         timer.add("rollout", wall)
         timer.add("idle_generate", self.generate_devices * wall - busy_generate)
-        timer.add("idle_reward", self.judge_devices * wall - busy_judge)
+        timer.add("idle_reward", self.judge_devices * wall - busy_judge if scorers else 0.0)
         return [sample for start in sorted(by_chunk) for sample in by_chunk[start]]
 
     def shutdown(self) -> None:
@@ -174,7 +223,7 @@ class DynamicPlacement(PlacementPolicy):
         """The saved split; on a different device count, the same judge share, within the bounds."""
         share = state["judge_devices"] / state["total"] if state.get("total") else self.judge_fraction
         wanted = state["judge_devices"] if state.get("total") == self.total else round(share * self.total)
-        self.judge_devices = min(max(wanted, self.min_devices), self.total - self.min_devices)
+        self.judge_devices = min(max(wanted, self.min_reward_devices), self.max_reward_devices)
 
     def predicted_rollout(self, judge_devices: int, busy: tuple[float, float], floors: tuple[float, float]) -> float:
         """Rollout seconds predicted for a judge partition of ``judge_devices`` from this step's measurements.
@@ -182,13 +231,17 @@ class DynamicPlacement(PlacementPolicy):
         Generation takes its latency floor (the longest response decoded alone, which more devices
         cannot shorten) plus a throughput part that scales with 1/devices; the judge's work scales
         with 1/devices, and its last verdict comes at least ``judge floor`` after the last sample.
+        With no reward devices (a rule-based reward in the controller, counted as one device when
+        measured there), scoring holds up generation requests: the two add up.
         """
         generate_busy, judge_busy = busy
         generate_floor, judge_floor = floors
         floor = min(generate_floor, generate_busy)
         generate = floor + (generate_busy - floor) * self.generate_devices / (self.total - judge_devices)
-        judge = judge_busy * self.judge_devices / judge_devices
-        return max(generate + judge_floor, judge)
+        reward_work = judge_busy * max(self.judge_devices, 1)  # device-seconds
+        if judge_devices == 0:
+            return generate + reward_work
+        return max(generate + judge_floor, reward_work / judge_devices)
 
     def target_judge_devices(
         self, generate_busy: float, judge_busy: float, generate_floor: float = 0.0, judge_floor: float = 0.0
@@ -201,7 +254,7 @@ class DynamicPlacement(PlacementPolicy):
         """
         if generate_busy + judge_busy <= 0:
             return self.judge_devices
-        low, high = self.min_devices, self.total - self.min_devices
+        low, high = self.min_reward_devices, self.max_reward_devices
         busy, floors = (generate_busy, judge_busy), (generate_floor, judge_floor)
         return min(
             range(low, high + 1),
@@ -239,3 +292,17 @@ class DynamicPlacement(PlacementPolicy):
             "placement/idle_generate_s": idle_generate,
             "placement/idle_judge_s": idle_judge,
         }
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. under ``taskset`` or a container)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _picklable(reward: RewardModel | None) -> bool:
+    """Whether a rule-based reward can be sent to a worker process (a reward holding a lambda cannot)."""
+    try:
+        pickle.dumps(reward)
+    except (pickle.PicklingError, TypeError, AttributeError):  # a local class or lambda, a lock, an open file
+        return False
+    return True

@@ -56,7 +56,7 @@ class StaticPlacement(PlacementPolicy):
     def telemetry_keys(self) -> tuple[str, ...]:  # type: ignore[override]
         return ("rollout", "idle_generate", "idle_reward") if self.workers else ()
 
-    def setup(self, world_size: int, device_type: str) -> None:
+    def setup(self, world_size: int, device_type: str, reward: RewardModel | None = None) -> None:
         self._offload = self.offload if self.offload is not None else device_type == "cuda"
 
     def launch(self, engine: Engine, reward: RewardModel, model_path: str, dtype: torch.dtype,

@@ -2,8 +2,8 @@
 
 A ``WorkerPool`` owns ``size`` worker processes (``torch.multiprocessing`` spawn, each with its own
 ``torch.set_num_threads`` budget). Every worker holds one awake *role* at a time: the policy engine
-(``policy``) or the judge engine (``judge``), both built from the configured, not yet set-up
-``Engine`` objects the trainer was given. Changing a worker's role is a real swap: the old engine is
+(``policy``), the judge engine (``judge``), both built from the configured, not yet set-up
+``Engine`` objects the trainer was given, or a rule-based reward (``reward``) that scores samples. Changing a worker's role is a real swap: the old engine is
 put to sleep and, with ``release=True`` (the CPU default), shut down so its memory is freed; the new
 one wakes up, or is loaded again from its checkpoint (the policy then takes the latest weights from
 shared memory).
@@ -34,21 +34,23 @@ import torch
 
 from gcore.engines.base import Engine
 from gcore.errors import GcoreError
-from gcore.types import Generation, SamplingParams
+from gcore.rewards.base import RewardModel
+from gcore.types import Generation, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
-POLICY, JUDGE = "policy", "judge"
+POLICY, JUDGE, REWARD = "policy", "judge", "reward"
 
 
 @dataclass
 class RoleSpec:
-    """How a worker builds the engine of one role."""
+    """How a worker builds the engine of one role (or, with ``reward``, the reward it scores with)."""
 
-    engine: Engine  # configured but not set up: it is pickled into every worker
+    engine: Engine | None  # configured but not set up: it is pickled into every worker
     path: str
     dtype: torch.dtype = torch.float32
     trust_remote_code: bool = False
+    reward: RewardModel | None = None  # a rule-based reward: the role scores samples instead of generating
 
 
 @dataclass
@@ -77,7 +79,7 @@ class Job:
     """One request to a worker; ``workers`` are the ones allowed to serve it."""
 
     id: int
-    kind: str  # generate | role | sync
+    kind: str  # generate | score | role | sync
     args: tuple
     workers: tuple[int, ...]
     role: str = ""
@@ -118,6 +120,8 @@ def _worker_main(index: int, threads: int, seed: int, specs: bytes, role: str, w
             if kind == "generate":
                 expected, prompts, params = message[2:]
                 result = runtime.generate(expected, prompts, params)
+            elif kind == "score":
+                result = runtime.score(*message[2:])
             elif kind == "role":
                 result = runtime.switch(*message[2:])
             elif kind == "sync":
@@ -134,11 +138,15 @@ class _WorkerRuntime:
 
     def __init__(self, specs: dict[str, RoleSpec], release: bool) -> None:
         self.specs, self.release = specs, release
-        self.engines: dict[str, Engine] = {}
+        self.engines: dict[str, Engine | RewardModel] = {}
         self.role: str | None = None
 
-    def _load(self, role: str, weights: tuple | None) -> Engine:
+    def _load(self, role: str, weights: tuple | None) -> Engine | RewardModel:
         spec = self.specs[role]
+        if spec.reward is not None:
+            reward = pickle.loads(pickle.dumps(spec.reward))
+            reward.setup(torch.device("cpu"))
+            return reward
         engine = pickle.loads(pickle.dumps(spec.engine))  # a fresh copy of the configured engine
         engine.setup(spec.path, torch.device("cpu"), spec.dtype, spec.trust_remote_code)
         if role == POLICY and weights is not None:
@@ -151,12 +159,15 @@ class _WorkerRuntime:
             return tuple(sorted(self.engines))
         if self.role is not None:
             old = self.engines[self.role]
-            old.sleep()
+            if isinstance(old, Engine):
+                old.sleep()
             if self.release:
-                old.shutdown()
+                if isinstance(old, Engine):
+                    old.shutdown()
                 del self.engines[self.role]
         if role in self.engines:
-            self.engines[role].wake_up()
+            if isinstance(self.engines[role], Engine):
+                self.engines[role].wake_up()
             if role == POLICY and weights is not None:
                 self.engines[role].update_weights(SharedWeights(*weights).views())
         else:
@@ -168,6 +179,13 @@ class _WorkerRuntime:
         if role != self.role:
             raise RuntimeError(f"worker holds the {self.role} engine, asked to run the {role} engine")
         return self.engines[role].generate(prompts, params)
+
+    def score(self, role: str, samples: list[Sample]) -> tuple[list[float], int]:
+        """The reward of each sample, and how many failed (``RewardModel.last_errors``)."""
+        if role != self.role:
+            raise RuntimeError(f"worker holds the {self.role} role, asked to score as {role}")
+        reward = self.engines[role]
+        return reward.score(samples), reward.last_errors
 
     def sync(self, weights: tuple) -> int:
         engine = self.engines.get(POLICY)
@@ -436,7 +454,7 @@ class WorkerPool:
         if kind == "result":
             job.result, job.busy_s = payload
             job.done = job.ok = True
-            if job.kind == "generate":
+            if job.kind in ("generate", "score"):
                 self.busy[job.role] = self.busy.get(job.role, 0.0) + job.busy_s
             elif job.kind == "role":
                 self.swaps += 1
@@ -455,7 +473,7 @@ class WorkerPool:
         job.errors.append(error)
         job.failed_on.add(worker)
         job.worker = None
-        if job.kind != "generate":  # a role change or sync of a worker that died: it is respawned later
+        if job.kind not in ("generate", "score"):  # a role change or sync of a worker that died: it is respawned later
             job.done, job.ok = True, True
             del self._jobs[job.id]
             return
@@ -463,7 +481,7 @@ class WorkerPool:
             job.done, job.ok = True, False
             job.errors.append(
                 f"engine workers failed {job.attempts} times on a {job.role} request of {len(job.args[1])} "
-                f"prompts; no result of it was used. Last failure: {error}"
+                f"{'samples' if job.kind == 'score' else 'prompts'}; no result of it was used. Last failure: {error}"
             )
             del self._jobs[job.id]
             return
@@ -522,6 +540,23 @@ class PoolEngine(Engine):
         self.pool.close()
 
 
+class PoolReward(RewardModel):
+    """A rule-based reward scored on a set of pool workers (the ``reward`` role), split like generation."""
+
+    def __init__(self, pool: WorkerPool, workers: Sequence[int]) -> None:
+        self.pool, self.workers = pool, list(workers)
+
+    def score(self, samples: Sequence[Sample]) -> list[float]:
+        if not samples:
+            return []
+        chunk = math.ceil(len(samples) / len(self.workers))
+        jobs = [self.pool.submit("score", (REWARD, list(samples[s : s + chunk])), self.workers, REWARD)
+                for s in range(0, len(samples), chunk)]
+        self.pool.wait(jobs)
+        self.last_errors = sum(job.result[1] for job in jobs)
+        return [value for job in jobs for value in job.result[0]]
+
+
 def generative_judges(reward: object) -> list:
     """The ``GenerativeReward`` objects in a reward (itself, or inside a combined reward)."""
     from gcore.rewards.generative import GenerativeReward
@@ -533,11 +568,14 @@ def generative_judges(reward: object) -> list:
 
 def launch_workers(option: str, engine: Engine, reward: object, model_path: str, dtype: torch.dtype,
                    trust_remote_code: bool, device: torch.device, roles: Sequence[str], threads: int, seed: int,
-                   release: bool, job_timeout_s: float, retries: int) -> tuple[WorkerPool, PoolEngine, PoolEngine | None]:
+                   release: bool, job_timeout_s: float, retries: int, reward_workers: bool = False,
+                   ) -> tuple[WorkerPool, PoolEngine, PoolEngine | None]:
     """Start a pool with the policy engine and (if the reward has one) the generative judge's engine.
 
     The judge's ``engine`` is replaced by a ``PoolEngine`` on the judge workers, so the reward
     scores through the pool; the reward is then set up in this process (tokenizers, rule parts).
+    With ``reward_workers`` and no generative judge, workers may also take the ``reward`` role
+    (the rule-based reward, scored through a ``PoolReward``).
     """
     from gcore.errors import ConfigError
 
@@ -553,11 +591,14 @@ def launch_workers(option: str, engine: Engine, reward: object, model_path: str,
     elif JUDGE in roles:
         raise ConfigError(f"{option}: a judge partition needs a generative judge (--reward generative, or "
                           "--reward combined with one)")
+    elif reward_workers:
+        specs[REWARD] = RoleSpec(None, "", reward=reward)
     for role, spec in specs.items():
         try:
-            pickle.dumps(spec.engine)
+            pickle.dumps(spec.reward if spec.reward is not None else spec.engine)
         except Exception as err:
-            raise ConfigError(f"{option}: the {role} engine {type(spec.engine).__name__} cannot be sent to a "
+            what = spec.reward if spec.reward is not None else spec.engine
+            raise ConfigError(f"{option}: the {role} {type(what).__name__} cannot be sent to a "
                               f"worker process: {err}") from err
     cores = os.cpu_count() or 1
     if threads * len(roles) > cores:

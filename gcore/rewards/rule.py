@@ -99,3 +99,10 @@ class CallableReward(RuleReward):
 
     def score_one(self, sample: Sample) -> float:
         return self._fn(sample.prompt.text, sample.response_text, sample.prompt.answer)
+
+    def __getstate__(self) -> dict:  # the function is loaded again where it is unpickled (a worker process)
+        return {key: value for key, value in vars(self).items() if key != "_fn"}
+
+    def __setstate__(self, state: dict) -> None:
+        vars(self).update(state)
+        self._fn = load_callable(self.function)

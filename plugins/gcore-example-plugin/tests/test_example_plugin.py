@@ -24,5 +24,11 @@ def test_reinforce_gradient_is_minus_advantage():
 
 
 def test_trains_inside_gcore():
-    result = tiny_fit(steps=2, reward=BrevityReward(), algorithm=Reinforce())
-    assert len(result.history) == 2 and result.history[-1]["reward/mean"] >= 0
+    result = tiny_fit(steps=2, reward=BrevityReward(max_chars=16), algorithm=Reinforce())
+    assert len(result.history) == 2
+    for metrics in result.history:
+        # the brevity reward scored the samples: a response of t tokens has at most t characters, so its
+        # reward is at least 1 - t/16 (the default target_char reward of a random policy is near 0)
+        assert 1 - metrics["response_length/mean"] / 16 <= metrics["reward/mean"] <= 1
+        # REINFORCE trained: its loss reports no clipped ratio, unlike GRPO's
+        assert metrics["samples/trained"] > 0 and "clip_frac" not in metrics and "ratio" not in metrics
