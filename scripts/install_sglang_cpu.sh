@@ -24,4 +24,6 @@ constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 echo "torch==$TORCH_VERSION" >"$constraints"
 "$py" -m pip install -q -c "$constraints" -r "$here/sglang-cpu-requirements.txt"
+# the registry's torchvision (pulled in by timm) is a CUDA build; this lets it import next to the CPU torch
+"$py" -m pip install -q "$here/torchvision-cpu-shim"
 "$py" -m pip install -q -c "$constraints" -e "$repo[test]"
