@@ -247,8 +247,9 @@ def _rewards(tmp_path, seed, steps):
 @pytest.mark.parametrize("seed", [1, 2])
 def test_grpo_with_sglang_learns(tmp_path, seed):
     """Measured spread (CPU, seeds 1, 2, 3, 42; 30 steps): the mean reward of the first 5 steps is
-    0.015-0.018; of steps 11-20 it is 0.11-0.17, of steps 21-30 0.09-0.32. Asserted: the mean of the
-    last 10 of 20 steps is more than 3 times, and 0.05 above, the mean of the first 5."""
+    0.015-0.019; of steps 11-20 it is 0.09-0.18 (at least 4.8 times, and 0.073 above, the first 5),
+    of steps 21-30 0.09-0.31. Asserted: the mean of the last 10 of 20 steps is more than 3 times,
+    and 0.05 above, the mean of the first 5."""
     pytest.importorskip("sglang")
     if torch.cuda.is_available():
         pytest.skip("SGLang's CPU engine is installed on CPU-only machines")
