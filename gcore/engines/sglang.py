@@ -244,6 +244,15 @@ class SGLangEngine(Engine):
             process.kill()
         psutil.wait_procs(alive, timeout=30)
         self.processes = []
+        loop = getattr(engine, "loop", None)  # each Engine makes its own event loop
+        if loop is not None and not loop.is_closed() and not loop.is_running():
+            import asyncio
+
+            pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+            for task in pending:
+                task.cancel()  # its tokenizer manager's receive loops, waiting on the ended processes
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.close()
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
         if self.engine is None:

@@ -33,7 +33,7 @@ def define_missing_ops() -> None:
         return
     import torch
 
-    extension = os.path.join(list(spec.submodule_search_locations)[0], "_C.so")
+    extension = os.path.join(next(iter(spec.submodule_search_locations)), "_C.so")
     if not os.path.exists(extension):
         return
     try:
