@@ -71,6 +71,22 @@ def test_weight_buckets():
     assert sizes == [["a", "b"], ["c"], ["d"]]
 
 
+def test_a_checkpoint_without_architectures_gets_one(tmp_path):
+    """SGLang picks the model class from config.json's ``architectures``; the embedded model's has none."""
+    import json
+
+    from gcore.engines.sglang import _architecture_override
+    from gcore.errors import ConfigError
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    assert json.loads(_architecture_override(str(tmp_path))) == {"architectures": ["Qwen2ForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    assert _architecture_override(str(tmp_path)) is None
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "nope"}))
+    with pytest.raises(ConfigError, match=r"config.json: no 'architectures' .* model_type 'nope'"):
+        _architecture_override(str(tmp_path))
+
+
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is installed here")
 def test_missing_sglang_names_the_extra():
     from gcore.engines.sglang import SGLangEngine
