@@ -23,6 +23,8 @@ py="$venv/bin/python"
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 echo "torch==$TORCH_VERSION" >"$constraints"
+# pip then reports sglang's GPU requirements (sglang-kernel, flashinfer, torch==2.11.0 ...) as missing or
+# incompatible: expected, they are what --no-deps left out
 "$py" -m pip install -q -c "$constraints" -r "$here/sglang-cpu-requirements.txt"
 # the registry's torchvision (pulled in by timm) is a CUDA build; this lets it import next to the CPU torch
 "$py" -m pip install -q "$here/torchvision-cpu-shim"
