@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,17 @@ def _import_sglang():
             "on CPUs run scripts/install_sglang_cpu.sh VENV (an environment of its own, see docs/engines.md)"
         ) from None
     return sglang
+
+
+_CHILD_FAILED = threading.Event()
+
+
+def _on_child_failure(signum: int, frame: Any) -> None:
+    """SGLang's processes send SIGQUIT to their parent when they fail; SGLang's own handler then kills
+    the whole process tree (the trainer, and other ranks or workers with it). gcore's handler only
+    records it: the engine call waiting on the failed process raises a clear error instead."""
+    _CHILD_FAILED.set()
+    log.error("an SGLang process failed (SIGQUIT from a child process)")
 
 
 def _architecture_override(model_path: str) -> str | None:
@@ -161,11 +173,20 @@ class SGLangEngine(Engine):
         self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gcore-sglang")
 
     def _call(self, what: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on the call thread, under the timeout; fails early if an SGLang process died."""
         future = self._calls.submit(fn, *args, **kwargs)
-        try:
-            return future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise GcoreError(f"SGLang {what} did not finish within {self.timeout_s} s (--engine.timeout_s)") from None
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return future.result(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                dead = [p.pid for p in self.processes if not _alive(p)]
+                if _CHILD_FAILED.is_set() or dead:
+                    raise GcoreError(f"SGLang {what} failed: an SGLang process died ({dead or 'SIGQUIT'}); "
+                                     "its log above says why") from None
+                if time.monotonic() >= deadline:
+                    raise GcoreError(f"SGLang {what} did not finish within {self.timeout_s} s "
+                                     "(--engine.timeout_s)") from None
 
     def setup(self, model_path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool) -> None:
         if device.type not in ("cuda", "cpu"):
@@ -180,6 +201,7 @@ class SGLangEngine(Engine):
             "random_seed": self.seed + rank,
             "skip_tokenizer_init": True,
             "log_level": "error",
+            "custom_sigquit_handler": _on_child_failure,  # not SGLang's: it kills this whole process tree
         }
         override = _architecture_override(model_path)
         if override is not None:
@@ -207,11 +229,12 @@ class SGLangEngine(Engine):
         if self.device.type == "cpu" and self.cpu_threads is not None:
             os.environ["OMP_NUM_THREADS"] = str(self.cpu_threads)  # SGLang's processes inherit it
         start = time.perf_counter()
+        failure = None
+        _CHILD_FAILED.clear()
         try:
             self.engine = sglang.Engine(**self._launch)
-        except Exception as err:
-            raise GcoreError(f"SGLang could not start on {self._launch['model_path']}: "
-                             f"{type(err).__name__}: {err}") from err
+        except Exception as err:  # noqa: BLE001 - any start-up failure: its processes are ended below
+            failure = err
         finally:
             if threads is None:
                 os.environ.pop("OMP_NUM_THREADS", None)
@@ -219,6 +242,10 @@ class SGLangEngine(Engine):
                 os.environ["OMP_NUM_THREADS"] = threads
             self.processes = [p for p in me.children(recursive=True) if p.pid not in before
                               and p.pid != _resource_tracker_pid()]
+        if failure is not None:
+            self._stop()  # whatever SGLang had started before it failed
+            raise GcoreError(f"SGLang could not start on {self._launch['model_path']}: "
+                             f"{type(failure).__name__}: {failure}") from failure
         self.last_start_seconds = time.perf_counter() - start
         log.info("SGLang started in %.1f s (%d processes)", self.last_start_seconds, len(self.processes))
 
@@ -231,8 +258,6 @@ class SGLangEngine(Engine):
         import psutil
 
         engine, self.engine = self.engine, None
-        if engine is None:
-            return
         watchdog = getattr(getattr(engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
         if watchdog is not None:
             watchdog.stop()  # it would SIGQUIT this process on seeing the scheduler exit
@@ -312,6 +337,16 @@ class SGLangEngine(Engine):
         self._stop()
         self.asleep = False
         self._calls.shutdown(wait=False)
+
+
+def _alive(process: Any) -> bool:
+    """Whether a ``psutil.Process`` is running (a zombie is not)."""
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _resource_tracker_pid() -> int | None:
