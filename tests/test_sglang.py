@@ -243,24 +243,6 @@ def test_sleep_restarts_the_engine_on_cpu_and_shutdown_leaves_no_process(tmp_pat
 
 
 
-@pytest.mark.sglang
-def test_a_failed_start_fails_clearly_and_leaves_no_process(tmp_path):
-    """The scheduler process dies loading a broken checkpoint: one clear error, and nothing left running."""
-    pytest.importorskip("sglang")
-    from gcore import ModelConfig
-    from gcore.engines.sglang import SGLangEngine
-    from gcore.errors import GcoreError
-    from gcore.model import char_tokenizer, materialize
-
-    path = materialize(ModelConfig(num_hidden_layers=1), char_tokenizer(), 0, str(tmp_path / "model"))
-    (tmp_path / "model" / "model.safetensors").write_bytes(b"not a safetensors file")
-    before = _children()
-    engine = SGLangEngine(cpu_kv_cache_tokens=1024)
-    with pytest.raises(GcoreError, match="SGLang could not start on .*model"):
-        engine.setup(path, torch.device("cpu"), torch.float32, False)
-    assert _children() == before
-    engine.shutdown()
-
 def _rewards(tmp_path, seed, steps):
     """reward/mean per step of a GRPO run of the ``gcore fit --engine sglang`` command (the default task)."""
     import csv

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -44,17 +43,6 @@ def _import_sglang():
             "on CPUs run scripts/install_sglang_cpu.sh VENV (an environment of its own, see docs/engines.md)"
         ) from None
     return sglang
-
-
-_CHILD_FAILED = threading.Event()
-
-
-def _on_child_failure(signum: int, frame: Any) -> None:
-    """SGLang's processes send SIGQUIT to their parent when they fail; SGLang's own handler then kills
-    the whole process tree (the trainer, and other ranks or workers with it). gcore's handler only
-    records it: the engine call waiting on the failed process raises a clear error instead."""
-    _CHILD_FAILED.set()
-    log.error("an SGLang process failed (SIGQUIT from a child process)")
 
 
 def _architecture_override(model_path: str) -> str | None:
@@ -181,8 +169,8 @@ class SGLangEngine(Engine):
                 return future.result(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
             except FutureTimeout:
                 dead = [p.pid for p in self.processes if not _alive(p)]
-                if _CHILD_FAILED.is_set() or dead:
-                    raise GcoreError(f"SGLang {what} failed: an SGLang process died ({dead or 'SIGQUIT'}); "
+                if dead:
+                    raise GcoreError(f"SGLang {what} failed: SGLang processes {dead} died; "
                                      "its log above says why") from None
                 if time.monotonic() >= deadline:
                     raise GcoreError(f"SGLang {what} did not finish within {self.timeout_s} s "
@@ -201,7 +189,6 @@ class SGLangEngine(Engine):
             "random_seed": self.seed + rank,
             "skip_tokenizer_init": True,
             "log_level": "error",
-            "custom_sigquit_handler": _on_child_failure,  # not SGLang's: it kills this whole process tree
         }
         override = _architecture_override(model_path)
         if override is not None:
@@ -230,7 +217,6 @@ class SGLangEngine(Engine):
             os.environ["OMP_NUM_THREADS"] = str(self.cpu_threads)  # SGLang's processes inherit it
         start = time.perf_counter()
         failure = None
-        _CHILD_FAILED.clear()
         try:
             self.engine = sglang.Engine(**self._launch)
         except Exception as err:  # noqa: BLE001 - any start-up failure: its processes are ended below
