@@ -1,13 +1,20 @@
 """``sglang`` engine: SGLang's offline ``Engine`` (its scheduler runs in a child process).
 
-Uses SGLang's own API: ``Engine.generate(input_ids=..., return_logprob=True)``,
-``release_memory_occupation``/``resume_memory_occupation`` for co-location, and
-``update_weights_from_tensor`` (CUDA IPC handles to the scheduler, no disk round trip) in buckets.
-SGLang's kernels are GPU-only; on CPU machines only the translation below is exercised.
+Uses SGLang's own API: ``Engine.generate(input_ids=..., return_logprob=True)`` (each prompt
+repeated ``n`` times), ``update_weights_from_tensor`` in buckets (tensors handed to the scheduler
+process through shared memory, no disk round trip), and ``release_memory_occupation`` /
+``resume_memory_occupation`` for co-location on GPUs.
+
+On CPUs it runs SGLang 0.5.15.post1's CPU engine (``SGLANG_USE_CPU_ENGINE=1``), installed into an
+environment of its own by ``scripts/install_sglang_cpu.sh`` (see docs/engines.md). There SGLang's
+memory release frees nothing, so ``sleep`` shuts the engine's processes down and ``wake_up`` starts
+them again from the checkpoint; the next weight sync brings the trainer's weights back.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -22,17 +29,38 @@ from gcore.errors import ConfigError, GcoreError
 from gcore.types import Generation, SamplingParams
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+CPU_RELEASE = ("restart", "resident")
+log = logging.getLogger(__name__)
 
 
-def _import_sglang():  # noqa: ANN202
+def _import_sglang():
     try:
         import sglang
-    except Exception as err:  # ImportError, or sgl_kernel failing to load on a machine it does not support
+    # ImportError; RuntimeError from torchvision next to a CPU torch; OSError from sgl_kernel on an unsupported GPU
+    except Exception as err:  # noqa: BLE001
         raise ConfigError(
-            f"--engine sglang needs SGLang on a supported GPU ({type(err).__name__}: {err}): "
-            "pip install 'gcore[sglang]'"
+            f"--engine sglang needs SGLang ({type(err).__name__}: {err}): on GPUs pip install 'gcore[sglang]'; "
+            "on CPUs run scripts/install_sglang_cpu.sh VENV (an environment of its own, see docs/engines.md)"
         ) from None
     return sglang
+
+
+def _architecture_override(model_path: str) -> str | None:
+    """SGLang picks the model class from ``architectures`` in config.json; name it when the file does not."""
+    config_file = os.path.join(model_path, "config.json")
+    if not os.path.isfile(config_file):
+        return None
+    with open(config_file) as f:
+        config = json.load(f)
+    if config.get("architectures"):
+        return None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"))
+    if architecture is None:
+        raise ConfigError(f"{config_file}: no 'architectures' and no causal LM known for model_type "
+                          f"{config.get('model_type')!r}; SGLang cannot pick the model class")
+    return json.dumps({"architectures": [architecture]})
 
 
 def sampling_dict(params: SamplingParams) -> dict[str, Any]:
@@ -82,85 +110,233 @@ def group_outputs(outputs: Sequence[dict[str, Any]], num_prompts: int, n: int) -
 
 
 class SGLangEngine(Engine):
-    """Generation with SGLang's offline engine.
+    """Generation with SGLang's offline engine (GPU, or CPU with SGLang 0.5.15.post1: see docs/engines.md).
 
     Args:
-        mem_fraction_static: share of GPU memory for weights and KV cache.
+        mem_fraction_static: GPU: share of GPU memory for weights and KV cache.
         context_length: the KV cache's context length (default: the model's).
-        sync_bucket_mb: weights go to SGLang in buckets of about this size.
+        sync_bucket_mb: weights go to SGLang in buckets of at most this many MiB (a larger tensor goes alone).
         timeout_s: a generate, weight update or memory call that takes longer fails clearly.
         seed: SGLang's random seed (each controller adds its rank).
+        cpu_kv_cache_tokens: CPU: how many tokens the KV cache holds (SGLang's ``max_total_tokens``).
+        cpu_threads: CPU: OpenMP threads of SGLang's scheduler process (default: this process's
+            ``OMP_NUM_THREADS``, else one per core). On a machine shared with other work, 1 avoids
+            OpenMP spin-waiting against the neighbours (see BENCHMARKS.md).
+        cpu_release: CPU: what ``sleep`` does, since SGLang's memory release frees nothing there:
+            ``restart`` ends the engine's processes (their memory is freed) and ``wake_up`` starts them
+            again from the checkpoint (the next weight sync restores the trainer's weights);
+            ``resident`` keeps them running (nothing is freed, nothing is paid).
     """
 
     def __init__(self, mem_fraction_static: float = 0.4, context_length: int | None = None,
-                 sync_bucket_mb: int = 512, timeout_s: float = 600.0, seed: int = 0) -> None:
+                 sync_bucket_mb: float = 512.0, timeout_s: float = 600.0, seed: int = 0,
+                 cpu_kv_cache_tokens: int = 16384, cpu_threads: int | None = None,
+                 cpu_release: str = "restart") -> None:
         import importlib.util
 
         if importlib.util.find_spec("sglang") is None:
-            _import_sglang()
+            _import_sglang()  # raises the "install it" error before any work starts
+        if sync_bucket_mb <= 0:
+            raise ConfigError("--engine.sync_bucket_mb must be positive")
+        if cpu_release not in CPU_RELEASE:
+            raise ConfigError(f"--engine.cpu_release must be one of {', '.join(CPU_RELEASE)}, not {cpu_release!r}")
+        if cpu_threads is not None and cpu_threads < 1:
+            raise ConfigError("--engine.cpu_threads must be at least 1")
         self.mem_fraction_static = mem_fraction_static
         self.context_length = context_length
         self.sync_bucket_mb = sync_bucket_mb
         self.timeout_s = timeout_s
         self.seed = seed
+        self.cpu_kv_cache_tokens = cpu_kv_cache_tokens
+        self.cpu_threads = cpu_threads
+        self.cpu_release = cpu_release
         self.engine = None
+        self.processes: list = []  # psutil.Process of every process SGLang started for this engine
+        self.device = torch.device("cpu")
         self.asleep = False
+        self.stale = False  # restarted from the checkpoint after a weight sync: generate needs a sync first
+        self.synced = False
+        self.last_sync_seconds = self.last_start_seconds = self.last_sleep_seconds = self.last_wake_seconds = 0.0
+        self._launch: dict[str, Any] = {}
         self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gcore-sglang")
 
-    def _call(self, what: str, fn, *args, **kwargs):  # noqa: ANN001, ANN202
+    def _call(self, what: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on the call thread, under the timeout; fails early if an SGLang process died."""
         future = self._calls.submit(fn, *args, **kwargs)
-        try:
-            return future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise GcoreError(f"SGLang {what} did not finish within {self.timeout_s} s") from None
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return future.result(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                dead = [p.pid for p in self.processes if not _alive(p)]
+                if dead:
+                    raise GcoreError(f"SGLang {what} failed: SGLang processes {dead} died; "
+                                     "its log above says why") from None
+                if time.monotonic() >= deadline:
+                    raise GcoreError(f"SGLang {what} did not finish within {self.timeout_s} s "
+                                     "(--engine.timeout_s)") from None
 
     def setup(self, model_path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool) -> None:
-        if device.type != "cuda":
-            raise ConfigError("--engine sglang runs on CUDA GPUs only; use --engine hf or vllm on CPU")
+        if device.type not in ("cuda", "cpu"):
+            raise ConfigError(f"--engine sglang runs on CUDA GPUs or CPUs, not {device.type}")
+        self.device = device
+        rank = int(os.environ.get("RANK", "0"))
+        kwargs: dict[str, Any] = {
+            "model_path": model_path,
+            "dtype": DTYPE_NAMES.get(dtype, "auto"),
+            "trust_remote_code": trust_remote_code,
+            "context_length": self.context_length,
+            "random_seed": self.seed + rank,
+            "skip_tokenizer_init": True,
+            "log_level": "error",
+        }
+        override = _architecture_override(model_path)
+        if override is not None:
+            kwargs["json_model_override_args"] = override
+        if device.type == "cuda":
+            kwargs.update(mem_fraction_static=self.mem_fraction_static, base_gpu_id=device.index or 0,
+                          enable_memory_saver=True)
+        else:
+            # SGLang's CPU engine; without AMX it falls back to torch-native attention (no kernel to build)
+            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+            kwargs.update(device="cpu", tp_size=1, disable_overlap_schedule=True,
+                          max_total_tokens=self.cpu_kv_cache_tokens)
         os.environ.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "false")  # logprobs after temperature
+        self._launch = kwargs
+        self._start()
+
+    def _start(self) -> None:
+        """Start SGLang's engine (its scheduler and detokenizer processes) with the arguments from ``setup``."""
+        import psutil
+
         sglang = _import_sglang()
-        rank = int(os.environ.get("RANK", 0))
-        self.engine = sglang.Engine(
-            model_path=model_path,
-            dtype=DTYPE_NAMES.get(dtype, "auto"),
-            trust_remote_code=trust_remote_code,
-            mem_fraction_static=self.mem_fraction_static,
-            context_length=self.context_length,
-            random_seed=self.seed + rank,
-            base_gpu_id=device.index or 0,
-            enable_memory_saver=True,
-            skip_tokenizer_init=True,
-            log_level="error",
-        )
+        me = psutil.Process()
+        before = {p.pid for p in me.children(recursive=True)}
+        threads = os.environ.get("OMP_NUM_THREADS")
+        if self.device.type == "cpu" and self.cpu_threads is not None:
+            os.environ["OMP_NUM_THREADS"] = str(self.cpu_threads)  # SGLang's processes inherit it
+        start = time.perf_counter()
+        failure = None
+        try:
+            self.engine = sglang.Engine(**self._launch)
+        except Exception as err:  # noqa: BLE001 - any start-up failure: its processes are ended below
+            failure = err
+        finally:
+            if threads is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = threads
+            self.processes = [p for p in me.children(recursive=True) if p.pid not in before
+                              and p.pid != _resource_tracker_pid()]
+        if failure is not None:
+            self._stop()  # whatever SGLang had started before it failed
+            raise GcoreError(f"SGLang could not start on {self._launch['model_path']}: "
+                             f"{type(failure).__name__}: {failure}") from failure
+        self.last_start_seconds = time.perf_counter() - start
+        log.info("SGLang started in %.1f s (%d processes)", self.last_start_seconds, len(self.processes))
+
+    def _stop(self) -> None:
+        """End the engine's processes, and only those.
+
+        Not ``Engine.shutdown()``: it kills every child process of the calling process, which in
+        gcore may be other ranks or placement workers.
+        """
+        import psutil
+
+        engine, self.engine = self.engine, None
+        watchdog = getattr(getattr(engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()  # it would SIGQUIT this process on seeing the scheduler exit
+        alive = [p for p in self.processes if p.is_running()]
+        for process in alive:
+            process.terminate()
+        _, alive = psutil.wait_procs(alive, timeout=30)
+        for process in alive:
+            process.kill()
+        psutil.wait_procs(alive, timeout=30)
+        self.processes = []
+        loop = getattr(engine, "loop", None)  # each Engine makes its own event loop
+        if loop is not None and not loop.is_closed() and not loop.is_running():
+            import asyncio
+
+            pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+            for task in pending:
+                task.cancel()  # its tokenizer manager's receive loops, waiting on the ended processes
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.close()
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+        if self.engine is None:
+            raise GcoreError("SGLangEngine.generate called before setup, after shutdown or while asleep")
+        if self.stale:
+            raise GcoreError("SGLang restarted from the checkpoint after sleep: sync the weights before generating")
         flat = [list(p) for p in prompts for _ in range(params.n)]
         outputs = self._call("generate", self.engine.generate, input_ids=flat,
                              sampling_params=sampling_dict(params), return_logprob=True)
         return group_outputs(outputs, len(prompts), params.n)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        received = 0
-        pending = list(buckets(weights, self.sync_bucket_mb * 2**20))
+        if self.engine is None:
+            raise GcoreError("SGLangEngine.update_weights called before setup, after shutdown or while asleep")
+        start, received, count = time.perf_counter(), 0, 0
+        pending = list(buckets(weights, int(self.sync_bucket_mb * 2**20)))
         for i, bucket in enumerate(pending):
             received += sum(t.numel() * t.element_size() for _, t in bucket)
-            self._call("weight update", self.engine.update_weights_from_tensor,
-                       named_tensors=bucket, flush_cache=i == len(pending) - 1)
+            result = self._call(f"weight update (bucket {i + 1} of {len(pending)})",
+                                self.engine.update_weights_from_tensor,
+                                named_tensors=bucket, flush_cache=i == len(pending) - 1)
+            ok, message = result[0], result[1] if len(result) > 1 else ""
+            if not ok:
+                raise GcoreError(f"SGLang refused weight bucket {i + 1} of {len(pending)}: {message}")
+            count += 1
+        self.last_sync_seconds = time.perf_counter() - start
+        self.last_sync_buckets = count
+        self.stale, self.synced = False, True
+        log.info("SGLang weight sync: %.4f GB in %d buckets, %.3f s, %.2f GB/s", received / 1e9, count,
+                 self.last_sync_seconds, received / 1e9 / max(self.last_sync_seconds, 1e-9))
         return received
 
     def sleep(self) -> None:
-        if self.engine is not None and not self.asleep:
-            start = time.perf_counter()
+        if self.engine is None or self.asleep:
+            return
+        start = time.perf_counter()
+        if self.device.type == "cuda":
             self._call("memory release", self.engine.release_memory_occupation)
-            self.asleep, self.last_sleep_seconds = True, time.perf_counter() - start
+        elif self.cpu_release == "restart":
+            self._stop()
+        else:
+            return  # resident: nothing to release
+        self.asleep, self.last_sleep_seconds = True, time.perf_counter() - start
 
     def wake_up(self) -> None:
-        if self.engine is not None and self.asleep:
+        if not self.asleep:
+            return
+        start = time.perf_counter()
+        if self.device.type == "cuda":
             self._call("memory resume", self.engine.resume_memory_occupation)
-            self.asleep = False
+        else:
+            self._start()  # from the checkpoint: the trainer's weights come with the next sync
+            self.stale = self.synced
+        self.asleep, self.last_wake_seconds = False, time.perf_counter() - start
 
     def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
+        self._stop()
+        self.asleep = False
         self._calls.shutdown(wait=False)
+
+
+def _alive(process: Any) -> bool:
+    """Whether a ``psutil.Process`` is running (a zombie is not)."""
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _resource_tracker_pid() -> int | None:
+    """Python's multiprocessing resource tracker: started by SGLang's first spawn, shared by the whole process."""
+    from multiprocessing import resource_tracker
+
+    return getattr(resource_tracker._resource_tracker, "_pid", None)
