@@ -157,7 +157,7 @@ def cases(fx: str) -> list[Case]:
         Case("resume: max_steps below the saved step", ["--trainer.max_steps", "5"], "max_steps", resume=True),
         Case("resume: another prompt set", ["--data.num_synthetic_prompts", "500"], "prompt", resume=True),
         Case("resume: another model size", ["--model.hidden_size", "64"], "size", resume=True),
-        Case("resume: another algorithm", ["--algorithm", "ppo"], "critic", resume=True),
+        Case("resume: another algorithm", ["--algorithm", "ppo"], "--algorithm", resume=True),
     ]
 
 

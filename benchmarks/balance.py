@@ -45,14 +45,14 @@ class BudgetEngine(HFEngine):
         super().setup(*args, **kwargs)
         self.eos_ids = ()  # no early stop: the response length is the budget
 
-    def generate(self, prompts, params):  # noqa: ANN001, ANN201
+    def generate(self, prompts, params):
         out: list = [None] * len(prompts)
         by_budget: dict[int, list[int]] = {}
         for i, p in enumerate(prompts):
             by_budget.setdefault(min(budget(p[0]), params.max_new_tokens), []).append(i)
         for length, rows in by_budget.items():
             fixed = dataclasses.replace(params, max_new_tokens=length, stop_token_ids=())
-            for i, generations in zip(rows, super().generate([prompts[i] for i in rows], fixed)):
+            for i, generations in zip(rows, super().generate([prompts[i] for i in rows], fixed), strict=False):
                 out[i] = generations
         return out
 
@@ -83,7 +83,8 @@ def run(root: str, data: str, balance: bool, args: argparse.Namespace) -> dict[s
            "--sampling.n", "4", "--sampling.max_new_tokens", str(2**BUDGET_CLASSES),
            "--backend.micro_batch_size", "8"]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.abspath(__file__)),
+                                          os.environ.get("PYTHONPATH", "")])}
     subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     versions = sorted(os.listdir(os.path.join(root, "gcore")), key=lambda v: int(v.split("_")[1]))
     with open(os.path.join(root, "gcore", versions[-1], "metrics.csv")) as f:

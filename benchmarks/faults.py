@@ -71,7 +71,7 @@ def metrics_ok(root: str, steps: int) -> bool:
     return seen == list(range(steps))
 
 
-def wait_for(condition, timeout: float = 300) -> bool:  # noqa: ANN001
+def wait_for(condition, timeout: float = 300) -> bool:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if condition():
@@ -98,21 +98,22 @@ def resume_finishes(root: str, env: dict | None = None) -> tuple[bool, bool, str
     return ok, not metrics_ok(root, STEPS), f"resume rc {rc}: {resumed}" + (f"; {last_line(err)}" if rc else "")
 
 
-def signal_case(sig: int, expected_rc: int):  # noqa: ANN201
+def signal_case(sig: int, expected_rc: int):
     def case(root: str) -> tuple[bool, bool, str]:
         process = gcore(root, "--trainer.max_steps", str(STEPS), *CKPT)
         wait_for(lambda: len(complete(root)) >= 1 and leftovers(root))  # a save in flight
         before = complete(root)
         process.send_signal(sig)
         _, err = process.communicate(timeout=120)
-        note = f"rc {process.returncode} ({last_line(err.split('gcore: interrupted')[0])}); .tmp left: {len(leftovers(root))}"
+        note = (f"rc {process.returncode} ({last_line(err.split('gcore: interrupted')[0])}); "
+                f".tmp left: {len(leftovers(root))}")
         lost = any(p not in complete(root) for p in before[-1:]) or process.returncode != expected_rc
         ok, lost_after, resumed = resume_finishes(root)
         return ok and process.returncode == expected_rc, lost or lost_after, f"{note}; {resumed}"
     return case
 
 
-def kill_case(when: str):  # noqa: ANN201
+def kill_case(when: str):
     def case(root: str) -> tuple[bool, bool, str]:
         process = gcore(root, "--trainer.max_steps", str(STEPS), *CKPT, start_new_session=True)
         if when == "tmp":
@@ -127,7 +128,7 @@ def kill_case(when: str):  # noqa: ANN201
     return case
 
 
-def damaged_latest(damage: str):  # noqa: ANN201
+def damaged_latest(damage: str):
     def case(root: str) -> tuple[bool, bool, str]:
         run(root, "--trainer.max_steps", "6", *CKPT)  # checkpoints after steps 3 and 5
         latest = complete(root)[-1]
@@ -150,12 +151,12 @@ def damaged_latest(damage: str):  # noqa: ANN201
     return case
 
 
-def tampered(file: str):  # noqa: ANN201
+def tampered(file: str):
     class Payload:
         def __init__(self, marker: str) -> None:
             self.marker = marker
 
-        def __reduce__(self):  # noqa: ANN204
+        def __reduce__(self):
             return (open, (self.marker, "w"))
 
     def case(root: str) -> tuple[bool, bool, str]:
@@ -274,7 +275,8 @@ def main() -> int:
     parser.add_argument("--workdir", default=None, help="where the runs go (default: a new temp folder)")
     parser.add_argument("--skip-multi", action="store_true", help="skip the two-controller case")
     parser.add_argument("--only", default=None, help="run the cases whose name contains this text")
-    parser.add_argument("--repo", default=REPO, help="the gcore checkout to test (e.g. an older one, for a before/after)")
+    parser.add_argument("--repo", default=REPO,
+                        help="the gcore checkout to test (e.g. an older one, for a before/after)")
     args = parser.parse_args()
     REPO = os.path.abspath(args.repo)
     workdir = args.workdir or tempfile.mkdtemp(prefix="gcore-faults-")
@@ -309,10 +311,11 @@ def main() -> int:
         start = time.time()
         try:
             ok, data_lost, note = case(root)
-        except Exception as err:  # a harness failure counts as not survived
+        except Exception as err:  # noqa: BLE001  a harness failure counts as not survived
             ok, data_lost, note = False, False, f"harness error: {type(err).__name__}: {err}"
         tried, survived, lost = tried + 1, survived + ok, lost + data_lost
-        print(f"{'ok  ' if ok else 'FAIL'} {'LOST' if data_lost else '    '} {name} ({time.time() - start:.0f} s): {note}",
+        print(f"{'ok  ' if ok else 'FAIL'} {'LOST' if data_lost else '    '} {name} "
+              f"({time.time() - start:.0f} s): {note}",
               flush=True)
     if not root_only:
         print("(the disk cases need root to mount tmpfs: skipped)")

@@ -49,7 +49,7 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def _model(length: int):  # noqa: ANN202
+def _model(length: int):
     from gcore.model import ModelConfig, build_tiny_model, char_tokenizer
 
     config = ModelConfig(max_position_embeddings=max(length, 256))
@@ -68,8 +68,8 @@ class _CommTimer:
         for name in ("_ring_exchange", "_all_to_all", "gather_replicated"):
             setattr(seqpar, name, self._timed(getattr(seqpar, name)))
 
-    def _timed(self, fn):  # noqa: ANN001, ANN202
-        def wrapper(*args, **kwargs):  # noqa: ANN202
+    def _timed(self, fn):
+        def wrapper(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -79,7 +79,7 @@ class _CommTimer:
         return wrapper
 
 
-def _step(model, ids: torch.Tensor, sp, mode: str | None) -> None:  # noqa: ANN001
+def _step(model, ids: torch.Tensor, sp, mode: str | None) -> None:
     from gcore.backends import sequence_parallel as seqpar
     from gcore.backends.torch import token_logprobs
 

@@ -10,7 +10,8 @@ group is judged while the others still generate) and re-sizes the split from mea
 
 Prints, per placement, medians over the steps after ``--warmup``: step time, the rollout phase
 (generate + judge), swap time and the rest of the step (prepare + train + sync, which placement
-does not change: on a loaded machine it shows how much of a step-time difference is noise), and the idle share of the workers' time during rollout + swap,
+does not change: on a loaded machine it shows how much of a step-time difference is noise), and the
+idle share of the workers' time during rollout + swap,
 per role (generate, judge, swap); then the dynamic/static ratios. Record the output in
 BENCHMARKS.md with the date, the machine and the command.
 """
@@ -98,11 +99,13 @@ def main() -> None:
         }
         order = ["dynamic", "static"] if args.dynamic_first else ["static", "dynamic"]
         rows = {name: run(placements[name](), args.workers, judge, args) for name in order}
-    print("| placement | step s | rollout s | swap s | prepare+train+sync s | idle: generate | idle: judge | idle: swap | idle: all "
+    print("| placement | step s | rollout s | swap s | prepare+train+sync s | idle: generate | idle: judge "
+          "| idle: swap | idle: all "
           "| judge workers per step | run wall s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     for name, r in rows.items():
-        print(f"| {name} | {r['step']:.3f} | {r['rollout']:.3f} | {r['swap']:.3f} | {r['train']:.3f} | {r['idle_generate']:.2f} | "
+        print(f"| {name} | {r['step']:.3f} | {r['rollout']:.3f} | {r['swap']:.3f} | {r['train']:.3f} | "
+              f"{r['idle_generate']:.2f} | "
               f"{r['idle_judge']:.2f} | {r['idle_swap']:.2f} | {r['idle']:.2f} | {r['judge_devices']} | "
               f"{r['wall']:.0f} |")
     s, d = rows["static"], rows["dynamic"]

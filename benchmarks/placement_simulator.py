@@ -18,9 +18,8 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gcore.placement.dynamic import DynamicPlacement  # noqa: E402
-from gcore.placement.simulator import compare, load_workload, plot, simulate, summarize  # noqa: E402
-from gcore.placement.static import StaticPlacement  # noqa: E402
+from gcore.placement.dynamic import DynamicPlacement
+from gcore.placement.simulator import compare, load_workload, plot, simulate, summarize
 
 SENSITIVITY = [
     ("judge cost x0.25", lambda w: replace(w, judge_output_tokens=max(1, w.judge_output_tokens // 4))),
@@ -55,7 +54,8 @@ def table(runs: dict, devices: int) -> None:
     bound = most_saved(base, summarize(runs["dynamic"], devices))
     print(f"static: judge busy {base['busy_judge']:.3f} of device time; the most idle dynamic can save is "
           f"about {bound:.0%} of static's\n")
-    print(f"| policy | step s | idle | idle gen / judge / swap | device-h | idle device-h | step vs static | idle vs static |")
+    print("| policy | step s | idle | idle gen / judge / swap | device-h | idle device-h "
+          "| step vs static | idle vs static |")
     print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for name, results in runs.items():
         s = summarize(results, devices)
@@ -105,7 +105,8 @@ def main() -> int:
     best, best_idle = best_fixed_split(devices, steps, work, options)
     print(f"\nbest fixed judge partition at {devices} devices over the first {steps} steps: {best} "
           f"(idle device-h {best_idle:.3f}); the policy: {[r.judge_devices for r in converged]} "
-          f"(idle device-h {early['dynamic']['idle_device_hours']:.3f}, static {early['static']['idle_device_hours']:.3f})")
+          f"(idle device-h {early['dynamic']['idle_device_hours']:.3f}, "
+          f"static {early['static']['idle_device_hours']:.3f})")
     print(f"\nsensitivity at {devices} devices, {args.steps} steps (ratios against static)\n")
     print("| change | most idle an overlap can save | dynamic: step | dynamic: idle device-h | "
           "dynamic+release: step | dynamic+release: idle device-h |")
@@ -114,10 +115,12 @@ def main() -> int:
         runs = compare(devices, args.steps, change(work), options)
         s = {name: summarize(r, devices) for name, r in runs.items()}
         ratio = {
-            name: (s[name]["step_s"] / s["static"]["step_s"], s[name]["idle_device_hours"] / s["static"]["idle_device_hours"])
+            name: (s[name]["step_s"] / s["static"]["step_s"],
+                   s[name]["idle_device_hours"] / s["static"]["idle_device_hours"])
             for name in ("dynamic", "dynamic+release")
         }
-        print(f"| {label} | {most_saved(s['static'], s['dynamic']):.0%} | x{ratio['dynamic'][0]:.3f} | x{ratio['dynamic'][1]:.3f} | "
+        print(f"| {label} | {most_saved(s['static'], s['dynamic']):.0%} | x{ratio['dynamic'][0]:.3f} | "
+              f"x{ratio['dynamic'][1]:.3f} | "
               f"x{ratio['dynamic+release'][0]:.3f} | x{ratio['dynamic+release'][1]:.3f} |", flush=True)
     return 0
 

@@ -21,11 +21,12 @@ from gcore.model import ModelConfig, build_tiny_model, char_tokenizer
 from gcore.types import Prompt, Sample, collate
 
 
-def batch_of(prompts: int, n: int, prompt_length: int, response_length: int, seed: int):  # noqa: ANN201
+def batch_of(prompts: int, n: int, prompt_length: int, response_length: int, seed: int):
     generator = torch.Generator().manual_seed(seed)
     samples = []
     for group in range(prompts):
-        prompt = Prompt(index=group, text="", token_ids=torch.randint(5, 90, (prompt_length,), generator=generator).tolist())
+        prompt = Prompt(index=group, text="",
+                        token_ids=torch.randint(5, 90, (prompt_length,), generator=generator).tolist())
         for _ in range(n):
             response = torch.randint(5, 90, (response_length,), generator=generator).tolist()
             samples.append(Sample(prompt=prompt, group=group, response_ids=response,
@@ -33,18 +34,18 @@ def batch_of(prompts: int, n: int, prompt_length: int, response_length: int, see
     return collate(samples, pad_id=0, temperature=1.0)
 
 
-def plain(model, micro):  # noqa: ANN001, ANN201
+def plain(model, micro):
     ids, mask = micro.input_ids, micro.attention_mask
     logits = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=False).logits
     return seqpar.next_token_logprobs(logits, ids[:, 1:], 1.0)[0]
 
 
-def shared(model, micro):  # noqa: ANN001, ANN201
+def shared(model, micro):
     logits, targets = shared_prompt_logits(model, micro, *distinct_prompts(micro), torch.device("cpu"))
     return to_batch_layout(seqpar.next_token_logprobs(logits, targets, 1.0)[0], micro)
 
 
-def step_seconds(model, batch, forward, micro_batch_size: int) -> float:  # noqa: ANN001
+def step_seconds(model, batch, forward, micro_batch_size: int) -> float:
     start = time.process_time()
     for rows in torch.arange(len(batch)).split(micro_batch_size):
         micro = batch.select(rows)

@@ -54,7 +54,7 @@ def main() -> None:
         for engine in engines.values():
             engine.setup(path, device, torch.float32, False)
         seconds: dict[str, list[float]] = {name: [] for name in engines}
-        for name, engine in engines.items():  # warm-up
+        for _name, engine in engines.items():  # warm-up
             engine.update_weights(weights.items())
         for _ in range(args.repeats):
             for name, engine in engines.items():
@@ -66,7 +66,8 @@ def main() -> None:
             median = statistics.median(seconds[name])
             rows.append((size, f"{params_m:.0f}M", f"{gb:.3f}", name, buckets, median, gb / median))
             engine.shutdown()
-    print(f"device {device}, float32, {args.repeats} syncs each after one warm-up (medians), bucket {args.bucket_mb} MiB")
+    print(f"device {device}, float32, {args.repeats} syncs each after one warm-up (medians), "
+          f"bucket {args.bucket_mb} MiB")
     print(f"{'model':<7}{'params':>8}{'GB':>8}  {'sync':<18}{'buckets':>8}{'s':>9}{'GB/s':>8}")
     for size, params, gb, name, buckets, s, gbps in rows:
         print(f"{size:<7}{params:>8}{gb:>8}  {name:<18}{buckets!s:>8}{s:>9.3f}{gbps:>8.2f}")

@@ -75,7 +75,7 @@ def run_gcore(args: argparse.Namespace) -> dict:
     cpu_ends: list[float] = []
     step = Controller.step
 
-    def timed_step(self, *a, **kw):  # noqa: ANN001, ANN202 - wall clock between step ends, as for TRL
+    def timed_step(self, *a, **kw):
         out = step(self, *a, **kw)
         ends.append(time.perf_counter())
         cpu_ends.append(time.process_time())
@@ -130,21 +130,21 @@ def run_trl(args: argparse.Namespace) -> dict:
     records: list[dict] = []
 
     class Clock(TrainerCallback):
-        def on_step_end(self, args_, state, control, **kw):  # noqa: ANN001, ANN201
+        def on_step_end(self, args_, state, control, **kw):
             ends.append(time.perf_counter())
             cpu_ends.append(time.process_time())
 
-        def on_log(self, args_, state, control, logs=None, **kw):  # noqa: ANN001, ANN201
+        def on_log(self, args_, state, control, logs=None, **kw):
             if logs and "reward" in logs:
                 records.append({**logs, "step": state.global_step})
 
     length = args.max_new_tokens
 
-    def target_char(completions, answer, **kw):  # noqa: ANN001, ANN202 - TRL's reward-function signature
-        return [target_char_reward(c, a, length) for c, a in zip(completions, answer)]
+    def target_char(completions, answer, **kw):
+        return [target_char_reward(c, a, length) for c, a in zip(completions, answer, strict=False)]
 
-    def arithmetic(completions, answer, **kw):  # noqa: ANN001, ANN202 - conversational completions
-        return [math_reward(c[0]["content"], a) for c, a in zip(completions, answer)]
+    def arithmetic(completions, answer, **kw):
+        return [math_reward(c[0]["content"], a) for c, a in zip(completions, answer, strict=False)]
 
     with tempfile.TemporaryDirectory(prefix="trl-bench-") as root:
         start = time.perf_counter()
@@ -222,8 +222,8 @@ def step_times(run: dict, warmup: int, clock: str = "step_ends") -> list[float]:
     """Seconds between consecutive step ends after ``warmup`` steps; ``clock="cpu_ends"``: this process's
     CPU seconds instead of wall-clock (less sensitive to other jobs on a shared machine)."""
     ends = run[clock]
-    return [b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:])] if warmup >= 1 else [
-        b - a for a, b in zip([run["start"], *ends[:-1]], ends)
+    return [b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:], strict=False)] if warmup >= 1 else [
+        b - a for a, b in zip([run["start"], *ends[:-1]], ends, strict=False)
     ]
 
 
@@ -231,7 +231,8 @@ def spread(values: list[float]) -> str:
     if not values:
         return "n/a"
     q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return f"{statistics.median(values):.3f} s (IQR {q[0]:.3f}-{q[2]:.3f}, min {min(values):.3f}, max {max(values):.3f})"
+    return (f"{statistics.median(values):.3f} s (IQR {q[0]:.3f}-{q[2]:.3f}, "
+            f"min {min(values):.3f}, max {max(values):.3f})")
 
 
 def summarize(name: str, runs: list[dict], warmup: int) -> dict:
@@ -330,7 +331,8 @@ def main() -> None:
     summaries = {name: summarize(name, runs[name], args.warmup) for name in names}
     print()
     print(f"settings: {args.prompts_per_step} prompts x {args.n} generations, {args.max_new_tokens} new tokens, "
-          f"lr {args.lr}, {args.steps} steps, {args.repeats} runs each (seeds {args.seeds}), first {args.warmup} steps of each run "
+          f"lr {args.lr}, {args.steps} steps, {args.repeats} runs each (seeds {args.seeds}), "
+          f"first {args.warmup} steps of each run "
           f"left out of step times; torch threads {args.threads or _threads()}")
     for s in summaries.values():
         print(f"\n== {s['name']}")
@@ -350,7 +352,8 @@ def main() -> None:
         for k in STAGES:
             print(f"  {k:9s} {med[k]:.4f}  ({100 * med[k] / loop:4.1f}%)")
         inside = statistics.median(row["step"] - sum(row[k] for k in STAGES) for row in rows)
-        print(f"  {'overhead':9s} {inside:.4f}  ({100 * inside / loop:4.1f}%)  (inside Controller.step, between stages)")
+        print(f"  {'overhead':9s} {inside:.4f}  ({100 * inside / loop:4.1f}%)  "
+              "(inside Controller.step, between stages)")
         print(f"  {'loop':9s} {loop - med['step']:.4f}  ({100 * (loop - med['step']) / loop:4.1f}%)  "
               "(trainer loop between steps: logging, data)")
         print(f"  {'step':9s} {loop:.4f}")
@@ -358,12 +361,14 @@ def main() -> None:
         g, t = summaries[name], summaries["trl"]
         print(f"\n== {name} / TRL")
         print(f"  median step time: {g['median_step_s'] / t['median_step_s']:.2f}x  (goal <= 0.67x); "
-              f"per-repeat ratios {', '.join(f'{a / b:.2f}' for a, b in zip(g['run_medians'], t['run_medians']))}")
+              "per-repeat ratios "
+              f"{', '.join(f'{a / b:.2f}' for a, b in zip(g['run_medians'], t['run_medians'], strict=False))}")
         print(f"  median step CPU time: {g['median_step_cpu_s'] / t['median_step_cpu_s']:.2f}x")
         print(f"  completion tokens/s: {g['tokens_per_s'] / t['tokens_per_s']:.2f}x")
         print(f"  peak RSS: {g['peak_rss_mb'] / t['peak_rss_mb']:.2f}x")
         print(f"  reward last 5 steps: {name} {g['last5']:.3f} vs TRL {t['last5']:.3f}; "
-              f"first step reaching 0.2 (mean curve): {name} {_reach(g['curve'], 0.2)} vs TRL {_reach(t['curve'], 0.2)}")
+              f"first step reaching 0.2 (mean curve): {name} {_reach(g['curve'], 0.2)} "
+              f"vs TRL {_reach(t['curve'], 0.2)}")
     if "trl" in runs:
         print(f"\nTRL version {runs['trl'][0].get('trl_version')}")
     if args.json:

@@ -23,7 +23,7 @@ def karmarkar_karp(costs: Sequence[float], parts: int) -> list[list[int]]:
     """
     if parts < 1:
         raise ValueError("parts must be >= 1")
-    heap = []
+    heap: list[tuple[float, int, list[tuple[float, list[int]]]]] = []
     for index, cost in enumerate(costs):
         subsets = [(float(cost), [index])] + [(0.0, []) for _ in range(parts - 1)]
         heapq.heappush(heap, (-float(cost), index, subsets))
@@ -34,7 +34,7 @@ def karmarkar_karp(costs: Sequence[float], parts: int) -> list[list[int]]:
         _, key_b, b = heapq.heappop(heap)
         a = sorted(a, key=lambda s: (-s[0], s[1]))  # heaviest first
         b = sorted(b, key=lambda s: (s[0], s[1]))  # lightest first
-        merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, b)]
+        merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, b, strict=False)]
         spread = max(s for s, _ in merged) - min(s for s, _ in merged)
         heapq.heappush(heap, (-spread, min(key_a, key_b), merged))
     subsets = heap[0][2]

@@ -44,11 +44,17 @@ import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from gcore.errors import GcoreError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import ReadItem
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
@@ -133,7 +139,7 @@ def pick_checkpoint(root: str) -> tuple[str | None, dict[str, Any] | None, list[
     return None, None, notes
 
 
-def _tree_bytes(obj: Any) -> int:
+def _tree_bytes(obj: object) -> int:
     """The bytes of the tensors in a nested state (what a save of it writes, roughly); a sharded
     tensor (DTensor) counts with its whole size, as all ranks together write it."""
     if isinstance(obj, torch.Tensor):
@@ -147,7 +153,8 @@ def _tree_bytes(obj: Any) -> int:
 
 def _causes(err: BaseException) -> Iterator[BaseException]:
     """``err``, its causes and contexts, and the per-rank errors inside a DCP ``CheckpointException``."""
-    seen, todo = set(), [err]
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [err]
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:
@@ -216,7 +223,7 @@ class _MetadataUnpickler(pickle.Unpickler):
                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
                ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> Any:  # noqa: ANN401  as Unpickler.find_class: any allowed global
         if "." not in name:
             if (module, name) in self.ALLOWED:
                 return super().find_class(module, name)
@@ -229,7 +236,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
 
 
-def read_metadata(path: str) -> Any:
+def read_metadata(path: str) -> Metadata:
     """DCP's ``.metadata`` of the checkpoint ``path``, through ``_MetadataUnpickler``."""
     file = os.path.join(path, ".metadata")
     try:
@@ -240,31 +247,32 @@ def read_metadata(path: str) -> Any:
                               "code it contains)") from None
 
 
-def _safe_reader(path: str):
+def _safe_reader(path: str) -> FileSystemReader:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeReader(FileSystemReader):
         """DCP's file reader, with ``.metadata`` read by ``_MetadataUnpickler``."""
 
-        def read_metadata(self, *args: Any, **kwargs: Any):
+        def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
             metadata = read_metadata(path)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
+            assert metadata.storage_meta is not None  # set just above
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
     return SafeReader(path)
 
 
-def _safe_planner():
+def _safe_planner() -> DefaultLoadPlanner:
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     class SafePlanner(DefaultLoadPlanner):
         """DCP's planner; a non-tensor item (optimizer settings, scheduler state) must load with
         ``weights_only=True`` before DCP's own ``torch.load`` sees the same bytes."""
 
-        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
             data = value.read()
             try:
                 torch.load(io.BytesIO(data), weights_only=True)
@@ -276,7 +284,7 @@ def _safe_planner():
     return SafePlanner()
 
 
-def dcp_load(state: dict[str, Any], path: str, process_group=None) -> None:
+def dcp_load(state: dict[str, Any], path: str, process_group: ProcessGroup | None = None) -> None:
     """``dcp.load`` without running code from the files; a mismatch or a refusal is one ``CheckpointError``."""
     import torch.distributed.checkpoint as dcp
 
@@ -403,7 +411,7 @@ class CheckpointManager:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._pending = _PendingSave(step, tmp, future, start, needed)
+        self._pending = _PendingSave(step, tmp, future, start, needed)  # type: ignore[arg-type]  # a Future here
         if not asynchronous:
             self.wait()
         return time.perf_counter() - start
@@ -607,7 +615,7 @@ def export_hf(checkpoint: str, out_dir: str) -> str:
     model.save_pretrained(out_dir)
     try:
         AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out_dir)
-    except Exception:  # a checkpoint saved without a tokenizer still exports its weights
+    except Exception:  # noqa: BLE001  a checkpoint saved without a tokenizer still exports its weights
         pass
     return out_dir
 

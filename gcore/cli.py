@@ -141,7 +141,7 @@ def _explain_plugin_error(config) -> None:  # noqa: ANN001 - a jsonargparse Name
             getattr(importlib.import_module(module), name)(**init_args)
         except GcoreError:
             raise
-        except Exception as err:  # the constructor's own error, named with its plugin
+        except Exception as err:  # noqa: BLE001  a plugin's constructor may raise anything; reported with its name
             raise GcoreError(f"--{family} {spec.class_path}: {type(err).__name__}: {err}") from None
 
 

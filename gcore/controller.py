@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,10 @@ from gcore.errors import RewardError
 from gcore.placement.base import PlacementPolicy, Telemetry
 from gcore.rewards.base import RewardModel, as_reward, describe_sample
 from gcore.types import Generation, Prompt, Sample, SamplingParams, collate
+
+if TYPE_CHECKING:
+    from lightning.fabric import Fabric
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +60,13 @@ class StageTimer:
 class Controller:
     """Runs the stages for one rank; the trainer calls ``step`` once per training step."""
 
-    fabric: object  # lightning.fabric.Fabric
+    fabric: Fabric
     engine: Engine
     reward: RewardModel
     algorithm: Algorithm
     backend: TrainingBackend
     placement: PlacementPolicy
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     sampling: SamplingParams
     #: draws ``k`` more prompts for this controller alone (dynamic sampling); ``None``: no re-sampling
     draw_prompts: Callable[[int], list[Prompt]] | None = None
@@ -145,7 +150,7 @@ class Controller:
                 response_text=self.tokenizer.decode(g.token_ids, skip_special_tokens=True),
                 finished=g.finished,
             )
-            for group, (prompt, generations) in enumerate(zip(prompts, outputs))
+            for group, (prompt, generations) in enumerate(zip(prompts, outputs, strict=False))
             for g in generations
         ]
 
@@ -158,7 +163,7 @@ class Controller:
             raise RewardError(f"{type(reward).__name__} returned {len(raw)} rewards for {len(samples)} samples")
         self._reward_errors += getattr(reward, "last_errors", 0)
         self._first_reward_error = self._first_reward_error or getattr(reward, "last_error", None)
-        for sample, value in zip(samples, raw):
+        for sample, value in zip(samples, raw, strict=False):
             try:  # any reward model, not only the rule-based ones (which check their own values)
                 value = as_reward(value)
             except (TypeError, ValueError) as err:
@@ -252,7 +257,7 @@ class Controller:
         else:
             gathered = local.unsqueeze(0)
         rss, gathered = gathered[:, -1], gathered[:, :-1]
-        per_rank = [dict(zip(names, row.tolist())) for row in gathered]
+        per_rank = [dict(zip(names, row.tolist(), strict=False)) for row in gathered]
         updates = self.placement.update(Telemetry(step, per_rank))
         metrics = {f"time/{name}": float(gathered[:, i].max()) for i, name in enumerate(names)}
         # busy time: the stages a controller runs alone (the step time also holds the waits in collectives)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -76,10 +76,11 @@ def read_rows(path: str) -> list[tuple[dict, str]]:
         try:
             import datasets
         except ImportError:
-            raise DataError(f"--data.path {path}: a dataset folder needs the datasets package: pip install datasets") from None
+            raise DataError(f"--data.path {path}: a dataset folder needs the datasets package: "
+                            "pip install datasets") from None
         try:
             dataset = datasets.load_from_disk(path)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001  datasets raises many error types; reported as a DataError
             raise DataError(f"--data.path {path}: not a folder saved with datasets' save_to_disk: {err}") from None
         if isinstance(dataset, datasets.DatasetDict):
             if "train" not in dataset:
@@ -108,7 +109,7 @@ def read_rows(path: str) -> list[tuple[dict, str]]:
             import pyarrow.parquet as pq
 
             table = pq.read_table(path)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001  pyarrow raises many error types; reported as a DataError
             raise DataError(f"--data.path {path}: cannot read parquet: {err}") from None
         return [(row, f"{path}:row {i + 1}") for i, row in enumerate(table.to_pylist())]
     raise DataError(f"--data.path {path}: unknown format; expected .jsonl or .parquet")
@@ -214,7 +215,7 @@ class PromptSampler:
 
     def next_global(self) -> list[int]:
         """The whole step's prompt indices (the same on every rank)."""
-        chosen = []
+        chosen: list[int] = []
         while len(chosen) < self.per_step:
             if self.position == len(self._order):
                 self.epoch, self.position = self.epoch + 1, 0
@@ -236,7 +237,7 @@ class PromptSampler:
         return [indices[j] for j in parts[self.rank]]
 
     def state_dict(self) -> dict:
-        state = {"epoch": self.epoch, "position": self.position, "num_prompts": self.num_prompts}
+        state: dict[str, Any] = {"epoch": self.epoch, "position": self.position, "num_prompts": self.num_prompts}
         if self.balancer is not None:
             state["lengths"] = self.balancer.predictor.state_dict()
         return state

@@ -41,7 +41,7 @@ def evaluate(engine: Engine, reward: RewardModel, tokenizer, prompts: Sequence[P
         samples = [
             Sample(prompt=p, group=j, response_ids=g.token_ids, response_logprobs=g.logprobs,
                    response_text=tokenizer.decode(g.token_ids, skip_special_tokens=True), finished=g.finished)
-            for j, (p, generations) in enumerate(zip(mine, outputs))
+            for j, (p, generations) in enumerate(zip(mine, outputs, strict=False))
             for g in generations
         ]
         sums[i] = float(sum(reward.score(samples))) if samples else 0.0

@@ -102,7 +102,7 @@ class ControllerWatch:
             try:
                 with self._store_lock:
                     self.store.set(f"{PREFIX}/pid/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
-            except Exception:  # noqa: BLE001, S110  the store is checked again by every beat
+            except Exception:  # noqa: BLE001  the store is checked again by every beat
                 pass
             self._beat()
             self._store_ok_at = time.monotonic()

@@ -8,11 +8,14 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from gcore.errors import ConfigError, GcoreError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 CHAR_TOKENIZER = Path(__file__).parent / "assets" / "char_tokenizer.json"
 #: files of which an HF tokenizer is built: a folder with none of them has no tokenizer
@@ -59,7 +62,7 @@ class ModelConfig:
         return self.path is None
 
 
-def char_tokenizer():
+def char_tokenizer() -> PreTrainedTokenizerFast:
     """The embedded character-level tokenizer (a ``PreTrainedTokenizerFast``)."""
     from transformers import PreTrainedTokenizerFast
 
@@ -74,7 +77,7 @@ def char_tokenizer():
     return tokenizer
 
 
-def build_tiny_model(config: ModelConfig, tokenizer, seed: int):  # noqa: ANN001
+def build_tiny_model(config: ModelConfig, tokenizer, seed: int) -> Qwen2ForCausalLM:  # noqa: ANN001
     """A randomly initialised Qwen2-style causal LM; the same weights for the same seed."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -99,7 +102,7 @@ def build_tiny_model(config: ModelConfig, tokenizer, seed: int):  # noqa: ANN001
         torch.random.set_rng_state(state)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return model.to(config.torch_dtype)
+    return model.to(config.torch_dtype)  # type: ignore[arg-type]  # transformers types .to without a dtype
 
 
 def load_tokenizer(config: ModelConfig):  # noqa: ANN201
@@ -108,6 +111,7 @@ def load_tokenizer(config: ModelConfig):  # noqa: ANN201
         return char_tokenizer()
     from transformers import AutoTokenizer
 
+    assert config.path is not None  # not embedded: a path was given
     _check_path(config.path)
     if not is_gguf(config.path) and not any(os.path.isfile(os.path.join(config.path, name))
                                             for name in TOKENIZER_FILES):
@@ -167,7 +171,7 @@ def check_weights(path: str) -> None:
             try:
                 with safe_open(file, "pt"):
                     pass
-            except Exception as err:  # safetensors raises its own error types
+            except Exception as err:  # noqa: BLE001  safetensors raises its own error types
                 detail = str(err).splitlines()[0] if str(err) else type(err).__name__
                 raise ConfigError(f"{file}: corrupt or truncated safetensors file ({detail})") from None
 
@@ -204,6 +208,7 @@ def materialize(config: ModelConfig, tokenizer, seed: int, workdir: str) -> str:
     is converted into ``workdir`` (``import_gguf``).
     """
     if not config.embedded:
+        assert config.path is not None  # not embedded: a path was given
         _check_path(config.path)
         if is_gguf(config.path):
             print(f"converting {config.path} to an HF checkpoint for this run "

@@ -56,7 +56,7 @@ def discover(family: str) -> tuple[PluginInfo, ...]:
         error = None
         try:
             ep.load()
-        except Exception as err:  # any import failure of a third-party plugin is reported, not fatal
+        except Exception as err:  # noqa: BLE001  any import failure of a third-party plugin is reported, not fatal
             error = f"{type(err).__name__}: {err}"
         found[ep.name] = PluginInfo(family, ep.name, ep.value, package, error)
     return tuple(sorted(found.values(), key=lambda p: p.name))

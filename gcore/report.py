@@ -50,7 +50,8 @@ def summary(rows: list[dict[str, float]]) -> str:
     first, last = rows[:k], rows[-k:]
     lines = [
         f"steps: {len(rows)}",
-        f"reward/mean: first {k} steps {mean('reward/mean', first):.4f}, last {k} steps {mean('reward/mean', last):.4f}",
+        f"reward/mean: first {k} steps {mean('reward/mean', first):.4f}, "
+        f"last {k} steps {mean('reward/mean', last):.4f}",
         f"response_length/mean: {mean('response_length/mean', first):.1f} -> {mean('response_length/mean', last):.1f}",
     ]
     step = mean("time/step", rows)
@@ -96,8 +97,8 @@ def render(run_dir: str, out_dir: str | None = None) -> list[str]:
             continue
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
         for key in present:  # only the steps that logged the key (evaluations run every N steps)
-            points = [(x, r[key]) for x, r in zip(steps, rows) if not math.isnan(r.get(key, math.nan))]
-            ax.plot(*zip(*points), label=key, marker="." if len(points) < 50 else None)
+            points = [(x, r[key]) for x, r in zip(steps, rows, strict=False) if not math.isnan(r.get(key, math.nan))]
+            ax.plot(*zip(*points, strict=False), label=key, marker="." if len(points) < 50 else None)
         ax.set_xlabel("step")
         ax.set_title(title)
         ax.grid(alpha=0.3)

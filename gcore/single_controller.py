@@ -92,7 +92,7 @@ def _decode_generations(message: list[torch.Tensor], n: int) -> list[list[Genera
     ids, logprobs, lengths, finished = message
     sizes = lengths.tolist()
     flat = [Generation(t.tolist(), lp.tolist(), bool(f))
-            for t, lp, f in zip(ids.split(sizes), logprobs.split(sizes), finished)]
+            for t, lp, f in zip(ids.split(sizes), logprobs.split(sizes), finished, strict=False)]
     return [flat[i : i + n] for i in range(0, len(flat), n)]
 
 
@@ -103,13 +103,13 @@ def _encode_batch(batch: RolloutBatch) -> list[torch.Tensor]:
     """A batch as tensors: which optional fields are set, the temperature, then the set fields."""
     present = [getattr(batch, name) is not None for name in _BATCH_FIELDS]
     out = [torch.tensor(present, dtype=torch.bool), torch.tensor([batch.temperature], dtype=torch.float64)]
-    return out + [getattr(batch, name) for name, on in zip(_BATCH_FIELDS, present) if on]
+    return out + [getattr(batch, name) for name, on in zip(_BATCH_FIELDS, present, strict=False) if on]
 
 
 def _decode_batch(message: list[torch.Tensor]) -> RolloutBatch:
     present, temperature, *values = message
     tensors = iter(values)
-    kwargs = {name: (next(tensors) if on else None) for name, on in zip(_BATCH_FIELDS, present.tolist())}
+    kwargs = {name: (next(tensors) if on else None) for name, on in zip(_BATCH_FIELDS, present.tolist(), strict=False)}
     return RolloutBatch(temperature=float(temperature), **kwargs)
 
 

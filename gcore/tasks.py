@@ -54,7 +54,8 @@ def arithmetic_rows(num_prompts: int, seed: int = 0, split: Literal["train", "te
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     rng = random.Random(f"arithmetic-{split}-{seed}")
-    rows, seen = [], set()
+    rows: list[dict[str, str]] = []
+    seen: set[tuple[int, int, str]] = set()
     while len(rows) < num_prompts:
         template, op = rng.choice(_WORD_PROBLEMS)
         a, b = rng.randrange(10, 1000), rng.randrange(10, 1000)

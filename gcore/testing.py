@@ -7,6 +7,7 @@ A plugin author can check a reward on a ``make_sample``, an algorithm's formulas
 from __future__ import annotations
 
 import tempfile
+from typing import Any
 
 import torch
 
@@ -43,7 +44,10 @@ def make_batch(rewards: list[float], groups: list[int], length: int = 4) -> Roll
     )
 
 
-def tiny_fit(steps: int = 2, prompts_per_step: int = 4, save_final: bool = False, **plugins) -> FitResult:
+def tiny_fit(
+    steps: int = 2, prompts_per_step: int = 4, save_final: bool = False,
+    **plugins: Any,  # noqa: ANN401  plugins of any family, passed on to Trainer
+) -> FitResult:
     """Train a 1-layer model for a few steps on the embedded task with the given plugins (``save_final``:
     write the trained policy to ``result.final_model_dir``)."""
     root = tempfile.mkdtemp(prefix="gcore-test-")

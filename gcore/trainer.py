@@ -11,9 +11,9 @@ import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from lightning.fabric.loggers import CSVLogger
@@ -42,7 +42,6 @@ from gcore.placement.base import PlacementPolicy
 from gcore.rendezvous import loopback_store
 from gcore.rewards.base import RewardModel
 from gcore.types import SamplingParams
-
 
 LoggerName = Literal["csv", "tensorboard", "wandb", "mlflow"]
 
@@ -307,7 +306,8 @@ class Trainer:
             print(self.placement.describe(), flush=True)
         self.rollout_engine = self.placement.launch(self.engine, self.reward, model_path, self.model_config.torch_dtype,
                                                     trust, fabric.device, seed=c.seed + 1000 * rank)
-        balancer = CostBalancer(prompts, self.sampling.n, self.sampling.max_new_tokens) if self.data_config.balance else None
+        balancer = (CostBalancer(prompts, self.sampling.n, self.sampling.max_new_tokens)
+                    if self.data_config.balance else None)
         # with one controller, rank 0 takes every step's whole batch and the other ranks take none
         shard_rank, shards = (0, 1) if central else (rank, fabric.world_size)
         sampler = PromptSampler(len(prompts), self.data_config.prompts_per_step, shard_rank, shards,
@@ -335,7 +335,7 @@ class Trainer:
             for logger in fabric.loggers:
                 if isinstance(logger, CSVLogger):  # a resumed run continues its own metrics.csv
                     _continue_metrics(logger, start_step)
-            fabric.loggers[0].experiment  # creates the run folder before we write into it
+            _ = fabric.loggers[0].experiment  # creates the run folder before we write into it
             run_dir = fabric.loggers[0].log_dir
             self._log_version = _version_number(fabric.loggers[0].version)
             with open(os.path.join(run_dir, "config.yaml"), "w") as f:
@@ -453,7 +453,7 @@ class Trainer:
             try:
                 write(fallback)
                 kept = f"the trained policy was saved to {fallback} instead"
-            except Exception:
+            except Exception:  # noqa: BLE001  the fallback failing in any way is reported below
                 shutil.rmtree(fallback, ignore_errors=True)
                 last = latest_checkpoint(checkpoint_root)
                 kept = (f"it could not be written to the temp dir either; the newest checkpoint is {last}" if last
@@ -643,7 +643,8 @@ class Trainer:
         """The run's configuration as plain values, for loggers."""
 
         def plugin(obj: object) -> dict:
-            public = {k: v for k, v in vars(obj).items() if not k.startswith("_") and isinstance(v, (int, float, str, bool, tuple, type(None)))}
+            public = {k: v for k, v in vars(obj).items()
+                      if not k.startswith("_") and isinstance(v, (int, float, str, bool, tuple, type(None)))}
             return {"class": f"{type(obj).__module__}.{type(obj).__qualname__}", **public}
 
         return {
@@ -677,14 +678,14 @@ class _Signals:
     def __init__(self) -> None:
         self._deferring, self._held = False, None
 
-    def install(self):  # noqa: ANN201
+    def install(self) -> Callable[[], object]:
         """Take over both signals; returns the function that gives them back."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
         previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
         return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
 
-    def _handle(self, signum: int, frame) -> None:  # noqa: ANN001, ARG002
+    def _handle(self, signum: int, frame) -> None:  # noqa: ANN001
         if self._deferring and self._held is None:
             self._held = signum
             return
@@ -791,10 +792,9 @@ def _learn_lengths(fabric, balancer: CostBalancer, samples, per_step: int) -> No
 def _quiet_dependencies() -> None:
     """Keep the console for gcore's own progress: no per-load bars or notices from dependencies."""
     import logging
+    import warnings
 
     import transformers
-
-    import warnings
 
     warnings.filterwarnings("ignore", message=r".*all_gather is deprecated")  # inside Fabric's all_gather
     warnings.filterwarnings("ignore", message=r"torch.distributed is disabled")  # DCP, single process
@@ -810,6 +810,6 @@ def _progress(total: int, enabled: bool):  # noqa: ANN202
     return tqdm(total=total, disable=not enabled, unit="step", dynamic_ncols=True)
 
 
-def fit(**kwargs) -> FitResult:
+def fit(**kwargs: Any) -> FitResult:  # noqa: ANN401  Trainer's arguments
     """Shortcut for ``Trainer(**kwargs).fit()``."""
     return Trainer(**kwargs).fit()

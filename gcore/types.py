@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -94,7 +94,7 @@ class RolloutBatch:
 
     def select(self, index: torch.Tensor | slice) -> RolloutBatch:
         """Rows ``index`` of every tensor field, trimmed to the longest remaining sequence."""
-        out = {}
+        out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             out[f.name] = value[index] if isinstance(value, torch.Tensor) else value
@@ -104,7 +104,7 @@ class RolloutBatch:
 
     def trim(self, length: int) -> RolloutBatch:
         """Drop padding columns beyond ``length`` tokens."""
-        out = {}
+        out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor) and value.dim() == 2 and f.name != "features":
@@ -152,4 +152,4 @@ def _stack_features(samples: list[Sample]) -> torch.Tensor | None:
         return None
     if any(f is None for f in features):
         raise ValueError("some samples carry a prompt.metadata['feature'] and others do not")
-    return torch.stack(features)
+    return torch.stack(cast("list[torch.Tensor]", features))  # none is None (checked above)

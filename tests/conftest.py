@@ -32,7 +32,8 @@ def pytest_collection_modifyitems(config, items):
 RECORDING_REWARD = '''
 import json, os
 def score(prompt, response, answer):
-    with open(os.path.join(os.environ["GCORE_TEST_LOG"], "scored-rank%s.jsonl" % os.environ.get("LOCAL_RANK", "0")), "a") as f:
+    path = os.path.join(os.environ["GCORE_TEST_LOG"], "scored-rank%s.jsonl" % os.environ.get("LOCAL_RANK", "0"))
+    with open(path, "a") as f:
         f.write(json.dumps(prompt) + "\\n")
     return float(answer in response)
 '''

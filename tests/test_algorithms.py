@@ -147,7 +147,7 @@ def _gae_reference(rewards, values, gamma, lam):
         delta = rewards[t] + gamma * next_value - values[t]
         adv[t] = delta + gamma * lam * next_adv
         next_adv, next_value = adv[t], values[t]
-    return adv, [a + v for a, v in zip(adv, values)]
+    return adv, [a + v for a, v in zip(adv, values, strict=False)]
 
 
 def test_gae_matches_float64_reference_on_ragged_responses():

@@ -4,7 +4,6 @@ import csv
 import json
 
 import pytest
-
 from conftest import run_gcore
 
 

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import torch
+from conftest import FAST, RECORDING_REWARD
 from lightning.fabric import Fabric
 
-from conftest import FAST, RECORDING_REWARD
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.model import char_tokenizer, materialize
 from gcore.testing import make_batch
@@ -50,7 +50,8 @@ def test_every_prompt_once_per_step_over_two_controllers(tmp_path, balance):
     assert sorted(per_rank) == ["scored-rank0.jsonl", "scored-rank1.jsonl"]  # both controllers generated and scored
     scored = sorted(p for prompts in per_rank.values() for p in prompts)
     assert scored == sorted(f"{i}=" for i in range(5) for _ in range(2))  # 5 prompts x n=2, none twice
-    assert set(per_rank["scored-rank0.jsonl"]).isdisjoint(per_rank["scored-rank1.jsonl"])  # no prompt on two controllers
+    # no prompt on two controllers
+    assert set(per_rank["scored-rank0.jsonl"]).isdisjoint(per_rank["scored-rank1.jsonl"])
     assert _metrics(tmp_path / "runs")[0]["samples/total"] == "10.0"
 
 

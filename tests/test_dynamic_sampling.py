@@ -1,6 +1,5 @@
 """DAPO's dynamic sampling: uniform groups are dropped and the controller re-samples locally."""
 
-import pytest
 import torch
 
 from gcore import DAPO, DataConfig, ModelConfig, RewardModel, SamplingParams, TorchBackend, Trainer, TrainerConfig
@@ -57,7 +56,7 @@ def test_trained_batch_has_no_uniform_group_and_the_configured_size(tmp_path):
 
 def test_without_extra_rounds_the_batch_only_shrinks(tmp_path):
     batches, history = _fit(tmp_path, DAPO(max_rounds=1), steps=2)
-    for batch, metrics in zip(batches, history):
+    for batch, metrics in zip(batches, history, strict=False):
         assert metrics["filter/rounds_max"] == 1
         assert metrics["filter/groups_sampled"] == 6
         assert metrics["filter/groups_trained"] == 6 - metrics["filter/groups_dropped"]

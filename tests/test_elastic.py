@@ -16,9 +16,8 @@ import time
 
 import psutil
 import pytest
-from safetensors.torch import load_file
-
 from conftest import FAST, RECORDING_REWARD
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 
@@ -164,6 +163,6 @@ def test_two_controllers_resume_exactly_with_balancing(tmp_path):
     (rows,) = _runs(tmp_path)  # the resumed run continues the same metrics.csv
     assert [r["step"] for r in rows] == ["0", "1", "2", "3", "4", "5"]
     second = rows[3:]
-    for before, after in zip(first[3:], second):
+    for before, after in zip(first[3:], second, strict=False):
         for key in KEYS:
             assert before[key] == after[key], (key, before["step"], before[key], after[key])

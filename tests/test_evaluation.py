@@ -5,8 +5,8 @@ import json
 import math
 
 import pytest
-
 from conftest import FAST, run_gcore
+
 from gcore.data import DataConfig, load_eval_prompts, load_prompts
 from gcore.errors import ConfigError, DataError
 from gcore.evaluation import evaluate

@@ -5,7 +5,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from conftest import run_gcore
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

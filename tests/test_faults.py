@@ -80,7 +80,8 @@ def test_planted_payload_in_dcp_metadata_is_refused(tmp_path):
     with open(os.path.join(path, ".metadata"), "wb") as f:
         pickle.dump(_Payload(str(marker)), f)
     _reseal(path, ".metadata")
-    with pytest.raises(CheckpointError, match=r"\.metadata: refused: (builtins|io)\.open is not part of DCP's metadata"):
+    with pytest.raises(CheckpointError,
+                       match=r"\.metadata: refused: (builtins|io)\.open is not part of DCP's metadata"):
         manager.load(path, backend.state_dict())
     assert not marker.exists()
 
@@ -211,7 +212,8 @@ def test_final_save_on_a_full_disk_keeps_the_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     os.makedirs(tmp_path / "tmp")
     with small_disk(tmp_path / "disk", "48k") as disk, \
-            pytest.raises(GcoreError, match="disk full while writing the final policy") as err:  # logs fit, the model not
+            pytest.raises(GcoreError, match="disk full while writing the final policy") as err:
+        # logs fit, the model not
         _trainer(disk, steps=1).fit()
     message = str(err.value)
     assert "the trained policy was saved to" in message

@@ -67,7 +67,7 @@ def _step(strategy, model_dir, accelerator="cuda"):
 
 
 @pytest.fixture
-def _one_rank_group(monkeypatch):  # noqa: ANN202
+def _one_rank_group(monkeypatch):
     for key in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
         monkeypatch.delenv(key, raising=False)
     yield

@@ -33,7 +33,7 @@ METRIC_ATOL = 1e-7  # GRPO's first-step loss is a sum of terms that cancel to ~1
 VALUE_ATOL = 1e-5
 
 
-def _algorithm(name):  # noqa: ANN001, ANN202
+def _algorithm(name):
     if name == "ppo":  # one epoch, one mini-batch: the critic trains in the same loop
         return PPO(epochs=1, mini_batches=1, whiten_advantages=False)
     if name in ("grpo_kl", "grpo_shared"):  # a reference model and its KL term
@@ -41,7 +41,7 @@ def _algorithm(name):  # noqa: ANN001, ANN202
     return GRPO(kl_coef=0.0)
 
 
-def _batch(algorithm, rank, shared=False):  # noqa: ANN001, ANN202
+def _batch(algorithm, rank, shared=False):
     batch = make_batch([1.0, 0.0, 0.5, 0.2, 0.9, 0.1, 0.3], [0, 0, 1, 1, 2, 2, 2], length=9)
     batch.input_ids = torch.randint(4, 60, batch.input_ids.shape, generator=torch.Generator().manual_seed(3))
     if shared:  # a 3-token prompt per group, which the shared-prompt forward runs once
@@ -58,7 +58,7 @@ def _batch(algorithm, rank, shared=False):  # noqa: ANN001, ANN202
     return batch.select(torch.tensor([0, 1, 2, 3] if rank == 0 else [4, 5, 6]))
 
 
-def _run(strategy, model_dir, algorithm_name, out_dir, rank):  # noqa: ANN001, ANN202
+def _run(strategy, model_dir, algorithm_name, out_dir, rank):
     from gcore.engines.hf import HFEngine
 
     algorithm, shared = _algorithm(algorithm_name), algorithm_name == "grpo_shared"
@@ -97,7 +97,7 @@ def _run(strategy, model_dir, algorithm_name, out_dir, rank):  # noqa: ANN001, A
     return result
 
 
-def _checkpoint_round_trip(backend, fabric, model_dir, algorithm, path, result):  # noqa: ANN001, ANN202
+def _checkpoint_round_trip(backend, fabric, model_dir, algorithm, path, result):
     """Save the sharded state with DCP, load it into a fresh FSDP backend, and take one more step with
     both: the same weights before and after that step (so the optimizer state came back too)."""
     import torch.distributed.checkpoint as dcp
@@ -119,7 +119,7 @@ def _checkpoint_round_trip(backend, fabric, model_dir, algorithm, path, result):
     result["second_step_resumed"] = {k: v.clone() for k, v in fresh.named_weights()}
 
 
-def _worker(rank, port, model_dir, algorithm_name, out_dir):  # noqa: ANN001, ANN202
+def _worker(rank, port, model_dir, algorithm_name, out_dir):
     # the ranks are started here, not by Lightning: LOCAL_RANK tells Fabric the processes exist already
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
                       LOCAL_RANK=str(rank), RANK=str(rank))
@@ -129,7 +129,7 @@ def _worker(rank, port, model_dir, algorithm_name, out_dir):  # noqa: ANN001, AN
     shared_forward = torch_backend.shared_prompt_logits
     calls = []
 
-    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def counted(*args, **kwargs):
         calls.append(1)
         return shared_forward(*args, **kwargs)
 
@@ -142,19 +142,19 @@ def _worker(rank, port, model_dir, algorithm_name, out_dir):  # noqa: ANN001, AN
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def _free_port():  # noqa: ANN202
+def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 @pytest.fixture(autouse=True)
-def _fresh_env(monkeypatch):  # noqa: ANN001, ANN202
+def _fresh_env(monkeypatch):
     for key in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
         monkeypatch.delenv(key, raising=False)
 
 
-def _close(a, b, rel=METRIC_REL):  # noqa: ANN001, ANN202
+def _close(a, b, rel=METRIC_REL):
     return abs(a - b) <= rel * max(abs(a), abs(b)) + METRIC_ATOL
 
 

@@ -35,7 +35,7 @@ def _engine(path: str, static_cache: bool) -> HFEngine:
 def _max_gap(engine: HFEngine, prompts, outputs, temperature: float) -> float:
     """Largest difference between the engine's log-probabilities and a full forward of the same tokens."""
     gap = 0.0
-    for prompt, generations in zip(prompts, outputs):
+    for prompt, generations in zip(prompts, outputs, strict=False):
         for g in generations:
             ids = torch.tensor([prompt + g.token_ids])
             with torch.no_grad():
@@ -69,8 +69,8 @@ def test_static_and_dynamic_cache_agree_when_greedy(tmp_path, model_type):
     dynamic = dynamic_engine.generate(PROMPTS, params)
     assert dynamic_engine._decoder is None
     assert [[g.token_ids for g in group] for group in static] == [[g.token_ids for g in group] for group in dynamic]
-    for s_group, d_group in zip(static, dynamic):
-        for s, d in zip(s_group, d_group):
+    for s_group, d_group in zip(static, dynamic, strict=False):
+        for s, d in zip(s_group, d_group, strict=False):
             assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(d.logprobs), atol=1e-5)
 
 
@@ -85,7 +85,8 @@ def test_weight_updates_reach_the_fused_weights(tmp_path):
     assert q_proj.weight.data_ptr() == decoder.layers[0].qkv_weight.data_ptr()
     new = {name: tensor + 0.01 * torch.randn_like(tensor) for name, tensor in engine.model.state_dict().items()}
     engine.update_weights(new.items())
-    assert torch.equal(decoder.layers[0].qkv_weight[: q_proj.out_features], new["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(decoder.layers[0].qkv_weight[: q_proj.out_features],
+                       new["model.layers.0.self_attn.q_proj.weight"])
     torch.manual_seed(2)
     outputs = engine.generate(PROMPTS, params)
     assert engine._decoder is decoder  # still current: not rebuilt

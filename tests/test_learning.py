@@ -45,10 +45,10 @@ def _assert_rises(histories):
         rewards = [m["reward/mean"] for m in history]
         firsts.append(sum(rewards[:5]) / 5)
         lasts.append(sum(rewards[-5:]) / 5)
-    summary = [f"{f:.3f} -> {last:.3f}" for f, last in zip(firsts, lasts)]
+    summary = [f"{f:.3f} -> {last:.3f}" for f, last in zip(firsts, lasts, strict=False)]
     print("first-5 -> last-5 mean reward per seed:", summary)  # shown with pytest -s
-    assert all(last > MIN_RATIO * first for first, last in zip(firsts, lasts)), summary
-    assert sum(last - first for first, last in zip(firsts, lasts)) / len(SEEDS) > MIN_MEAN_GAIN, summary
+    assert all(last > MIN_RATIO * first for first, last in zip(firsts, lasts, strict=False)), summary
+    assert sum(last - first for first, last in zip(firsts, lasts, strict=False)) / len(SEEDS) > MIN_MEAN_GAIN, summary
 
 
 @pytest.mark.slow

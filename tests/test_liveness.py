@@ -158,7 +158,8 @@ def test_a_frozen_controller_is_named_and_every_process_ends(tmp_path, victim):
         expected = f"controller 0: controller 1 sent no heartbeat for 5 s (frozen, killed, or its machine is gone); " \
                    f"its process {frozen} was ended"
     else:
-        expected = "controller 1: controller 0 is frozen or gone: the rendezvous store it hosts has not answered for 5 s"
+        expected = ("controller 1: controller 0 is frozen or gone: "
+                    "the rendezvous store it hosts has not answered for 5 s")
     assert expected in stderr, stderr
     assert f"its process {frozen} was ended" in stderr, stderr
     assert f"controller {survivor}" in stderr and "--trainer.resume auto" in stderr, stderr

@@ -75,7 +75,8 @@ def test_qkv_interleaving_puts_each_group_together():
     config = _hf_configs()["llama-untied"]
     layout = layout_from_hf(config, 1)
     d = layout.head_dim
-    hf = {"model.layers.0.self_attn.q_proj.weight": torch.arange(4 * d).float().repeat_interleave(1).view(-1, 1).expand(-1, 32),
+    hf = {"model.layers.0.self_attn.q_proj.weight":
+          torch.arange(4 * d).float().repeat_interleave(1).view(-1, 1).expand(-1, 32),
           "model.layers.0.self_attn.k_proj.weight": 1000 + torch.arange(2 * d).float().view(-1, 1).expand(-1, 32),
           "model.layers.0.self_attn.v_proj.weight": 2000 + torch.arange(2 * d).float().view(-1, 1).expand(-1, 32)}
     name = "decoder.layers.0.self_attention.linear_qkv.weight"
@@ -162,7 +163,8 @@ def test_logprobs_match_the_hf_model(tmp_path):
 
     model_dir = _model_dir(str(tmp_path))
     backend = backend_class()
-    backend.setup(Fabric(accelerator="cpu", devices=1), model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    backend.setup(Fabric(accelerator="cpu", devices=1), model_dir, torch.float32, False, GRPO(kl_coef=0.0),
+                  embedded=True)
     hf = AutoModelForCausalLM.from_pretrained(model_dir)
     ids = torch.randint(4, 100, (3, 12), generator=torch.Generator().manual_seed(0))
     ids[0, 4:8] = torch.tensor([0, 1, 2, 3])  # pad, bos, eos, unk
@@ -407,7 +409,8 @@ def test_grpo_reward_rises_with_the_megatron_backend(tmp_path):
     from gcore import Trainer, TrainerConfig
 
     result = Trainer(
-        trainer=TrainerConfig(max_steps=30, default_root_dir=str(tmp_path), enable_progress_bar=False, save_final=False),
+        trainer=TrainerConfig(max_steps=30, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                              save_final=False),
         model=ModelConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128),
         backend=backend_class(),
     ).fit()

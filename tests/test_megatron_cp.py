@@ -16,9 +16,9 @@ import os
 
 import pytest
 import torch
+from conftest import padded_batch
 from lightning.fabric import Fabric
 
-from conftest import padded_batch
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.errors import ConfigError
 from gcore.model import char_tokenizer, materialize

@@ -46,7 +46,8 @@ def test_logprobs_match_hf_on_gpu(tmp_path, transformer_engine):
     torch.backends.cuda.matmul.allow_tf32 = False
     model_dir = _model_dir(tmp_path, **QWEN25_05B)
     backend = MegatronBackend(transformer_engine=transformer_engine)
-    backend.setup(Fabric(accelerator="cuda", devices=1), model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    backend.setup(Fabric(accelerator="cuda", devices=1), model_dir, torch.float32, False, GRPO(kl_coef=0.0),
+                  embedded=True)
     hf = AutoModelForCausalLM.from_pretrained(model_dir).cuda()
     ids = torch.randint(4, 100, (4, 64), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.no_grad():

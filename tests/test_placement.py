@@ -203,7 +203,9 @@ def test_idle_and_busy_account_for_every_device_second():
     from gcore.placement.simulator import simulate
 
     work = _small()
-    for policy, release in ((StaticPlacement(offload=True), False), (DynamicPlacement(), False), (DynamicPlacement(), True)):
+    for policy, release in (
+        (StaticPlacement(offload=True), False), (DynamicPlacement(), False), (DynamicPlacement(), True)
+    ):
         for r in simulate(policy, 16, 3, work, release_tail=release):
             assert sum(r.busy.values()) + sum(r.idle.values()) == pytest.approx(16 * r.step_s)
             assert all(v >= -1e-9 for v in r.idle.values())

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import FAST
 
 PLUGIN = Path(__file__).resolve().parents[1] / "plugins" / "gcore-example-plugin"

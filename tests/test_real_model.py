@@ -77,7 +77,7 @@ def test_engine_and_trainer_logprobs_agree_on_smollm2(smollm2):
     engine.setup(path, fabric.device, torch.float32, False)
     outputs = engine.generate([p.token_ids for p in prompts], params)
     samples = [Sample(p, i, g.token_ids, g.logprobs, tokenizer.decode(g.token_ids), g.finished)
-               for i, (p, gens) in enumerate(zip(prompts, outputs)) for g in gens]
+               for i, (p, gens) in enumerate(zip(prompts, outputs, strict=False)) for g in gens]
     batch = collate(samples, tokenizer.pad_token_id, params.temperature)
     gap = ((backend.compute_logprobs(batch, "policy") - batch.engine_logprobs) * batch.response_mask).abs().max()
     print(f"engine vs trainer max |logprob gap| on SmolLM2-135M: {float(gap):.2e}")

@@ -1,7 +1,6 @@
 import hashlib
 
 import pytest
-
 from conftest import run_gcore
 
 

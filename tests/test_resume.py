@@ -9,8 +9,8 @@ import sys
 import time
 
 import pytest
-
 from conftest import FAST
+
 from gcore import GRPO, DataConfig, ModelConfig, SamplingParams, StaticPlacement, Trainer, TrainerConfig
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def test_resume_continues_exactly(tmp_path, algorithm):
     assert runs["version_0"][:3] == first[:3]
     second = runs["version_0"][3:]  # steps 3-5 redone: one row each, the same values
     keys = KEYS + (("critic/value_loss", "critic/grad_norm", "clip_frac") if algorithm == "ppo" else ())
-    for before, after in zip(first[3:], second):
+    for before, after in zip(first[3:], second, strict=False):
         for key in keys:
             assert before[key] == after[key], (key, before["step"], before[key], after[key])
     stalls = [row["checkpoint/stall_s"] for row in first]  # logged with the steps that saved (2 and 5)

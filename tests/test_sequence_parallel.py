@@ -26,7 +26,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, fn, args, out_dir):  # noqa: ANN001
+def _worker(rank, world, port, fn, args, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -37,7 +37,7 @@ def _worker(rank, world, port, fn, args, out_dir):  # noqa: ANN001
         dist.destroy_process_group()
 
 
-def run_ranks(fn, *args, world: int = 2):  # noqa: ANN001, ANN201
+def run_ranks(fn, *args, world: int = 2):
     """Run ``fn(rank, *args)`` on ``world`` gloo ranks; return the results by rank."""
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_worker, args=(world, _free_port(), fn, args, out_dir), nprocs=world, join=True)
@@ -49,19 +49,20 @@ def run_ranks(fn, *args, world: int = 2):  # noqa: ANN001, ANN201
 LENGTHS = [5, 7, 3]  # 15 tokens: not divisible by 2 ranks (nor by the 4 zig-zag chunks)
 
 
-def _reference_attention(q, k, v):  # noqa: ANN001, ANN202
+def _reference_attention(q, k, v):
     """Causal attention of every packed sample on its own, on one rank."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     outs, start = [], 0
     for n in LENGTHS:
         s = slice(start, start + n)
-        outs.append(torch.nn.functional.scaled_dot_product_attention(q[:, :, s], k[:, :, s], v[:, :, s], is_causal=True))
+        outs.append(torch.nn.functional.scaled_dot_product_attention(q[:, :, s], k[:, :, s], v[:, :, s],
+                                                                     is_causal=True))
         start += n
     return torch.cat(outs, dim=2)
 
 
-def _attention_inputs(heads: int, kv_heads: int):  # noqa: ANN202
+def _attention_inputs(heads: int, kv_heads: int):
     torch.manual_seed(0)
     total = sum(LENGTHS)
     q = torch.randn(1, heads, total, 8)
@@ -70,7 +71,7 @@ def _attention_inputs(heads: int, kv_heads: int):  # noqa: ANN202
     return q, k, v, weight
 
 
-def _sp_attention(rank, mode, heads, kv_heads, tile):  # noqa: ANN001, ANN202
+def _sp_attention(rank, mode, heads, kv_heads, tile):
     seqpar.QUERY_TILE = tile
     sp = seqpar.SequenceParallelGroup.create(dist.get_world_size(), mode)
     q, k, v, weight = _attention_inputs(heads, kv_heads)
@@ -79,7 +80,7 @@ def _sp_attention(rank, mode, heads, kv_heads, tile):  # noqa: ANN001, ANN202
     index = rows.layout.index[0]
     pad = rows.row_length - q.shape[2]
 
-    def local(t):  # noqa: ANN001, ANN202
+    def local(t):
         return torch.nn.functional.pad(t, (0, 0, 0, pad))[:, :, index].clone().requires_grad_(True)
 
     ql, kl, vl = local(q), local(k), local(v)
@@ -89,7 +90,7 @@ def _sp_attention(rank, mode, heads, kv_heads, tile):  # noqa: ANN001, ANN202
     return {"index": index, "out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
 
 
-def _packed_mask():  # noqa: ANN202
+def _packed_mask():
     """Right-padded attention mask of the three samples of LENGTHS (rows of a ``[3, 15]`` batch)."""
     mask = torch.zeros(len(LENGTHS), sum(LENGTHS), dtype=torch.long)
     for i, n in enumerate(LENGTHS):
@@ -97,7 +98,7 @@ def _packed_mask():  # noqa: ANN202
     return mask
 
 
-def _assemble(results, key, total):  # noqa: ANN001, ANN202
+def _assemble(results, key, total):
     """Put each rank's zig-zag share back in token order (dropping the padding)."""
     full = torch.zeros(results[0][key].shape[:2] + (max(int(r["index"].max()) for r in results) + 1,) +
                        results[0][key].shape[3:])
@@ -137,7 +138,7 @@ def test_segment_causal_attention_in_zigzag_order_matches_per_sample_attention()
     for t in (q, k, v):
         t.grad = None
     (expected * weight).sum().backward()
-    for got, t in zip(grads, (q, k, v)):
+    for got, t in zip(grads, (q, k, v), strict=False):
         torch.testing.assert_close(got, t.grad, atol=GRAD_ATOL, rtol=GRAD_RTOL)
 
 
@@ -157,7 +158,7 @@ def test_bad_sequence_parallel_size_is_a_config_error():
 # --- whole model ------------------------------------------------------------------------------
 
 
-def _tiny_model(heads: int = 4, kv_heads: int = 2):  # noqa: ANN202
+def _tiny_model(heads: int = 4, kv_heads: int = 2):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -167,7 +168,7 @@ def _tiny_model(heads: int = 4, kv_heads: int = 2):  # noqa: ANN202
     return Qwen2ForCausalLM(config).float()
 
 
-def _batch():  # noqa: ANN202
+def _batch():
     torch.manual_seed(1)
     lengths = [11, 6, 9]  # longest 11: not divisible by 2
     ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
@@ -178,7 +179,7 @@ def _batch():  # noqa: ANN202
     return ids, mask
 
 
-def _one_rank_logprobs(model, temperature=0.8):  # noqa: ANN001, ANN202
+def _one_rank_logprobs(model, temperature=0.8):
     from gcore.backends.torch import token_logprobs
 
     ids, mask = _batch()
@@ -186,7 +187,7 @@ def _one_rank_logprobs(model, temperature=0.8):  # noqa: ANN001, ANN202
     return logprobs * mask[:, 1:]
 
 
-def _sp_model(rank, mode, pack):  # noqa: ANN001, ANN202
+def _sp_model(rank, mode, pack):
     sp = seqpar.SequenceParallelGroup.create(dist.get_world_size(), mode)
     model = _tiny_model()
     seqpar.use_sequence_parallel_attention(model)
@@ -223,7 +224,7 @@ def test_packing_on_one_rank_matches_padded():
     torch.testing.assert_close(packed * mask[:, 1:], expected.detach(), atol=ATOL, rtol=RTOL)
 
 
-def _ulysses_bad_heads(rank):  # noqa: ANN001, ANN202
+def _ulysses_bad_heads(rank):
     sp = seqpar.SequenceParallelGroup.create(2, "ulysses")
     q = torch.randn(1, 3, 4, 8)
     rows = seqpar.shard_rows(torch.ones(1, 7, dtype=torch.long), torch.ones(1, 7, dtype=torch.long), sp, pack=False)

@@ -8,9 +8,9 @@ loss, entropy and gradient norm within rel 1e-4.
 
 import pytest
 import torch
+from conftest import padded_batch
 from lightning.fabric import Fabric
 
-from conftest import padded_batch
 from gcore import GRPO, PPO, ModelConfig, TorchBackend
 from gcore.model import char_tokenizer, materialize
 
@@ -20,7 +20,7 @@ WEIGHT_ATOL = 2e-5
 METRIC_REL = 1e-4
 
 
-def _batch(algorithm):  # noqa: ANN001, ANN202
+def _batch(algorithm):
     """7 rows of length 7 (odd: not divisible by the 2 ranks), two of them shorter; deterministic."""
     batch = padded_batch()
     if algorithm.needs_critic:  # PPO: values of a fixed (untrained) critic, so advantages are the same everywhere
@@ -30,13 +30,13 @@ def _batch(algorithm):  # noqa: ANN001, ANN202
     return batch
 
 
-def _algorithm(name):  # noqa: ANN001, ANN202
+def _algorithm(name):
     if name == "ppo":  # one epoch, one mini-batch: old logprobs are the current ones (no extra pass)
         return PPO(epochs=1, mini_batches=1, whiten_advantages=False)
     return GRPO(kl_coef=0.0)
 
 
-def _train(fabric, model_dir, rows, out, algorithm_name, sp_size, mode, packing):  # noqa: ANN001, ANN202
+def _train(fabric, model_dir, rows, out, algorithm_name, sp_size, mode, packing):
     algorithm = _algorithm(algorithm_name)
     backend = TorchBackend(lr=1e-2, micro_batch_size=3, sequence_parallel_size=sp_size,
                            sequence_parallel_mode=mode, packing=packing)
@@ -49,7 +49,7 @@ def _train(fabric, model_dir, rows, out, algorithm_name, sp_size, mode, packing)
     torch.save({"metrics": metrics, "weights": weights}, out % fabric.global_rank)
 
 
-def _two(fabric, model_dir, out, algorithm_name, mode, packing):  # noqa: ANN001, ANN202
+def _two(fabric, model_dir, out, algorithm_name, mode, packing):
     rows = [0, 1, 2, 3] if fabric.global_rank == 0 else [4, 5, 6]  # each rank brings its own rows
     _train(fabric, model_dir, rows, out, algorithm_name, 2, mode, packing)
 
@@ -82,7 +82,9 @@ def test_sequence_parallel_step_gives_the_same_update_as_one_rank(tmp_path, algo
         torch.testing.assert_close(ranks[0]["weights"][name], tensor, rtol=0, atol=WEIGHT_ATOL, msg=name)
         moved += name in before and not torch.allclose(before[name], tensor)
     assert moved > 0  # the step did change the weights: the comparison is not of two untouched models
-    keys = ["loss", "entropy", "grad_norm"] + (["critic/value_loss", "critic/grad_norm"] if algorithm_name == "ppo" else [])
+    keys = ["loss", "entropy", "grad_norm"] + (
+        ["critic/value_loss", "critic/grad_norm"] if algorithm_name == "ppo" else []
+    )
     for key in keys:
         assert ranks[0]["metrics"][key] == pytest.approx(single["metrics"][key], rel=METRIC_REL, abs=1e-6), key
     assert ranks[0]["metrics"]["padding_frac"] == pytest.approx(single["metrics"]["padding_frac"], abs=1e-6)
@@ -97,7 +99,7 @@ def score(prompt, response, answer):
 '''
 
 
-def _metrics(root):  # noqa: ANN001, ANN202
+def _metrics(root):
     import csv
     import os
 
@@ -106,7 +108,7 @@ def _metrics(root):  # noqa: ANN001, ANN202
         return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 
 
-def _fit(tmp_path, name, *args):  # noqa: ANN001, ANN202
+def _fit(tmp_path, name, *args):
     from conftest import FAST, run_gcore
 
     result = run_gcore("fit", *FAST, "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(tmp_path / name),

@@ -20,7 +20,7 @@ def _output(tokens, logprobs, reason):
         "output_ids": tokens,
         "meta_info": {
             "finish_reason": reason,
-            "output_token_logprobs": [(lp, t, None) for lp, t in zip(logprobs, tokens)],
+            "output_token_logprobs": [(lp, t, None) for lp, t in zip(logprobs, tokens, strict=False)],
             "completion_tokens": len(tokens),
         },
     }
@@ -50,7 +50,8 @@ def test_outputs_become_generations_grouped_per_prompt():
 @pytest.mark.parametrize(
     "output, message",
     [
-        (_output([1], [-0.1], {"type": "abort", "message": "out of memory"}), "SGLang aborted a request: out of memory"),
+        (_output([1], [-0.1], {"type": "abort", "message": "out of memory"}),
+         "SGLang aborted a request: out of memory"),
         ({"output_ids": [1], "meta_info": {"finish_reason": {"type": "stop"}}}, "no output_token_logprobs"),
         ({**_output([1, 2], [-0.1, -0.2], {"type": "stop"}), "output_ids": [1]}, "disagree"),
     ],
@@ -92,7 +93,8 @@ def test_missing_sglang_names_the_extra():
     from gcore.engines.sglang import SGLangEngine
     from gcore.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"--engine sglang needs SGLang .*gcore\[sglang\].*scripts/install_sglang_cpu.sh"):
+    with pytest.raises(ConfigError,
+                       match=r"--engine sglang needs SGLang .*gcore\[sglang\].*scripts/install_sglang_cpu.sh"):
         SGLangEngine()
 
 
@@ -157,7 +159,7 @@ def _gap(engine, backend, tokenizer, params):
     prompts = [Prompt(i, f"{i}=", tokenizer(f"{i}=")["input_ids"]) for i in range(4)]
     outputs = engine.generate([p.token_ids for p in prompts], params)
     samples = []
-    for group, (prompt, generations) in enumerate(zip(prompts, outputs)):
+    for group, (prompt, generations) in enumerate(zip(prompts, outputs, strict=False)):
         for g in generations:
             sample = make_sample(prompt.text, tokenizer.decode(g.token_ids), group=group)
             sample.prompt, sample.response_ids, sample.response_logprobs = prompt, g.token_ids, g.logprobs

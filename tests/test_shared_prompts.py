@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import final_weights
+
 from gcore.backends import sequence_parallel as seqpar
 from gcore.backends.shared_prompts import distinct_prompts, shared_prompt_logits, to_batch_layout
 from gcore.backends.torch import token_logprobs
@@ -88,7 +88,7 @@ def test_training_with_shared_prompts_gives_the_same_run():
                for share in (True, False)}
     shared, plain = results[True].history, results[False].history
     assert [m["reward/mean"] for m in shared] == [m["reward/mean"] for m in plain]
-    for a, b in zip(shared, plain):
+    for a, b in zip(shared, plain, strict=False):
         for key in ("loss", "kl", "entropy", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(b[key]), (key, a[key], b[key])
     weights = {s: final_weights(results[s]) for s in results}

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
+from conftest import FAST, RECORDING_REWARD
 from lightning.fabric import Fabric
 
-from conftest import FAST, RECORDING_REWARD
 from gcore import GRPO, PPO, ModelConfig, TorchBackend
 from gcore.engines.hf import HFEngine
 from gcore.model import char_tokenizer, materialize
@@ -57,7 +57,7 @@ def test_tensors_travel_with_their_dtypes_and_shapes(tmp_path):
     back = torch.load(out)
     expected = [t * 2 if t.dtype != torch.bool else ~t for t in MESSAGE]
     assert len(back) == len(expected)
-    for got, want in zip(back, expected):
+    for got, want in zip(back, expected, strict=False):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(got, want)
 
@@ -68,7 +68,7 @@ def _samples(tokenizer):
     gen = torch.Generator().manual_seed(5)
     rewards = [1.0, 0.0, 0.5, 0.2, 0.9, 0.1, 0.3]
     samples = []
-    for row, (reward, group) in enumerate(zip(rewards, [0, 0, 1, 1, 2, 2, 2])):
+    for row, (reward, group) in enumerate(zip(rewards, [0, 0, 1, 1, 2, 2, 2], strict=False)):
         prompt = torch.randint(4, 60, (2 + row % 3,), generator=gen).tolist()
         response = torch.randint(4, 60, (3 + row % 4,), generator=gen).tolist()
         feature = torch.full((5,), float(row))

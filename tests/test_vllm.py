@@ -36,7 +36,7 @@ def _gap(engine, backend, tokenizer, params):
     prompts = [Prompt(i, f"{i}=", tokenizer(f"{i}=")["input_ids"]) for i in range(4)]
     outputs = engine.generate([p.token_ids for p in prompts], params)
     samples = []
-    for group, (prompt, generations) in enumerate(zip(prompts, outputs)):
+    for group, (prompt, generations) in enumerate(zip(prompts, outputs, strict=False)):
         for g in generations:
             sample = make_sample(prompt.text, tokenizer.decode(g.token_ids), group=group)
             sample.prompt, sample.response_ids, sample.response_logprobs = prompt, g.token_ids, g.logprobs
@@ -133,9 +133,10 @@ def test_cross_process_bucket_times_out_clearly_when_the_receiver_does_not_recei
     """The group is open but the receiving side never takes the bucket: the send fails within the timeout."""
     import time
 
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
     from gcore.engines.vllm_sync import BroadcastSender
     from gcore.errors import GcoreError
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
     joined = []
 

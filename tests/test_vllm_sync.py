@@ -15,7 +15,7 @@ def test_pack_then_unpack_gives_back_every_tensor_bit_for_bit():
     assert buffer.dtype == torch.uint8 and meta["num_bytes"] >= sum(t.numel() * t.element_size() for _, t in weights)
     out = unpack(buffer, meta["names"], meta["dtype_names"], meta["shapes"])
     assert [n for n, _ in out] == ["a", "b", "c", "d"]
-    for (_, sent), (_, got) in zip(weights, out):
+    for (_, sent), (_, got) in zip(weights, out, strict=False):
         assert got.dtype == sent.dtype and got.shape == sent.shape and torch.equal(got, sent)
 
 

@@ -14,7 +14,7 @@ def _samples(engine, tokenizer, prompts, params):
     out = engine.generate([p.token_ids for p in prompts], params)
     return [
         Sample(p, i, g.token_ids, g.logprobs, tokenizer.decode(g.token_ids), g.finished)
-        for i, (p, gens) in enumerate(zip(prompts, out))
+        for i, (p, gens) in enumerate(zip(prompts, out, strict=False))
         for g in gens
     ]
 

@@ -43,7 +43,8 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, scale: LossScale, mod
         return per_seq.sum() / max(scale.sequences, 1.0)
     if mode == "seq_mean_token_sum_norm":
         return masked.sum() / max(scale.sequences * scale.max_length, 1.0)
-    raise ValueError(f"unknown loss aggregation {mode!r}; valid: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm")
+    raise ValueError(f"unknown loss aggregation {mode!r}; "
+                     "valid: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm")
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:

@@ -65,6 +65,7 @@ class GRPO(Algorithm):
 
     def policy_loss(self, logprobs: torch.Tensor, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+        assert batch.advantages is not None  # set by the controller before the loss
         adv = token_advantages(batch.advantages, logprobs)
         loss, clipped, ratio = clipped_surrogate(logprobs, old, adv, self.clip_eps, self.clip_eps_high)
         return loss, {"clip_frac": clipped, "ratio": ratio.detach()}

@@ -118,12 +118,14 @@ class PPO(Algorithm):
 
     def policy_loss(self, logprobs: torch.Tensor, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+        assert batch.advantages is not None  # set by the controller before the loss
         loss, clipped, ratio = clipped_surrogate(logprobs, old, batch.advantages, self.clip_eps, self.clip_eps_high)
         return loss, {"clip_frac": clipped, "ratio": ratio.detach()}
 
     def value_loss(
         self, values: torch.Tensor, batch: RolloutBatch, scale: LossScale
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        assert batch.values is not None and batch.returns is not None  # PPO's batches carry both
         per_token, clipped = clipped_value_loss(values, batch.values, batch.returns, self.value_clip)
         mask = batch.response_mask
         loss = aggregate(per_token, mask, scale, self.loss_agg)

@@ -157,7 +157,8 @@ class MegatronBackend(TrainingBackend):
         self.fabric = fabric
         self.device = fabric.device
         if getattr(algorithm, "entropy_coef", 0.0) and self.tensor_parallel_size > 1:
-            raise ConfigError("--algorithm.entropy_coef with --backend megatron needs --backend.tensor_parallel_size 1: "
+            raise ConfigError("--algorithm.entropy_coef with --backend megatron needs "
+                              "--backend.tensor_parallel_size 1: "
                               "the vocabulary-parallel entropy is computed without its gradient")
         world, tp, pp, cp = (fabric.world_size, self.tensor_parallel_size, self.pipeline_parallel_size,
                              self.context_parallel_size)
@@ -219,7 +220,8 @@ class MegatronBackend(TrainingBackend):
         )
         with self._cuda_calls():
             self.grad_buffers = DistributedDataParallel(self.policy.config, ddp_config, self.policy)
-            self.optimizer = get_megatron_optimizer(optimizer_config, [self.grad_buffers], use_gloo_process_groups=False)
+            self.optimizer = get_megatron_optimizer(optimizer_config, [self.grad_buffers],
+                                                    use_gloo_process_groups=False)
 
     def _cuda_calls(self):  # noqa: ANN202
         """Context for megatron's CUDA-assuming code (distributed optimizer, pipeline sends): CPU on a CPU run."""
@@ -404,7 +406,7 @@ class MegatronBackend(TrainingBackend):
             hf_state["lm_head.weight"] = hf_state["model.embed_tokens.weight"]
         global_names = [self._global_name(n) for n in names]
         shards = hf_state_to_megatron(hf_state, global_names, self.layout, self.tensor_parallel_size, self.tp_rank)
-        return {name: shards[g] for name, g in zip(names, global_names)}
+        return {name: shards[g] for name, g in zip(names, global_names, strict=False)}
 
     @torch.no_grad()
     def _load_hf_state(self, model, hf_state: dict[str, torch.Tensor]) -> None:  # noqa: ANN001
@@ -568,7 +570,7 @@ class MegatronBackend(TrainingBackend):
         micros = [union.select(rows) for rows in row_groups]
         logprobs = self._run_micro_batches(model, micros, union.temperature,
                                            lambda lp, _, micro: (lp.sum() * 0.0, lp.cpu()), forward_only=True)
-        for rows, micro, part in zip(row_groups, micros, logprobs):
+        for rows, micro, part in zip(row_groups, micros, logprobs, strict=False):
             out[rows, : part.shape[1]] = part * micro.response_mask
         if self.pipeline_parallel_size > 1:  # the last stage computed them
             out = out.to(self.device)
@@ -663,7 +665,7 @@ class MegatronBackend(TrainingBackend):
                                   group=self.dp_group)
         if self.pipeline_parallel_size > 1:
             values = self._all_reduce(values, group=self.pp_group)  # zeros on the other stages
-        return dict(zip(keys, values.tolist()))
+        return dict(zip(keys, values.tolist(), strict=False))
 
     def _tied_across_stages(self) -> torch.Tensor | None:
         """The tied embedding/output weight on this rank when pipeline stages hold two copies of it."""
@@ -694,7 +696,7 @@ class MegatronBackend(TrainingBackend):
             for g in grads:
                 g.copy_(flat[offset: offset + g.numel()].view_as(g))
                 offset += g.numel()
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=False):
             p.grad = g
         tied = self._tied_across_stages()
         if tied is not None:  # the first stage's embedding and the last stage's output layer: one weight
@@ -703,7 +705,7 @@ class MegatronBackend(TrainingBackend):
             dist.all_reduce(tied.grad, group=parallel_state.get_embedding_group())
         # squares of tensor-parallel shards and of pipeline stages add up; replicated tensors count once
         square = torch.zeros((), dtype=torch.float64, device=self.device)
-        for (name, param), g in zip(named, grads):
+        for (name, param), g in zip(named, grads, strict=False):
             if (is_tensor_parallel(name) or self.tp_rank == 0) and not getattr(param, "shared", False):
                 square += g.double().pow(2).sum()
         norm = float(self._all_reduce(square.unsqueeze(0), group=self.mp_group)[0].sqrt())
@@ -776,8 +778,8 @@ class MegatronBackend(TrainingBackend):
             pairs = [(optimizer.model_fp32_groups, optimizer.shard_fp32_groups),
                      (optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups)]
             for model_groups, shard_groups in pairs:
-                for model_group, shard_group in zip(model_groups, shard_groups):
-                    for param, shard in zip(model_group, shard_group):
+                for model_group, shard_group in zip(model_groups, shard_groups, strict=False):
+                    for param, shard in zip(model_group, shard_group, strict=False):
                         owned = optimizer._get_model_param_range_map(param)["param"]
                         slots[id(param)] = (shard, optimizer.optimizer.state, slice(owned.start, owned.end))
         return {n: slots[id(p)] for n, p in self.policy.named_parameters() if id(p) in slots}
@@ -802,11 +804,11 @@ class MegatronBackend(TrainingBackend):
                     full[owned if owned is not None else slice(None)] = held[key].reshape(-1)
                 moments[key][name] = full.view(param.shape)
         if self.grad_buffers is not None and self.dp_cp_size > 1:  # megatron shards over DP x CP
-            for key, per_param in moments.items():
+            for _key, per_param in moments.items():
                 flat = torch.cat([t.reshape(-1) for t in per_param.values()])
                 dist.all_reduce(flat, group=self.dp_cp_group)
                 offset = 0
-                for name, tensor in per_param.items():
+                for _name, tensor in per_param.items():
                     tensor.copy_(flat[offset: offset + tensor.numel()].view_as(tensor))
                     offset += tensor.numel()
             top = torch.tensor([step], device=self.device)
@@ -932,7 +934,7 @@ def _concat_batches(parts: list[RolloutBatch]) -> RolloutBatch:
         if any(v is None for v in values):
             raise ValueError(f"cannot stack batches where only some have {f.name}")
         padded = []
-        for p, v in zip(parts, values):
+        for p, v in zip(parts, values, strict=False):
             if v.dim() == 2:
                 width = length if v.shape[1] == p.input_ids.shape[1] else length - 1
                 v = torch.nn.functional.pad(v, (0, width - v.shape[1]))

@@ -57,7 +57,9 @@ def layout_from_hf(config, tensor_parallel_size: int) -> Layout:  # noqa: ANN001
     qkv_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
     if model_type != "qwen2" and getattr(config, "attention_bias", False):
         raise ConfigError("--backend megatron: attention_bias=true puts a bias on o_proj too, which is not supported")
-    if getattr(config, "use_sliding_window", False) or (model_type == "mistral" and getattr(config, "sliding_window", None)):
+    if getattr(config, "use_sliding_window", False) or (
+        model_type == "mistral" and getattr(config, "sliding_window", None)
+    ):
         raise ConfigError("--backend megatron: sliding-window attention is not supported")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ConfigError(f"--backend megatron: hidden_act {config.hidden_act!r} is not supported (only silu/SwiGLU)")
@@ -143,7 +145,9 @@ def megatron_name_to_hf(name: str, layout: Layout) -> list[str]:
         "self_attention.linear_qkv.layer_norm_weight": ["input_layernorm.weight"],
         "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
         "mlp.linear_fc1.layer_norm_weight": ["post_attention_layernorm.weight"],
-        "self_attention.linear_qkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+        "self_attention.linear_qkv.weight": [
+            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"
+        ],
         "self_attention.linear_qkv.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
         "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
         "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
@@ -160,7 +164,7 @@ def hf_to_megatron_shard(name: str, hf: dict[str, torch.Tensor], layout: Layout,
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return _split(_pad_vocab(parts[0], layout), 0, tp, rank)
     if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
-        return _split(_fuse_qkv(*parts, layout), 0, tp, rank)
+        return _split(_fuse_qkv(*parts, layout), 0, tp, rank)  # type: ignore[arg-type,call-arg]  # parts: q, k, v
     if name.endswith("linear_fc1.weight"):
         gate, up = parts
         return torch.cat([_split(gate, 0, tp, rank), _split(up, 0, tp, rank)])
@@ -175,7 +179,7 @@ def megatron_shards_to_hf(name: str, shards: list[torch.Tensor], layout: Layout)
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return {hf_names[0]: torch.cat(shards)[: layout.vocab_size]}
     if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
-        return dict(zip(hf_names, _unfuse_qkv(torch.cat(shards), layout)))
+        return dict(zip(hf_names, _unfuse_qkv(torch.cat(shards), layout), strict=False))
     if name.endswith("linear_fc1.weight"):
         halves = [shard.chunk(2, dim=0) for shard in shards]
         gate = torch.cat([h[0] for h in halves])

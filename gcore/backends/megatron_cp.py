@@ -41,6 +41,7 @@ import torch
 
 from gcore.backends.sequence_parallel import (
     SequenceParallelGroup,
+    SequenceParallelMode,
     ShardLayout,
     ring_attention,
     ulysses_attention,
@@ -60,7 +61,7 @@ def attention_layout(layout: ShardLayout) -> Iterator[None]:
         _LAYOUT.pop()
 
 
-def context_parallel_group(mode: str) -> SequenceParallelGroup:
+def context_parallel_group(mode: SequenceParallelMode) -> SequenceParallelGroup:
     """megatron's context-parallel group (``initialize_model_parallel`` made it) as gcore's group."""
     from megatron.core import parallel_state
 
@@ -92,8 +93,8 @@ def _core_attention_class():  # noqa: ANN202
             head_dim = config.kv_channels
             self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
 
-        def forward(self, query, key, value, attention_mask,  # noqa: ANN001, ANN201
-                    attn_mask_type=None, attention_bias=None, packed_seq_params=None):  # noqa: ANN001
+        def forward(self, query, key, value, attention_mask,  # noqa: ANN001
+                    attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> torch.Tensor:  # noqa: ANN001
             if packed_seq_params is not None or attention_bias is not None:
                 raise ValueError("gcore's context-parallel attention takes neither packed_seq_params nor a bias")
             if not _LAYOUT:

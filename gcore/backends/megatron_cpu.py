@@ -174,7 +174,7 @@ def cuda_calls_on_cpu() -> Iterator[None]:
     module attribute for the duration of the block).
     """
     saved = torch.cuda.current_device, torch.cuda.synchronize
-    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     torch.cuda.synchronize = lambda device=None: None  # CPU work is done when the call returns
     try:
         with _CudaCallsOnCPU():

@@ -21,7 +21,7 @@ forward pass reaches the attention function as the keyword argument ``sp_layout`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,7 @@ class SequenceParallelGroup:
 
     size: int
     rank: int  # rank inside the group
-    group: object | None  # torch.distributed group; None when size == 1
+    group: dist.ProcessGroup | None  # None when size == 1
     global_ranks: list[int]
     mode: SequenceParallelMode = "ring"
 
@@ -59,12 +59,13 @@ class SequenceParallelGroup:
             raise ConfigError(f"--backend.sequence_parallel_size {size} must divide the world size {world}")
         if size == 1:
             return cls(1, 0, None, [rank], mode)
-        mine = None
+        mine: tuple[Any, list[int]] | None = None
         for start in range(0, world, size):
             ranks = list(range(start, start + size))
             group = dist.new_group(ranks)  # every rank must create every group
             if rank in ranks:
                 mine = (group, ranks)
+        assert mine is not None  # every rank is in one group
         group, ranks = mine
         return cls(size, ranks.index(rank), group, ranks, mode)
 
@@ -97,7 +98,9 @@ def zigzag_indices(length: int, size: int) -> torch.Tensor:
     return torch.stack([torch.cat([chunks[r], chunks[2 * size - 1 - r]]) for r in range(size)])
 
 
-def visible(q_index: torch.Tensor, q_segment: torch.Tensor, k_index: torch.Tensor, k_segment: torch.Tensor) -> torch.Tensor:
+def visible(
+    q_index: torch.Tensor, q_segment: torch.Tensor, k_index: torch.Tensor, k_segment: torch.Tensor
+) -> torch.Tensor:
     """``[R, Sq, Sk]`` bool: causal within the same segment."""
     same = q_segment[:, :, None] == k_segment[:, None, :]
     return same & (k_index[:, None, :] <= q_index[:, :, None])
@@ -277,7 +280,9 @@ def segment_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return torch.cat(rows)[:, :, index]
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ShardLayout, scale: float) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ShardLayout, scale: float
+) -> torch.Tensor:
     """Attention of this rank's queries over the whole row; ``[R, H, S/K, D]`` in, same out."""
     groups = q.shape[1] // k.shape[1]
     k, v = _repeat_heads(k, groups), _repeat_heads(v, groups)
@@ -286,7 +291,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sh
     return _RingAttention.apply(q, k, v, layout, scale)
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ShardLayout, scale: float) -> torch.Tensor:
+def ulysses_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ShardLayout, scale: float
+) -> torch.Tensor:
     """All-to-all over heads, local attention over the whole row, all-to-all back."""
     sp = layout.sp
     heads, kv_heads = q.shape[1], k.shape[1]
@@ -307,7 +314,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout:
 
 
 def gcore_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,  # noqa: ANN001, ANN201
-                            sp_layout: ShardLayout | None = None, **kwargs):
+                            sp_layout: ShardLayout | None = None,
+                            **kwargs: Any):  # noqa: ANN401  transformers' attention interface passes anything on
     """HF attention function (``AttentionInterface``): distributed attention when ``sp_layout`` is given,
     else transformers' SDPA attention."""
     if sp_layout is None:
@@ -402,7 +410,9 @@ def shard_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, sp: Sequen
     )
 
 
-def next_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def next_token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each target and the entropy of each distribution (as ``token_logprobs``)."""
     logits = logits.float()
     if temperature not in (0.0, 1.0):
@@ -421,7 +431,7 @@ def gather_per_token(values: torch.Tensor, rows: ShardedRows) -> torch.Tensor:
     index = rows.layout.all_index.permute(1, 0, 2).reshape(values.shape[0], -1)
     full = full.scatter(1, index, parts.permute(1, 0, 2).reshape(values.shape[0], -1))
     out = []
-    for row, offset, length in zip(rows.sample_row, rows.sample_offset, rows.sample_length):
+    for row, offset, length in zip(rows.sample_row, rows.sample_offset, rows.sample_length, strict=False):
         keep = full[row, offset: offset + max(length - 1, 0)]
         out.append(torch.nn.functional.pad(keep, (0, rows.batch_length - 1 - keep.shape[0])))
     return torch.stack(out)

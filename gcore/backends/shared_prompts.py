@@ -52,6 +52,7 @@ def shared_prompt_logits(model: torch.nn.Module, micro: RolloutBatch, first_row:
     from transformers import DynamicCache
 
     prompt_lengths = micro.prompt_lengths
+    assert prompt_lengths is not None  # a batch that shares prompts knows their lengths
     lengths = micro.attention_mask.sum(-1)
     width = int(prompt_lengths.max())
     responses = int((lengths - prompt_lengths).max())
@@ -73,11 +74,12 @@ def shared_prompt_logits(model: torch.nn.Module, micro: RolloutBatch, first_row:
     targets, response_mask, rows = targets.to(device), response_mask.to(device), row_to_prompt.to(device)
 
     prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    prefix = (prefix_model or model)(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True)
+    prefix = (prefix_model or model)(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions,
+                                     use_cache=True)
     first_logits = prefix.logits[:, -1][rows]  # the last prompt token predicts the first response token
     if responses == 1:
         return first_logits.unsqueeze(1), targets
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config)  # type: ignore[arg-type]  # an HF model: its PretrainedConfig
     for layer_index, layer in enumerate(prefix.past_key_values.layers):
         cache.update(layer.keys[rows], layer.values[rows], layer_index)
     # the response tokens but the last (it predicts nothing), on top of their prompt's keys and values
@@ -94,6 +96,7 @@ def to_batch_layout(per_response: torch.Tensor, micro: RolloutBatch) -> torch.Te
     holds the prediction of token ``t + 1``; zeros elsewhere). Differentiable."""
     rows, responses = per_response.shape
     width = micro.input_ids.shape[1] - 1
+    assert micro.prompt_lengths is not None  # a batch that shares prompts knows their lengths
     start = micro.prompt_lengths.to(per_response.device) - 1
     index = start.unsqueeze(1) + torch.arange(responses, device=per_response.device)  # unique per row
     out = per_response.new_zeros((rows, int(index.max()) + 1 if index.numel() else width))

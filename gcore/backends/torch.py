@@ -396,7 +396,7 @@ class TorchBackend(TrainingBackend):
         values = [local.get(k, 0.0) for k in keys]
         if world > 1:
             values = [v / replicas for v in fabric.all_reduce(torch.tensor(values), reduce_op="sum").tolist()]
-        metrics = dict(zip(keys, values))
+        metrics = dict(zip(keys, values, strict=False))
         # token means over the rows that ran (the shares were divided by every row's tokens); 0 when no
         # row ran (trained_rows_frac 0), so that every metric stays finite and comparable across resumes
         for key in metrics.keys() - {"loss", "padding_frac"}:
@@ -501,5 +501,5 @@ def _fused_adamw_takes_dtensor() -> bool:
         propagator = DTensor._op_dispatcher.sharding_propagator
         rules = (getattr(propagator, name, {}) for name in ("op_strategy_funcs", "op_single_dim_strategy_funcs"))
         return any(torch.ops.aten._fused_adamw_.default in rule for rule in rules)
-    except Exception:  # an internal that moved: take the safe path
+    except Exception:  # noqa: BLE001  an internal that moved may fail in any way: take the safe path
         return False

@@ -42,7 +42,8 @@ class Engine(ABC):
 
 def buckets(weights: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group named tensors into lists of at most ``max_bytes`` (a larger tensor goes alone)."""
-    bucket, size = [], 0
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
     for name, tensor in weights:
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > max_bytes:

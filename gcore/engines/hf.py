@@ -9,12 +9,16 @@ the tiny model's forward. ``use_generate=True`` goes back to ``model.generate``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError
 from gcore.types import Generation, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 class HFEngine(Engine):
@@ -317,11 +321,14 @@ class StaticCacheDecoder:
             return None
         for layer in base.layers:
             attention, mlp = layer.self_attn, layer.mlp
-            if any(not isinstance(getattr(attention, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            if any(not isinstance(getattr(attention, n, None), torch.nn.Linear)
+                   for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
                 return None
-            if any(not isinstance(getattr(mlp, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+            if any(not isinstance(getattr(mlp, n, None), torch.nn.Linear)
+                   for n in ("gate_proj", "up_proj", "down_proj")):
                 return None
-            if getattr(attention, "sliding_window", None) or getattr(layer, "attention_type", "full_attention") != "full_attention":
+            if (getattr(attention, "sliding_window", None)
+                    or getattr(layer, "attention_type", "full_attention") != "full_attention"):
                 return None
         return cls(model)
 
@@ -329,7 +336,7 @@ class StaticCacheDecoder:
         """Whether the model's parameters are still views into the fused tensors (``model.to`` breaks that)."""
         return all(layer.is_current() for layer in self.layers)
 
-    def start(self, cache, rows: torch.Tensor, mask: torch.Tensor, budget: int) -> None:
+    def start(self, cache: DynamicCache, rows: torch.Tensor, mask: torch.Tensor, budget: int) -> None:
         """Copy the prefill's ``DynamicCache`` (one row per distinct prompt) into static buffers of
         ``prompt width + budget`` positions, row ``i`` taking prompt ``rows[i]``."""
         batch, width = len(rows), mask.shape[1]
@@ -360,7 +367,7 @@ class StaticCacheDecoder:
         bias = self.bias[..., : slot + 1]
         q_end, k_end = heads * dim, (heads + kv_heads) * dim
         hidden = self.embed(tokens)
-        for layer, keys, values in zip(self.layers, self.keys, self.values):
+        for layer, keys, values in zip(self.layers, self.keys, self.values, strict=False):
             x = torch.nn.functional.rms_norm(hidden, layer.norm1.weight.shape, layer.norm1.weight, layer.eps1)
             qkv = torch.nn.functional.linear(x, layer.qkv_weight, layer.qkv_bias)
             q = qkv[:, :q_end].view(batch, heads, dim)
@@ -368,7 +375,8 @@ class StaticCacheDecoder:
             q = q * cos + q.roll(dim // 2, -1) * sin
             keys[:, :, slot] = k * cos + k.roll(dim // 2, -1) * sin
             values[:, :, slot] = qkv[:, k_end:].view(batch, kv_heads, dim)
-            scores = torch.matmul(q.view(batch, kv_heads, heads // kv_heads, dim), keys[:, :, : slot + 1].transpose(-1, -2))
+            scores = torch.matmul(q.view(batch, kv_heads, heads // kv_heads, dim),
+                                  keys[:, :, : slot + 1].transpose(-1, -2))
             probs = torch.softmax(scores * self.scaling + bias, dim=-1, dtype=torch.float32).to(q.dtype)
             attended = torch.matmul(probs, values[:, :, : slot + 1]).view(batch, heads * dim)
             hidden = hidden + layer.o_proj(attended)
@@ -376,7 +384,8 @@ class StaticCacheDecoder:
             gate_up = torch.nn.functional.linear(x, layer.gate_up_weight, layer.gate_up_bias)
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = hidden + layer.down_proj(torch.nn.functional.silu(gate) * up)
-        hidden = torch.nn.functional.rms_norm(hidden, self.norm.weight.shape, self.norm.weight, self.norm.variance_epsilon)
+        hidden = torch.nn.functional.rms_norm(hidden, self.norm.weight.shape, self.norm.weight,
+                                              self.norm.variance_epsilon)
         return self.lm_head(hidden)
 
 

@@ -17,10 +17,11 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -28,12 +29,17 @@ from gcore.engines.base import Engine, buckets
 from gcore.errors import ConfigError, GcoreError
 from gcore.types import Generation, SamplingParams
 
+if TYPE_CHECKING:
+    import psutil
+
+T = TypeVar("T")
+
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 CPU_RELEASE = ("restart", "resident")
 log = logging.getLogger(__name__)
 
 
-def _import_sglang():
+def _import_sglang() -> ModuleType:
     try:
         import sglang
     # ImportError; RuntimeError from torchvision next to a CPU torch; OSError from sgl_kernel on an unsupported GPU
@@ -150,7 +156,7 @@ class SGLangEngine(Engine):
         self.cpu_kv_cache_tokens = cpu_kv_cache_tokens
         self.cpu_threads = cpu_threads
         self.cpu_release = cpu_release
-        self.engine = None
+        self.engine: Any = None  # sglang.Engine once set up
         self.processes: list = []  # psutil.Process of every process SGLang started for this engine
         self.device = torch.device("cpu")
         self.asleep = False
@@ -160,7 +166,7 @@ class SGLangEngine(Engine):
         self._launch: dict[str, Any] = {}
         self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gcore-sglang")
 
-    def _call(self, what: str, fn, *args, **kwargs):
+    def _call(self, what: str, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         """``fn(*args, **kwargs)`` on the call thread, under the timeout; fails early if an SGLang process died."""
         future = self._calls.submit(fn, *args, **kwargs)
         deadline = time.monotonic() + self.timeout_s
@@ -325,7 +331,7 @@ class SGLangEngine(Engine):
         self._calls.shutdown(wait=False)
 
 
-def _alive(process: Any) -> bool:
+def _alive(process: psutil.Process) -> bool:
     """Whether a ``psutil.Process`` is running (a zombie is not)."""
     import psutil
 

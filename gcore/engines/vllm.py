@@ -16,15 +16,20 @@ NCCL (GPU) group. See :mod:`gcore.engines.vllm_sync`.
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError, GcoreError
 from gcore.types import Generation, SamplingParams
+
+if TYPE_CHECKING:
+    from gcore.engines.vllm_sync import BroadcastSender
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -94,8 +99,8 @@ class VLLMEngine(Engine):
         self.sync_bucket_mb = sync_bucket_mb
         self.sync_backend = sync_backend
         self.seed = seed
-        self.sender = None
-        self.llm = None
+        self.sender: BroadcastSender | None = None
+        self.llm: Any = None  # vllm.LLM once set up
         self.device = torch.device("cpu")
         self.asleep = False
         self.last_sync_seconds = 0.0
@@ -106,10 +111,10 @@ class VLLMEngine(Engine):
         if device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cpu_kv_cache_gib))
         vllm = _import_vllm()
-        import vllm.envs
+        envs = importlib.import_module("vllm.envs")
 
-        if hasattr(vllm.envs, "disable_envs_cache"):
-            vllm.envs.disable_envs_cache()  # an engine built earlier in this process froze the variables above
+        if hasattr(envs, "disable_envs_cache"):
+            envs.disable_envs_cache()  # an engine built earlier in this process froze the variables above
         self.device = device
         rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
         kwargs = dict(
@@ -164,9 +169,9 @@ class VLLMEngine(Engine):
             raise RuntimeError("VLLMEngine.update_weights called before setup")
         if self.sender is not None:  # the model lives in vLLM's engine process: broadcast buckets
             start = time.perf_counter()
-            received = self.sender.send(weights)
+            sent = self.sender.send(weights)
             self.last_sync_seconds = time.perf_counter() - start
-            return received
+            return sent
         start, received = time.perf_counter(), [0]
 
         def counted() -> Iterable[tuple[str, torch.Tensor]]:
@@ -214,6 +219,6 @@ def to_generation(completion) -> Generation:  # noqa: ANN001 - vllm.CompletionOu
         raise GcoreError("vLLM returned no logprobs; the engine must request logprobs=0")
     if len(completion.logprobs) != len(token_ids):
         raise GcoreError(f"vLLM returned {len(completion.logprobs)} logprobs for {len(token_ids)} tokens")
-    logprobs = [float(position[token].logprob) for position, token in zip(completion.logprobs, token_ids)]
+    logprobs = [float(position[token].logprob) for position, token in zip(completion.logprobs, token_ids, strict=False)]
     return Generation(token_ids, logprobs, finished=completion.finish_reason == "stop")
 

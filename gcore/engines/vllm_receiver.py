@@ -49,7 +49,7 @@ class BroadcastReceiver(WeightTransferEngine[BroadcastInitInfo, BroadcastUpdateI
     init_info_cls = BroadcastInitInfo
     update_info_cls = BroadcastUpdateInfo
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: ANN401  passed through to vLLM's engine
         super().__init__(*args, **kwargs)
         self.group = None
         self.backend = "gloo"

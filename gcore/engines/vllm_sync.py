@@ -18,12 +18,14 @@ import socket
 import threading
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
 from gcore.engines.base import buckets
 from gcore.errors import GcoreError
+
+T = TypeVar("T")
 
 BACKEND = "gcore_broadcast"
 TIMEOUT_FLAG = "--engine.sync_timeout_s"
@@ -55,7 +57,7 @@ def pack(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[
     sizes = [t.numel() * t.element_size() for _, t in bucket]
     buffer = torch.empty(sum(_padded(n) for n in sizes), dtype=torch.uint8, device=device)
     offset = 0
-    for (_, tensor), nbytes in zip(bucket, sizes):
+    for (_, tensor), nbytes in zip(bucket, sizes, strict=False):
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         buffer[offset : offset + nbytes].copy_(flat)
         offset += _padded(nbytes)
@@ -72,7 +74,7 @@ def unpack(buffer: torch.Tensor, names: list[str], dtype_names: list[str],
            shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
     """The named tensors of a buffer built by :func:`pack` (views into it, no copy)."""
     out, offset = [], 0
-    for name, dtype_name, shape in zip(names, dtype_names, shapes):
+    for name, dtype_name, shape in zip(names, dtype_names, shapes, strict=False):
         dtype = getattr(torch, dtype_name)
         numel = 1
         for dim in shape:
@@ -85,7 +87,7 @@ def unpack(buffer: torch.Tensor, names: list[str], dtype_names: list[str],
     return out
 
 
-def within(timeout_s: float, what: str, fn: Callable[[], Any]) -> Any:
+def within(timeout_s: float, what: str, fn: Callable[[], T]) -> T:
     """``fn()``, or a :class:`GcoreError` naming ``what`` and the timeout flag after ``timeout_s``.
 
     ``fn`` runs on a daemon thread, so a transfer stuck in a collective cannot hold the caller (or
@@ -112,7 +114,7 @@ def within(timeout_s: float, what: str, fn: Callable[[], Any]) -> Any:
         if isinstance(err, GcoreError):
             raise err
         raise GcoreError(f"vLLM weight sync: {what} failed: {type(err).__name__}: {err}") from err
-    return result.get("value")
+    return cast(T, result.get("value"))
 
 
 class BroadcastSender:
@@ -142,7 +144,7 @@ class BroadcastSender:
         self.group = None
         self.last_buckets = 0
 
-    def _call_workers(self, method: str, **kwargs: Any) -> Any:
+    def _call_workers(self, method: str, **kwargs: Any) -> Any:  # noqa: ANN401  whatever the workers' method takes and returns
         return within(self.timeout_s, f"the workers' {method}",
                       lambda: self.rpc(method, timeout=self.timeout_s, kwargs=kwargs or None))
 
@@ -208,8 +210,8 @@ class BroadcastSender:
                 raise GcoreError(f"vLLM weight sync: the workers did not load {what} within {self.timeout_s:g} s "
                                  f"({TIMEOUT_FLAG})")
             if "error" in receiving:
-                err = receiving["error"]
-                raise GcoreError(f"vLLM weight sync: the workers failed on {what}: {type(err).__name__}: {err}")
+                error = receiving["error"]
+                raise GcoreError(f"vLLM weight sync: the workers failed on {what}: {type(error).__name__}: {error}")
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
             count += 1
         self._call_workers("finish_weight_update")

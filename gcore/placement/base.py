@@ -58,7 +58,9 @@ class PlacementPolicy(ABC):
         reward.setup(device)
         return engine
 
-    def rollout(self, controller: Controller, prompts: list[Prompt], timer: StageTimer, first_group: int) -> list[Sample]:
+    def rollout(
+        self, controller: Controller, prompts: list[Prompt], timer: StageTimer, first_group: int
+    ) -> list[Sample]:
         """Generate ``n`` samples per prompt and score them (groups numbered from ``first_group``)."""
         with timer("generate"):
             self.before_generate(controller.engine)

@@ -94,7 +94,7 @@ def fit_costs(settings: list[Setting]) -> dict[str, float]:
         scale = np.abs(rows / times[:, None]).max(axis=0)
         scale[scale == 0] = 1.0
         solution, _ = nnls(rows / times[:, None] / scale, np.ones(len(settings)))
-        costs.update({name: float(x / c) for name, x, c in zip(names, solution, scale)})
+        costs.update({name: float(x / c) for name, x, c in zip(names, solution, scale, strict=False)})
     costs["swap_s"] = sum(s.measured.get("swap", 0.0) for s in settings) / len(settings) / SWAPS_PER_STEP
     return costs
 

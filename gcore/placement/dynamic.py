@@ -6,7 +6,7 @@ import math
 import os
 import pickle
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -14,7 +14,7 @@ from gcore.engines.base import Engine
 from gcore.errors import ConfigError
 from gcore.placement.base import PlacementPolicy, Telemetry
 from gcore.rewards.base import RewardModel
-from gcore.types import Prompt, Sample
+from gcore.types import Generation, Prompt, Sample
 
 if TYPE_CHECKING:
     from gcore.controller import Controller, StageTimer
@@ -117,7 +117,9 @@ class DynamicPlacement(PlacementPolicy):
             )
         judged = reward is None or bool(generative_judges(reward))
         self.reward_role = JUDGE if judged else REWARD
-        self.total = self.devices or (world_size if device_type == "simulated" else max(1, usable_cores() // world_size))
+        self.total = self.devices or (
+            world_size if device_type == "simulated" else max(1, usable_cores() // world_size)
+        )
         if judged and self.total < 2:
             raise ConfigError(
                 f"--placement dynamic with a generative judge needs at least 2 devices (one for generation, one "
@@ -168,7 +170,9 @@ class DynamicPlacement(PlacementPolicy):
 
         return [POLICY] * self.generate_devices + [self.reward_role] * self.judge_devices
 
-    def rollout(self, controller: Controller, prompts: list[Prompt], timer: StageTimer, first_group: int) -> list[Sample]:
+    def rollout(
+        self, controller: Controller, prompts: list[Prompt], timer: StageTimer, first_group: int
+    ) -> list[Sample]:
         """Generate on one partition and judge on the other at once: each finished request is judged
         while the rest is still generating. Writes per-device busy seconds for ``update``."""
         from gcore.placement.workers import POLICY
@@ -180,6 +184,7 @@ class DynamicPlacement(PlacementPolicy):
         with timer("swap"):  # the workers that changed partition since the last step swap engines
             pool.assign(self._roles())
         generators, scorers = list(range(self.generate_devices)), list(range(self.generate_devices, self.total))
+        assert self.policy_engine is not None  # set by setup
         self.policy_engine.workers = generators
         for role_engine in (self.judge_engine, self.reward_pool):
             if role_engine is not None:
@@ -188,7 +193,9 @@ class DynamicPlacement(PlacementPolicy):
         in_controller = 0.0
         pool.busy.clear()
         started = time.perf_counter()
-        chunks = {start: prompts[start : start + self.stream_groups] for start in range(0, len(prompts), self.stream_groups)}
+        chunks = {
+            start: prompts[start : start + self.stream_groups] for start in range(0, len(prompts), self.stream_groups)
+        }
         jobs = {start: pool.submit("generate", (POLICY, [p.token_ids for p in chunk], controller.sampling),
                                    generators, POLICY) for start, chunk in chunks.items()}
         by_chunk: dict[int, list[Sample]] = {}
@@ -197,7 +204,8 @@ class DynamicPlacement(PlacementPolicy):
             finished = []
             for start, job in jobs.items():
                 if job.done and start not in by_chunk:
-                    by_chunk[start] = controller.make_samples(chunks[start], job.result, first_group + start)
+                    generations = cast("list[list[Generation]]", job.result)
+                    by_chunk[start] = controller.make_samples(chunks[start], generations, first_group + start)
                     finished += by_chunk[start]
             scored = time.perf_counter()
             controller.score(finished, reward)  # on the reward partition, while generation goes on

@@ -14,12 +14,12 @@ import heapq
 import math
 import random
 from dataclasses import asdict, dataclass, field
+from typing import cast
 
 from gcore.errors import ConfigError
 from gcore.placement.base import PlacementPolicy, Telemetry
 from gcore.placement.dynamic import DynamicPlacement
 from gcore.placement.static import StaticPlacement
-
 
 BATCHING = ("continuous", "static")
 
@@ -208,8 +208,9 @@ def generate(work: Workload, lengths: list[int], devices: int) -> tuple[list[flo
     costs = generation_costs(work)
     for d in range(devices):
         mine = list(range(d, len(lengths), devices))
-        ends, device_busy = serve([0.0] * len(mine), [lengths[i] for i in mine], [work.prompt_tokens] * len(mine), costs)
-        for i, end in zip(mine, ends):
+        ends, device_busy = serve([0.0] * len(mine), [lengths[i] for i in mine], [work.prompt_tokens] * len(mine),
+                                  costs)
+        for i, end in zip(mine, ends, strict=False):
             finish[i] = end
         busy.append(device_busy)
     return finish, busy
@@ -222,7 +223,8 @@ def judge(
 
     Samples stream to the judge devices in the order they arrive; each goes to the device expected
     to be free first (by the judge's throughput cost of what it already holds; on a tie, the one
-    given fewer verdicts), a device taking work from ``online[d]`` on (default 0). Each device batches the verdicts it holds like any engine.
+    given fewer verdicts), a device taking work from ``online[d]`` on (default 0). Each device batches
+    the verdicts it holds like any engine.
     """
     online = online or [0.0] * devices
     order = sorted(range(len(lengths)), key=arrivals.__getitem__)
@@ -266,7 +268,8 @@ def rollout_static(work: Workload, lengths: list[int], devices: int) -> Rollout:
     """Every device generates its share, then judges the samples it generated."""
     finish, gen_busy = generate(work, lengths, devices)
     gen_end = max(finish)
-    judge_end, judge_busy = 0.0, []
+    judge_end = 0.0
+    judge_busy: list[float] = []
     for d in range(devices):  # generate dealt the samples round-robin
         mine = list(range(d, len(lengths), devices))
         end, busy = judge(work, [0.0] * len(mine), [lengths[i] for i in mine], 1)
@@ -287,7 +290,7 @@ def rollout_dynamic(work: Workload, lengths: list[int], g: int, j: int, release_
     held = {d: ends[d] for d in released}  # a released device leaves generation when its share is done
     idle = {
         "generate": sum(held.get(d, seconds) - gen_busy[d] for d in range(g)),
-        "judge": sum(seconds - start - b for start, b in zip(online, judge_busy)),
+        "judge": sum(seconds - start - b for start, b in zip(online, judge_busy, strict=False)),
     }
     return Rollout(seconds, gen_end, seconds - gen_end, gen_busy, judge_busy, idle, len(released))
 
@@ -326,14 +329,16 @@ def simulate(
             rounds.append(response_lengths(work, step, round(share * count), rng))
         tokens = sum(lengths) + work.prompt_tokens * len(lengths)
         train_s = work.train_step_s + work.train_token_s * tokens / devices
-        g, j = (policy.generate_devices, policy.judge_devices) if dynamic else (devices, devices)
+        g, j = ((cast(DynamicPlacement, policy).generate_devices, cast(DynamicPlacement, policy).judge_devices)
+                if dynamic else (devices, devices))
         done = [
-            rollout_dynamic(work, r, g, j, release_tail) if dynamic else rollout_static(work, r, devices) for r in rounds
+            rollout_dynamic(work, r, g, j, release_tail) if dynamic else rollout_static(work, r, devices)
+            for r in rounds
         ]
         swaps = 2 if dynamic else 3 + 2 * (len(rounds) - 1)
         rollout = sum(r.seconds for r in done)
-        gen_busy = [sum(b) for b in zip(*(r.generate_busy for r in done))]
-        judge_busy = [sum(b) for b in zip(*(r.judge_busy[:j] for r in done))]
+        gen_busy = [sum(b) for b in zip(*(r.generate_busy for r in done), strict=False)]
+        judge_busy = [sum(b) for b in zip(*(r.judge_busy[:j] for r in done), strict=False)]
         if dynamic:
             # each round's longest response decoded alone: more generation devices cannot shorten this
             costs = generation_costs(work)
@@ -343,7 +348,7 @@ def simulate(
             per_device = [{"generate": b, "generate_floor": longest, "rollout": rollout} for b in gen_busy]
             per_device += [{"reward": b, "reward_floor": verdict, "rollout": rollout} for b in judge_busy]
         else:
-            per_device = [{"generate": b, "reward": jb} for b, jb in zip(gen_busy, judge_busy)]
+            per_device = [{"generate": b, "reward": jb} for b, jb in zip(gen_busy, judge_busy, strict=False)]
         policy.update(Telemetry(step, per_device))
         idle = {role: sum(r.idle[role] for r in done) for role in ("generate", "judge")}
         idle["swap"] = (swaps * devices + sum(r.extra_swaps for r in done)) * work.swap_s
@@ -458,7 +463,8 @@ def main(argv: list[str]) -> int:
         runs = compare(devices, args.steps, work, dynamic_options, args.seed, release_tail=not args.no_release)
         base = summarize(runs["static"], devices)
         print(f"{devices} devices, {args.steps} steps")
-        print(f"  {'policy':<15} {'step_s':>8} {'idle':>6} {'idle_gen':>8} {'idle_judge':>10} {'idle_swap':>9} {'dev_h':>9} {'idle_dev_h':>10}")
+        print(f"  {'policy':<15} {'step_s':>8} {'idle':>6} {'idle_gen':>8} {'idle_judge':>10} {'idle_swap':>9} "
+              f"{'dev_h':>9} {'idle_dev_h':>10}")
         for name, results in runs.items():
             s = summarize(results, devices)
             print(

@@ -70,7 +70,9 @@ class StaticPlacement(PlacementPolicy):
             [POLICY] * self.workers, self.threads, seed, self.release, self.worker_timeout_s, self.retries)
         return policy
 
-    def rollout(self, controller: Controller, prompts: list[Prompt], timer: StageTimer, first_group: int) -> list[Sample]:
+    def rollout(
+        self, controller: Controller, prompts: list[Prompt], timer: StageTimer, first_group: int
+    ) -> list[Sample]:
         if self.pool is None:
             return super().rollout(controller, prompts, timer, first_group)
         from gcore.placement.workers import JUDGE, POLICY

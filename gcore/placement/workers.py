@@ -3,7 +3,8 @@
 A ``WorkerPool`` owns ``size`` worker processes (``torch.multiprocessing`` spawn, each with its own
 ``torch.set_num_threads`` budget). Every worker holds one awake *role* at a time: the policy engine
 (``policy``), the judge engine (``judge``), both built from the configured, not yet set-up
-``Engine`` objects the trainer was given, or a rule-based reward (``reward``) that scores samples. Changing a worker's role is a real swap: the old engine is
+``Engine`` objects the trainer was given, or a rule-based reward (``reward``) that scores samples.
+Changing a worker's role is a real swap: the old engine is
 put to sleep and, with ``release=True`` (the CPU default), shut down so its memory is freed; the new
 one wakes up, or is loaded again from its checkpoint (the policy then takes the latest weights from
 shared memory).
@@ -106,7 +107,7 @@ def _worker_main(index: int, threads: int, seed: int, specs: bytes, role: str, w
         transformers.utils.logging.disable_progress_bar()
         runtime = _WorkerRuntime(pickle.loads(specs), release)
         runtime.switch(role, weights)
-    except BaseException:  # report why it could not start, then exit
+    except BaseException:  # noqa: BLE001  report why it could not start, whatever it was, then exit
         replies.send(("fatal", index, None, traceback.format_exc()))
         return
     replies.send(("ready", index, None, None))
@@ -129,7 +130,7 @@ def _worker_main(index: int, threads: int, seed: int, specs: bytes, role: str, w
             else:
                 raise ValueError(f"unknown request {kind!r}")
             replies.send(("result", index, job_id, (result, time.perf_counter() - started)))
-        except Exception:  # an engine may fail in any way: the pool retries elsewhere or reports it
+        except Exception:  # noqa: BLE001  an engine may fail in any way: the pool retries elsewhere or reports it
             replies.send(("error", index, job_id, traceback.format_exc()))
 
 
@@ -317,7 +318,7 @@ class WorkerPool:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:  # interpreter shutdown: best effort
+        except Exception:  # noqa: BLE001  interpreter shutdown: best effort
             pass
 
     # -- requests ----------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import math
 import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal, cast
 
 from gcore.errors import RewardError
 from gcore.types import Sample
@@ -22,7 +22,7 @@ def as_reward(value: object) -> float:
     """
     if not isinstance(value, (numbers.Real, str, bytes)) and callable(getattr(value, "item", None)):
         try:
-            value = value.item()  # numpy scalars and one-element arrays / tensors
+            value = cast(Any, value).item()  # numpy scalars and one-element arrays / tensors
         except (ValueError, RuntimeError):
             pass  # several elements: reported as the wrong type below
     if not isinstance(value, numbers.Real):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -29,8 +30,8 @@ class ClassifierReward(RewardModel):
             raise ConfigError("--reward.batch_size must be positive")
         self.path, self.label, self.batch_size = path, label, batch_size
         self.max_length, self.trust_remote_code = max_length, trust_remote_code
-        self.model = None
-        self.tokenizer = None
+        self.model: Any = None  # transformers model and tokenizer once set up
+        self.tokenizer: Any = None
         self.device = torch.device("cpu")
 
     def setup(self, device) -> None:  # noqa: ANN001

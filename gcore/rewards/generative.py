@@ -6,14 +6,14 @@ import logging
 import re
 import time
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError, RewardError
 from gcore.rewards.base import RewardModel
-from gcore.types import SamplingParams, Sample
+from gcore.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class GenerativeReward(RewardModel):
         self.params = SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=0.0)
         self.batch_size, self.unparsable_score = batch_size, unparsable_score
         self.retries, self.timeout_s, self.trust_remote_code = retries, timeout_s, trust_remote_code
-        self.tokenizer = None
+        self.tokenizer: Any = None  # a transformers tokenizer once set up
         self.last_unparsable = 0
         self.last_judge_tokens = 0
 
@@ -94,7 +94,8 @@ class GenerativeReward(RewardModel):
         self.engine.setup(self.path, device, torch.float32, self.trust_remote_code)
 
     def judge_prompt(self, sample: Sample) -> str:
-        return self.template.format(prompt=sample.prompt.text, response=sample.response_text, answer=sample.prompt.answer or "")
+        return self.template.format(prompt=sample.prompt.text, response=sample.response_text,
+                                    answer=sample.prompt.answer or "")
 
     def _judge(self, prompts: list[list[int]]) -> list[str]:
         """One judge call with retries; raises ``RewardError`` when every attempt failed."""
@@ -103,7 +104,7 @@ class GenerativeReward(RewardModel):
             started = time.perf_counter()
             try:
                 outs = self.engine.generate(prompts, self.params)
-            except Exception as err:  # the judge engine may fail in any way; retry then report
+            except Exception as err:  # noqa: BLE001  the judge engine may fail in any way; retry then report
                 last = err
                 log.warning("judge call failed (attempt %d/%d): %s", attempt + 1, self.retries + 1, err)
                 continue
@@ -130,13 +131,14 @@ class GenerativeReward(RewardModel):
         for start in range(0, len(samples), self.batch_size):
             chunk = samples[start : start + self.batch_size]
             prompts = [self.tokenizer(self.judge_prompt(s))["input_ids"] for s in chunk]
-            for sample, text in zip(chunk, self._judge(prompts)):
+            for sample, text in zip(chunk, self._judge(prompts), strict=False):
                 value = parse_verdict(text, self.verdict, self.max_score)
                 if value is None:
                     self.last_unparsable += 1
                     if self.unparsable_score is None:
                         raise RewardError(
-                            f"unparsable judge verdict {text!r} for prompt {sample.prompt.source or sample.prompt.index}; "
+                            f"unparsable judge verdict {text!r} for prompt "
+                            f"{sample.prompt.source or sample.prompt.index}; "
                             "set --reward.unparsable_score to score such samples and go on"
                         )
                     if self.last_error is None:  # no log line per sample: reward/errors counts them

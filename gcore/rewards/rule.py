@@ -71,6 +71,7 @@ def load_callable(spec: str) -> Callable:
             if not path.is_file():
                 raise ConfigError(f"--reward.function: file {module_name} does not exist")
             module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            assert module_spec is not None and module_spec.loader is not None  # a .py file has both
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:

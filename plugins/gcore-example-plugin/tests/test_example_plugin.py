@@ -1,8 +1,8 @@
 import pytest
 import torch
+from gcore_example_plugin import BrevityReward, Reinforce
 
 from gcore.testing import make_batch, make_sample, tiny_fit
-from gcore_example_plugin import BrevityReward, Reinforce
 
 
 def test_brevity_reward():
