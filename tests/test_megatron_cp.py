@@ -192,8 +192,12 @@ def test_cli_fit_with_megatron_context_parallel(gcore_cli, tmp_path):
 
     from transformers import AutoModelForCausalLM
 
+    # a reward that differs within a group even for the untrained model (its target-char groups mostly
+    # tie at 0 and would give no gradient): the number of distinct characters in the response
+    (tmp_path / "distinct.py").write_text("def score(prompt, response, answer):\n    return len(set(response)) / 8\n")
     run = gcore_cli("--backend", "megatron", "--backend.sequence_parallel_size", "2", "--trainer.devices", "2",
-                    "--trainer.accelerator", "cpu", "--sampling.max_new_tokens", "7", timeout=900)
+                    "--trainer.accelerator", "cpu", "--sampling.max_new_tokens", "7",
+                    "--reward", "python", "--reward.function", str(tmp_path / "distinct.py") + ":score", timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     (metrics,) = (tmp_path / "runs").rglob("metrics.csv")
     with open(metrics) as f:
