@@ -120,9 +120,12 @@ def _fit(tmp_path, name, *args):
 def test_cli_trains_with_sequence_parallel_groups(tmp_path):
     """`gcore fit --trainer.devices 2 --backend.sequence_parallel_size 2`: one group of 2 ranks trains
     on the union of both controllers' samples; every sample is counted once."""
-    # every row runs (the untrained model's groups mostly tie, and tied groups would be skipped)
+    # every row runs, and a reward that differs within a group even for the untrained model (its
+    # target-char groups mostly tie at 0, which gives no gradient): the response's distinct characters
+    (tmp_path / "distinct.py").write_text("def score(prompt, response, answer):\n    return len(set(response)) / 8\n")
     rows = _fit(tmp_path, "sp", "--trainer.devices", "2", "--backend.sequence_parallel_size", "2",
-                "--sampling.max_new_tokens", "7", "--backend.skip_inert_rows", "false")
+                "--sampling.max_new_tokens", "7", "--backend.skip_inert_rows", "false",
+                "--reward", "python", "--reward.function", str(tmp_path / "distinct.py") + ":score")
     assert [r["step"] for r in rows] == [0.0, 1.0]
     for r in rows:
         assert r["samples/total"] == 8.0 and r["samples/trained"] == 8.0  # 4 prompts x n=2, not doubled
