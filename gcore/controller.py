@@ -1,4 +1,4 @@
-"""One SPMD controller: the step of DESIGN.md section 2 for this rank's shard of prompts.
+"""One SPMD controller: the step (docs/concepts.md) for this rank's shard of prompts.
 
 Every rank runs the same ``Controller.step``. A controller generates, scores and prepares its own
 samples; it meets the other controllers only in collectives (global statistics, the gradient

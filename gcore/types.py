@@ -1,4 +1,4 @@
-"""The data that flows between the stages of a step (DESIGN.md section 2)."""
+"""The data that flows between the stages of a step (docs/concepts.md)."""
 
 from __future__ import annotations
 
