@@ -72,6 +72,22 @@ def final_weights(result) -> dict[str, torch.Tensor]:
     return AutoModelForCausalLM.from_pretrained(result.final_model_dir).state_dict()
 
 
+def engine_logprob_gap(engine, backend, tokenizer, params, prompts=None):
+    """Largest |engine logprob - trainer logprob| over the engine's samples for ``prompts`` (default:
+    the embedded task's ``0=`` .. ``3=``), and the batch of those samples (engine parity tests)."""
+    from gcore.types import Prompt, Sample, collate
+
+    if prompts is None:
+        prompts = [Prompt(i, f"{i}=", tokenizer(f"{i}=")["input_ids"]) for i in range(4)]
+    outputs = engine.generate([p.token_ids for p in prompts], params)
+    samples = [Sample(prompt, group, g.token_ids, g.logprobs, tokenizer.decode(g.token_ids), g.finished)
+               for group, (prompt, generations) in enumerate(zip(prompts, outputs, strict=True))
+               for g in generations]
+    batch = collate(samples, tokenizer.pad_token_id, params.temperature)
+    recomputed = backend.compute_logprobs(batch, "policy")
+    return float(((recomputed - batch.engine_logprobs) * batch.response_mask).abs().max()), batch
+
+
 def padded_batch():
     """7 rows of length 7 (odd, and not a multiple of 4), rows 1 and 4 shorter with their padding ids 0;
     random token ids, the same every call (for sequence/context-parallel equivalence tests)."""

@@ -13,6 +13,7 @@ import zlib
 
 import pytest
 import torch
+from conftest import engine_logprob_gap
 
 # converting the GGUF and loading the 135M model (twice per run: trainer and engine) take most of the time;
 # the timeout leaves room for a loaded machine
@@ -63,7 +64,6 @@ def test_engine_and_trainer_logprobs_agree_on_smollm2(smollm2):
     from gcore import GRPO, HFEngine, ModelConfig, SamplingParams, TorchBackend
     from gcore.data import DataConfig, load_prompts
     from gcore.model import load_tokenizer
-    from gcore.types import Sample, collate
 
     path, _ = smollm2
     torch.manual_seed(0)
@@ -75,11 +75,7 @@ def test_engine_and_trainer_logprobs_agree_on_smollm2(smollm2):
     backend, engine = TorchBackend(), HFEngine()
     backend.setup(fabric, path, torch.float32, False, GRPO(kl_coef=0.0), embedded=False)
     engine.setup(path, fabric.device, torch.float32, False)
-    outputs = engine.generate([p.token_ids for p in prompts], params)
-    samples = [Sample(p, i, g.token_ids, g.logprobs, tokenizer.decode(g.token_ids), g.finished)
-               for i, (p, gens) in enumerate(zip(prompts, outputs, strict=False)) for g in gens]
-    batch = collate(samples, tokenizer.pad_token_id, params.temperature)
-    gap = ((backend.compute_logprobs(batch, "policy") - batch.engine_logprobs) * batch.response_mask).abs().max()
+    gap, _ = engine_logprob_gap(engine, backend, tokenizer, params, prompts)
     print(f"engine vs trainer max |logprob gap| on SmolLM2-135M: {float(gap):.2e}")
     assert float(gap) < 1e-4
 

@@ -8,6 +8,7 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import engine_logprob_gap
 
 from gcore import SamplingParams
 from gcore.engines.sglang import buckets, group_outputs, sampling_dict, to_generation
@@ -151,34 +152,17 @@ def _engine_and_backend(tmp_path, device, **engine_args):
     return tokenizer, engine, backend
 
 
-def _gap(engine, backend, tokenizer, params):
-    """Largest |engine logprob - trainer logprob| over 4 prompts x n samples; and the batch."""
-    from gcore.testing import make_sample
-    from gcore.types import Prompt, collate
-
-    prompts = [Prompt(i, f"{i}=", tokenizer(f"{i}=")["input_ids"]) for i in range(4)]
-    outputs = engine.generate([p.token_ids for p in prompts], params)
-    samples = []
-    for group, (prompt, generations) in enumerate(zip(prompts, outputs, strict=False)):
-        for g in generations:
-            sample = make_sample(prompt.text, tokenizer.decode(g.token_ids), group=group)
-            sample.prompt, sample.response_ids, sample.response_logprobs = prompt, g.token_ids, g.logprobs
-            samples.append(sample)
-    batch = collate(samples, tokenizer.pad_token_id, params.temperature)
-    recomputed = backend.compute_logprobs(batch, "policy")
-    return float(((recomputed - batch.engine_logprobs) * batch.response_mask).abs().max()), batch
-
 
 def _train_step(engine, backend, tokenizer, params):
     """One GRPO step on the backend only (the engine is not synced); the gap it leaves."""
     from gcore import GRPO
     from gcore.algorithms.base import group_normalize
 
-    _, batch = _gap(engine, backend, tokenizer, params)
+    _, batch = engine_logprob_gap(engine, backend, tokenizer, params)
     batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
     batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
     backend.train(batch, GRPO(), params.max_new_tokens)
-    stale, _ = _gap(engine, backend, tokenizer, params)
+    stale, _ = engine_logprob_gap(engine, backend, tokenizer, params)
     return stale
 
 
@@ -199,14 +183,14 @@ def test_logprobs_match_the_trainer_before_and_after_a_weight_sync(tmp_path, dev
     tokenizer, engine, backend = _engine_and_backend(tmp_path, device, sync_bucket_mb=0.01)
     try:
         params = SamplingParams(n=4, max_new_tokens=12, temperature=0.8, stop_token_ids=(tokenizer.eos_token_id,))
-        gap, _ = _gap(engine, backend, tokenizer, params)
+        gap, _ = engine_logprob_gap(engine, backend, tokenizer, params)
         assert gap < PARITY
 
         assert _train_step(engine, backend, tokenizer, params) > 10 * PARITY  # not seen until the sync
         total = sum(t.numel() * t.element_size() for _, t in backend.named_weights())
         assert engine.update_weights(backend.named_weights()) == total
         assert engine.last_sync_buckets > 2
-        gap, _ = _gap(engine, backend, tokenizer, params)
+        gap, _ = engine_logprob_gap(engine, backend, tokenizer, params)
         assert gap < PARITY
     finally:
         engine.shutdown()
@@ -236,7 +220,7 @@ def test_sleep_restarts_the_engine_on_cpu_and_shutdown_leaves_no_process(tmp_pat
         with pytest.raises(GcoreError, match="sync the weights before generating"):
             engine.generate([[1]], params)  # it holds the checkpoint's weights, not the trainer's
         engine.update_weights(backend.named_weights())
-        gap, _ = _gap(engine, backend, tokenizer, params)
+        gap, _ = engine_logprob_gap(engine, backend, tokenizer, params)
         assert gap < PARITY
         print(f"cpu restart: sleep {engine.last_sleep_seconds:.2f} s, wake {engine.last_wake_seconds:.1f} s")
     finally:

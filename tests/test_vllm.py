@@ -5,13 +5,12 @@ Runs where vLLM is installed (its own venv in CI: see .ci/run); skipped elsewher
 
 import pytest
 import torch
+from conftest import engine_logprob_gap
 from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, SamplingParams, TorchBackend, Trainer, TrainerConfig
 from gcore.algorithms.base import group_normalize
 from gcore.model import char_tokenizer, materialize
-from gcore.testing import make_sample
-from gcore.types import Prompt, collate
 
 vllm = pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -32,19 +31,6 @@ def _engine_and_backend(tmp_path, device, **engine_args):
     return tokenizer, engine, backend
 
 
-def _gap(engine, backend, tokenizer, params):
-    prompts = [Prompt(i, f"{i}=", tokenizer(f"{i}=")["input_ids"]) for i in range(4)]
-    outputs = engine.generate([p.token_ids for p in prompts], params)
-    samples = []
-    for group, (prompt, generations) in enumerate(zip(prompts, outputs, strict=False)):
-        for g in generations:
-            sample = make_sample(prompt.text, tokenizer.decode(g.token_ids), group=group)
-            sample.prompt, sample.response_ids, sample.response_logprobs = prompt, g.token_ids, g.logprobs
-            samples.append(sample)
-    batch = collate(samples, tokenizer.pad_token_id, params.temperature)
-    recomputed = backend.compute_logprobs(batch, "policy")
-    return float(((recomputed - batch.engine_logprobs) * batch.response_mask).abs().max()), batch
-
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_logprobs_match_the_trainer_before_and_after_a_weight_sync(tmp_path, device):
@@ -52,28 +38,28 @@ def test_logprobs_match_the_trainer_before_and_after_a_weight_sync(tmp_path, dev
         pytest.skip("vLLM's CPU backend is not installed on GPU machines")
     tokenizer, engine, backend = _engine_and_backend(tmp_path, device)
     params = SamplingParams(n=4, max_new_tokens=12, temperature=0.8, stop_token_ids=(tokenizer.eos_token_id,))
-    gap, batch = _gap(engine, backend, tokenizer, params)
+    gap, batch = engine_logprob_gap(engine, backend, tokenizer, params)
     assert gap < PARITY
 
     batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
     batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
     backend.train(batch, GRPO(), params.max_new_tokens)
-    stale, _ = _gap(engine, backend, tokenizer, params)
+    stale, _ = engine_logprob_gap(engine, backend, tokenizer, params)
     assert stale > 10 * PARITY  # the engine does not see the update until the sync
 
     received = engine.update_weights(backend.named_weights())
     assert received > 0
-    gap, _ = _gap(engine, backend, tokenizer, params)
+    gap, _ = engine_logprob_gap(engine, backend, tokenizer, params)
     assert gap < PARITY
 
 
 def _train_step(engine, backend, tokenizer, params):
     """One GRPO step on the backend (the engine is not synced); the gap it leaves."""
-    _, batch = _gap(engine, backend, tokenizer, params)
+    _, batch = engine_logprob_gap(engine, backend, tokenizer, params)
     batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
     batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
     backend.train(batch, GRPO(), params.max_new_tokens)
-    stale, _ = _gap(engine, backend, tokenizer, params)
+    stale, _ = engine_logprob_gap(engine, backend, tokenizer, params)
     return stale
 
 
@@ -88,7 +74,7 @@ def test_weight_sync_across_processes_in_small_and_large_buckets(tmp_path):
         client = engine.llm.llm_engine.engine_core
         assert type(client).__name__ == "SyncMPClient", type(client)
         params = SamplingParams(n=4, max_new_tokens=12, temperature=0.8, stop_token_ids=(tokenizer.eos_token_id,))
-        gap, _ = _gap(engine, backend, tokenizer, params)
+        gap, _ = engine_logprob_gap(engine, backend, tokenizer, params)
         assert gap < PARITY
 
         # buckets of 10 KiB, smaller than the largest tensor: that one travels alone
@@ -98,7 +84,7 @@ def test_weight_sync_across_processes_in_small_and_large_buckets(tmp_path):
         total = sum(t.numel() * t.element_size() for _, t in backend.named_weights())
         assert engine.update_weights(backend.named_weights()) == total
         assert engine.sender.last_buckets > 2
-        gap, _ = _gap(engine, backend, tokenizer, params)
+        gap, _ = engine_logprob_gap(engine, backend, tokenizer, params)
         assert gap < PARITY
 
         # one bucket for the whole model
@@ -106,7 +92,7 @@ def test_weight_sync_across_processes_in_small_and_large_buckets(tmp_path):
         assert _train_step(engine, backend, tokenizer, params) > 10 * PARITY
         assert engine.update_weights(backend.named_weights()) == total
         assert engine.sender.last_buckets == 1
-        gap, _ = _gap(engine, backend, tokenizer, params)
+        gap, _ = engine_logprob_gap(engine, backend, tokenizer, params)
         assert gap < PARITY
     finally:
         engine.shutdown()
