@@ -272,7 +272,7 @@ class Trainer:
             if fabric.world_size > 1:  # names a controller that dies, and stops this one if it is lost
                 watch = ControllerWatch.for_fabric(fabric, silence_limit=self.config.heartbeat_timeout)
             try:
-                result = self._fit(fabric, device_type, tokenizer, model_path)
+                result = self._fit(fabric, tokenizer, model_path)
                 if watch is not None:
                     watch.stop()
                     fabric.barrier()  # no controller exits (taking the store with it) while another still watches
@@ -288,7 +288,7 @@ class Trainer:
             self.placement.shutdown()
             self.engine.shutdown()
 
-    def _fit(self, fabric, device_type: str, tokenizer, model_path: str) -> FitResult:  # noqa: ANN001
+    def _fit(self, fabric, tokenizer, model_path: str) -> FitResult:  # noqa: ANN001
         c, rank = self.config, fabric.global_rank
         trust = self.model_config.trust_remote_code
         prompts = load_prompts(
