@@ -276,6 +276,9 @@ class Trainer:
                 if watch is not None:
                     watch.stop()
                     fabric.barrier()  # no controller exits (taking the store with it) while another still watches
+                    import torch.distributed
+
+                    torch.distributed.destroy_process_group()  # no rank exits with gloo's threads still attached
                 return result
             except Exception as err:
                 if fabric.world_size == 1:

@@ -100,3 +100,22 @@ def padded_batch():
         batch.response_mask[row, length - 1:] = 0
         batch.input_ids[row, length:] = 0
     return batch
+
+
+def _run_then_leave(fabric, fn, *args):
+    """One spawned rank: run ``fn``, then wait for every rank and destroy the process group, so no
+    rank exits with gloo's threads still attached (a rank that left first aborted with
+    "terminate called without an active exception")."""
+    try:
+        return fn(fabric, *args)
+    finally:
+        if torch.distributed.is_initialized():
+            fabric.barrier()
+            torch.distributed.destroy_process_group()
+
+
+def spawn(devices, fn, *args, accelerator="cpu"):
+    """``Fabric(strategy="ddp_spawn").launch(fn, *args)`` on ``devices`` ranks, each leaving cleanly."""
+    from lightning.fabric import Fabric
+
+    return Fabric(accelerator=accelerator, devices=devices, strategy="ddp_spawn").launch(_run_then_leave, fn, *args)

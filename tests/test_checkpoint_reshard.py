@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import spawn
 from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
@@ -61,7 +62,7 @@ def _model(tmp_path):
 
 def test_two_ranks_to_one(tmp_path):
     model_dir = _model(tmp_path)
-    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_save_on_two, model_dir)
+    spawn(2, _save_on_two, model_dir)
     backend, manager = _setup(Fabric(accelerator="cpu", devices=1), model_dir)
     state = backend.state_dict()
     trainer_state, rank_state = manager.load(latest_checkpoint(manager.root), state)
@@ -80,4 +81,4 @@ def test_one_rank_to_two(tmp_path):
     _train_step(backend, 0)
     manager.save(1, backend.state_dict(), {"step": 1}, {"rank": 0}, asynchronous=False)
     torch.save(dict(backend.named_weights()), tmp_path / "expected.pt")
-    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_load_on_two, model_dir)
+    spawn(2, _load_on_two, model_dir)

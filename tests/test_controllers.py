@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FAST, RECORDING_REWARD
+from conftest import FAST, RECORDING_REWARD, spawn
 from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
@@ -89,7 +89,7 @@ def test_two_controllers_compute_the_same_update_as_one(tmp_path, loss_agg):
                             0, str(tmp_path / "model"))
     out = str(tmp_path / "result%d.pt")
     _train(Fabric(accelerator="cpu", devices=1), model_dir, list(range(7)), str(tmp_path / "single%d.pt"), loss_agg)
-    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_two, model_dir, out, loss_agg)
+    spawn(2, _two, model_dir, out, loss_agg)
     single = torch.load(tmp_path / "single0.pt")
     ranks = [torch.load(out % r) for r in range(2)]
     for name, tensor in single["weights"].items():

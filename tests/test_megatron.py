@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from conftest import spawn
 from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
@@ -233,7 +234,7 @@ def test_train_step_matches_the_torch_backend(tmp_path, tp, pp, tied, ranks):
     model_dir = _model_dir(str(tmp_path), tie_word_embeddings=tied)
     torch.save(AutoModelForCausalLM.from_pretrained(model_dir).state_dict(), tmp_path / "initial.pt")
     out = str(tmp_path / "result")
-    Fabric(accelerator="cpu", devices=ranks, strategy="ddp_spawn").launch(_compare_with_torch, model_dir, tp, pp, out)
+    spawn(ranks, _compare_with_torch, model_dir, tp, pp, out)
     for rank in range(ranks):
         result = torch.load(f"{out}.{rank}")
         assert result["names"]
@@ -275,7 +276,7 @@ def test_distributed_optimizer_matches_adamw(tmp_path):
     _megatron()
     model_dir = _model_dir(str(tmp_path))
     out = str(tmp_path / "result")
-    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_compare_optimizers, model_dir, out)
+    spawn(2, _compare_optimizers, model_dir, out)
     ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
     for runs in ranks:
         plain = runs["plain"]
@@ -345,7 +346,7 @@ def test_checkpoint_saved_at_tp2_or_pp2_loads_at_tp1(tmp_path, tp, pp):
     model_dir = _model_dir(str(tmp_path))
     root = str(tmp_path / "ckpt")
     os.makedirs(root)
-    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_save_at, model_dir, root, tp, pp)
+    spawn(2, _save_at, model_dir, root, tp, pp)
     fabric = Fabric(accelerator="cpu", devices=1)
     backend = backend_class(tensor_parallel_size=1, lr=1e-2)
     backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)

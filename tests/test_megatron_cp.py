@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from conftest import padded_batch
+from conftest import padded_batch, spawn
 from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
@@ -158,8 +158,7 @@ def test_context_parallel_step_matches_one_process(tmp_path, references, mode, d
     log-probabilities of the split rows), give the logprobs, loss and update of one process."""
     out = str(tmp_path / "result")
     world = 2 * tp
-    Fabric(accelerator="cpu", devices=world, strategy="ddp_spawn").launch(
-        _context_parallel, references["model_dir"], out, mode, distributed, tp)
+    spawn(world, _context_parallel, references["model_dir"], out, mode, distributed, tp)
     ranks = [torch.load(f"{out}.{r}") for r in range(world)]
     for r, result in enumerate(ranks):
         assert result["cp_size"] == 2 and result["megatron_split"]

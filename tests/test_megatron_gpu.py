@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from conftest import spawn
 from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
@@ -85,7 +86,7 @@ def test_train_step_matches_torch_on_gpus(tmp_path, tp):
         pytest.skip(f"needs {devices} GPUs")
     model_dir = _model_dir(tmp_path, **{**QWEN25_05B, "num_hidden_layers": 4})
     out = str(tmp_path / "result")
-    Fabric(accelerator="cuda", devices=devices, strategy="ddp_spawn").launch(_compare, model_dir, tp, out)
+    spawn(devices, _compare, model_dir, tp, out, accelerator="cuda")
     for rank in range(devices):
         result = torch.load(f"{out}.{rank}")
         assert result["loss"] < 1e-4 and result["weights"] < 1e-4, result

@@ -8,7 +8,7 @@ loss, entropy and gradient norm within rel 1e-4.
 
 import pytest
 import torch
-from conftest import padded_batch
+from conftest import padded_batch, spawn
 from lightning.fabric import Fabric
 
 from gcore import GRPO, PPO, ModelConfig, TorchBackend
@@ -67,7 +67,7 @@ def test_sequence_parallel_step_gives_the_same_update_as_one_rank(tmp_path, algo
     out = str(tmp_path / "result%d.pt")
     _train(Fabric(accelerator="cpu", devices=1), model_dir, list(range(7)), str(tmp_path / "single%d.pt"),
            algorithm_name, 1, "ring", False)
-    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_two, model_dir, out, algorithm_name, mode,
+    spawn(2, _two, model_dir, out, algorithm_name, mode,
                                                                        packing)
     single = torch.load(tmp_path / "single0.pt")
     ranks = [torch.load(out % r) for r in range(2)]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FAST, RECORDING_REWARD
+from conftest import FAST, RECORDING_REWARD, spawn
 from lightning.fabric import Fabric
 
 from gcore import GRPO, PPO, ModelConfig, TorchBackend
@@ -53,7 +53,7 @@ def _exchange(fabric, out):
 
 def test_tensors_travel_with_their_dtypes_and_shapes(tmp_path):
     out = str(tmp_path / "back.pt")
-    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_exchange, out)
+    spawn(2, _exchange, out)
     back = torch.load(out)
     expected = [t * 2 if t.dtype != torch.bool else ~t for t in MESSAGE]
     assert len(back) == len(expected)
@@ -120,7 +120,7 @@ def test_one_controller_over_two_ranks_computes_the_update_of_one_process(tmp_pa
     single_weights = {k: v.clone() for k, v in backend.named_weights()}
 
     out = str(tmp_path / "rank%d.pt")
-    Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(_one_controller, model_dir, out, name)
+    spawn(2, _one_controller, model_dir, out, name)
     ranks = [torch.load(out % r) for r in range(2)]
     # rank 0 kept rows 0-3 of the batch, rank 1 got rows 4-6 with their features
     assert torch.equal(ranks[0]["features"][:, 0], torch.tensor([0.0, 1.0, 2.0, 3.0]))
