@@ -19,7 +19,7 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gcore.placement.dynamic import DynamicPlacement
-from gcore.placement.simulator import compare, load_workload, plot, simulate, summarize
+from gcore.simulator.model import compare, load_workload, plot, simulate, summarize
 
 SENSITIVITY = [
     ("judge cost x0.25", lambda w: replace(w, judge_output_tokens=max(1, w.judge_output_tokens // 4))),
