@@ -87,19 +87,18 @@ def test_generation_of_the_next_step_overlaps_training():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--max-staleness", "-1"], "--max-staleness '-1': expected an integer >= 0"),
-        (["--max-staleness", "one"], "--max-staleness 'one': expected an integer >= 0"),
-        (["--max-staleness", "1", "--partial-rollouts", "0"], "--partial-rollouts '0': expected a token budget >= 1"),
+        (["--max-staleness", "-1"], "--max-staleness: '-1': expected an integer >= 0"),
+        (["--max-staleness", "one"], "--max-staleness: 'one': expected an integer >= 0"),
+        (["--max-staleness", "1", "--partial-rollouts", "0"], "--partial-rollouts: '0': expected a token budget >= 1"),
         (["--partial-rollouts", "64"], "--partial-rollouts needs --max-staleness >= 1"),
     ],
 )
-def test_bad_async_flags_give_one_line(args, message):
-    from conftest import run_gcore
+def test_bad_async_flags_give_one_line(args, message, capsys):
+    from gcore.cli import main
 
-    result = run_gcore("simulate", "--devices", "8", "--steps", "1", *args)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert main(["simulate", "--devices", "8", "--steps", "1", *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gcore: error: gcore simulate") and message in lines[0], lines
 
 
 def test_async_needs_the_dynamic_placement():

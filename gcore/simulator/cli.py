@@ -18,13 +18,13 @@ class _Parser(argparse.ArgumentParser):
 
 def _staleness(text: str) -> int:
     if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"--max-staleness {text!r}: expected an integer >= 0 (0: synchronous)")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0 (0: synchronous)")
     return int(text)
 
 
 def _budget(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"--partial-rollouts {text!r}: expected a token budget >= 1")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a token budget >= 1")
     return int(text)
 
 
@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--plot", default="simulate.png", help="PNG path; {devices} is replaced per size")
     args = parser.parse_args(argv)
     if args.partial_rollouts and not args.max_staleness:
-        raise ConfigError("--partial-rollouts needs --max-staleness >= 1 (a paused response ends with newer weights)")
+        parser.error("--partial-rollouts needs --max-staleness >= 1 (a paused response ends with newer weights)")
     work, dynamic_options = load_workload(args.config)
     budget = round(work.median_tokens) if args.partial_rollouts == -1 else args.partial_rollouts
     for devices in args.devices:
