@@ -62,8 +62,8 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument(
         "--max-staleness", type=_staleness, default=0, metavar="K",
-        help="also run dynamic placement trained asynchronously: samples at most K policy versions old, "
-             "generation never waits for training (0: only the synchronous loop)",
+        help="also run dynamic placement trained asynchronously: generation runs ahead of training, "
+             "samples at most K policy versions old (0: only the synchronous loop)",
     )
     parser.add_argument(
         "--partial-rollouts", type=_budget, nargs="?", const=-1, default=0, metavar="TOKENS",
