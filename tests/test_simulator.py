@@ -34,7 +34,9 @@ def test_k0_is_the_synchronous_loop_unchanged():
 
 @pytest.mark.parametrize("sigma", [0.3, 0.9, 1.3])
 def test_k1_never_idles_more_than_k0(sigma):
-    """Short, long and very long tails: overlapping generation with training does not add idle time.
+    """Short, long and very long tails over 6 steps: overlapping generation with training does not
+    add idle time. (Over 3 steps it can: the pipeline fills in the first and drains in the last,
+    docs/simulator.md.)
     (Partial rollouts can: a budget below most responses' length pauses nearly all of them, see
     docs/simulator.md; with sigma 0.3 and a budget of 64 tokens, 0.64 of the median, they idle 5% more.)"""
     work = _work(sigma=sigma)
