@@ -5,7 +5,8 @@ training), judge with a GenRM, swap engines, train on all devices. ``static`` ti
 device (generate, swap, judge, swap, train, swap); ``dynamic`` runs generation and the judge on two
 partitions at once, streaming each finished sample to the first free judge device, and re-sizes the
 partitions from the step's per-role busy times through the same ``DynamicPlacement.update`` the
-trainer calls.
+trainer calls. This is the synchronous loop (staleness K = 0); ``asynchronous.py`` builds K >= 1
+and partial rollouts on the same device model.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class Workload:
         resample_drift: change of that share per step (clamped to [0, 1]).
         decode_step_s: one decode step of a device's running batch (the latency floor of the tail).
         generate_token_s: throughput cost per generated token on a device.
-        prefill_token_s: prefill cost per prompt token of the policy.
+        prefill_token_s: prefill cost per prompt token of the policy (and per context token of a
+            paused partial rollout read again).
         context_token_s: attention cost per decode step and token held in a running sequence's context.
         max_batch: most sequences a generation device runs at once (0: no limit); more wait in a queue.
         batching: ``continuous`` (a finished sequence leaves the batch and a waiting one joins, as in
