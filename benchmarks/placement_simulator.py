@@ -4,9 +4,11 @@
         --devices 64 512 --steps 30 --sensitivity-devices 64 --plot sim.png
 
 Prints, per cluster size and policy: mean step time, idle fraction per role, device-hours and idle
-device-hours for all steps, and the ratios against static; then the best fixed judge partition
-(found by trying every split on the first steps) against the split the policy converged to; then a
-sensitivity table (one workload field changed at a time) of dynamic/static ratios.
+device-hours for all steps, and the ratios against static (with --max-staleness K, also dynamic
+placement trained asynchronously, and with --partial-rollouts N with partial rollouts); then the
+best fixed judge partition (found by trying every split on the first steps) against the split the
+policy converged to; then a sensitivity table (one workload field changed at a time) of
+dynamic/static ratios.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gcore.placement.dynamic import DynamicPlacement
-from gcore.placement.simulator import compare, load_workload, plot, simulate, summarize
+from gcore.simulator.cli import run_all
+from gcore.simulator.model import compare, load_workload, plot, simulate, summarize
 
 SENSITIVITY = [
     ("judge cost x0.25", lambda w: replace(w, judge_output_tokens=max(1, w.judge_output_tokens // 4))),
@@ -54,14 +57,14 @@ def table(runs: dict, devices: int) -> None:
     bound = most_saved(base, summarize(runs["dynamic"], devices))
     print(f"static: judge busy {base['busy_judge']:.3f} of device time; the most idle dynamic can save is "
           f"about {bound:.0%} of static's\n")
-    print("| policy | step s | idle | idle gen / judge / swap | device-h | idle device-h "
+    print("| policy | step s | idle | idle gen / judge / train / swap | device-h | idle device-h "
           "| step vs static | idle vs static |")
     print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for name, results in runs.items():
         s = summarize(results, devices)
         print(
             f"| {name} | {s['step_s']:.1f} | {s['idle']:.3f} | {s['idle_generate']:.3f} / {s['idle_judge']:.3f} / "
-            f"{s['idle_swap']:.3f} | {s['device_hours']:.1f} | {s['idle_device_hours']:.2f} | "
+            f"{s['idle_train']:.3f} / {s['idle_swap']:.3f} | {s['device_hours']:.1f} | {s['idle_device_hours']:.2f} | "
             f"x{s['step_s'] / base['step_s']:.3f} | x{s['idle_device_hours'] / base['idle_device_hours']:.3f} |"
         )
 
@@ -88,10 +91,13 @@ def main() -> int:
     parser.add_argument("--sensitivity-devices", type=int, default=64)
     parser.add_argument("--split-steps", type=int, default=5, help="steps per trial when searching the best split")
     parser.add_argument("--plot", default="sim.png")
+    parser.add_argument("--max-staleness", type=int, default=0, help="also dynamic trained with staleness K (>= 1)")
+    parser.add_argument("--partial-rollouts", type=int, default=0, help="and with partial rollouts of this budget")
     args = parser.parse_args()
     work, options = load_workload(args.config)
     for devices in args.devices:
-        runs = compare(devices, args.steps, work, options)
+        runs = run_all(devices, args.steps, work, options, max_staleness=args.max_staleness,
+                       partial_budget=args.partial_rollouts)
         print(f"\n{devices} devices, {args.steps} steps ({args.config})\n")
         table(runs, devices)
         path = args.plot.replace(".png", f"_{devices}.png")

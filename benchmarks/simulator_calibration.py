@@ -107,7 +107,7 @@ def measure(path: str, steps: int, warmup: int, rounds: int) -> None:
 
 
 def check(path: str, tolerance: float, write_yaml: str | None) -> int:
-    from gcore.placement.calibration import Setting, calibrated_workload, fit_costs, predict_stages, workload_yaml
+    from gcore.simulator.calibration import Setting, calibrated_workload, fit_costs, predict_stages, workload_yaml
 
     with open(path) as f:
         data = json.load(f)

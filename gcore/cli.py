@@ -231,8 +231,8 @@ def plugins_main(argv: Sequence[str]) -> int:
 
 
 def simulate_main(argv: Sequence[str]) -> int:
-    """``gcore simulate``: the placement simulator (gcore/placement/simulator.py)."""
-    from gcore.placement.simulator import main as simulate
+    """``gcore simulate``: the placement simulator (gcore/simulator/)."""
+    from gcore.simulator.cli import main as simulate
 
     return simulate(list(argv))
 

@@ -112,7 +112,7 @@ def test_a_reward_that_cannot_be_pickled_stays_in_the_controller():
 
 
 def test_simulator_dynamic_follows_judge_cost(tmp_path):
-    from gcore.placement.simulator import Workload, compare, load_workload, summarize
+    from gcore.simulator.model import Workload, compare, load_workload, summarize
 
     cheap = Workload(samples_per_device=8, median_tokens=100, max_tokens=512, judge_output_tokens=8)
     runs = compare(16, 4, cheap, {"judge_fraction": 0.5})
@@ -163,7 +163,7 @@ def test_moves_only_when_the_prediction_improves():
 
 
 def test_serve_continuous_and_static_batching_by_hand():
-    from gcore.placement.simulator import DeviceCosts, serve
+    from gcore.simulator.model import DeviceCosts, serve
 
     costs = DeviceCosts(step_s=1.0, token_s=0.5, prefill_token_s=0.0)
     # two running: a step costs 1 + 2 * 0.5 = 2; the 1-step request ends at 2, then 2 steps of 1.5
@@ -184,7 +184,7 @@ def test_serve_continuous_and_static_batching_by_hand():
 
 
 def test_streamed_judge_waits_for_its_samples():
-    from gcore.placement.simulator import Workload, judge
+    from gcore.simulator.model import Workload, judge
 
     work = Workload(judge_token_s=0.0, judge_generate_token_s=0.0, judge_decode_step_s=1.0, judge_output_tokens=3)
     # two samples finish generating at 0 and 10; two judge devices; a verdict takes 3 steps of 1 s
@@ -193,14 +193,14 @@ def test_streamed_judge_waits_for_its_samples():
 
 
 def _small(**overrides):
-    from gcore.placement.simulator import Workload
+    from gcore.simulator.model import Workload
 
     base = dict(samples_per_device=8, median_tokens=100, max_tokens=512, judge_output_tokens=32, swap_s=1.0)
     return Workload(**{**base, **overrides})
 
 
 def test_idle_and_busy_account_for_every_device_second():
-    from gcore.placement.simulator import simulate
+    from gcore.simulator.model import simulate
 
     work = _small()
     for policy, release in (
@@ -214,7 +214,7 @@ def test_idle_and_busy_account_for_every_device_second():
 def test_dynamic_loses_without_a_tail_or_swap_cost():
     """Equal lengths and free swaps: static leaves nothing idle, while the judge partition waits for
     samples that all finish at the end of generation. Dynamic must not be reported as winning."""
-    from gcore.placement.simulator import compare, summarize
+    from gcore.simulator.model import compare, summarize
 
     runs = compare(16, 3, _small(sigma=0.0, swap_s=0.0), {"judge_fraction": 0.25})
     assert summarize(runs["static"], 16)["idle"] < 0.01
@@ -222,7 +222,7 @@ def test_dynamic_loses_without_a_tail_or_swap_cost():
 
 
 def test_dynamic_wins_on_a_long_tail_and_release_wins_more():
-    from gcore.placement.simulator import compare, summarize
+    from gcore.simulator.model import compare, summarize
 
     runs = compare(32, 6, _small(sigma=1.2, max_tokens=2048, judge_output_tokens=128), {})
     idle = {name: summarize(results, 32)["idle_device_hours"] for name, results in runs.items()}
@@ -230,7 +230,7 @@ def test_dynamic_wins_on_a_long_tail_and_release_wins_more():
 
 
 def test_workload_rejects_bad_batching(tmp_path):
-    from gcore.placement.simulator import load_workload
+    from gcore.simulator.model import load_workload
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("workload:\n  batching: paged\n")
@@ -241,7 +241,7 @@ def test_workload_rejects_bad_batching(tmp_path):
 def test_calibration_recovers_known_costs():
     """Stage times computed by the simulator from known costs are fitted back to those costs, and
     the prediction on a setting left out of the fit matches."""
-    from gcore.placement.calibration import Setting, calibrated_workload, fit_costs, predict_stages
+    from gcore.simulator.calibration import Setting, calibrated_workload, fit_costs, predict_stages
 
     known = {
         "decode_step_s": 0.006, "generate_token_s": 0.0009, "context_token_s": 2e-5,
@@ -264,7 +264,7 @@ def test_calibration_recovers_known_costs():
 
 
 def test_resampling_costs_static_two_more_swaps_and_dynamic_none():
-    from gcore.placement.simulator import simulate
+    from gcore.simulator.model import simulate
 
     work = _small(sigma=0.0, resample_fraction=0.5, swap_s=3.0)
     static = simulate(StaticPlacement(offload=True), 8, 1, work)[0]
@@ -281,8 +281,8 @@ def test_shipped_calibration_matches_its_measurements():
     import json
     import os
 
-    from gcore.placement.calibration import Setting, calibrated_workload, fit_costs, predict_stages, relative_error
-    from gcore.placement.simulator import load_workload
+    from gcore.simulator.calibration import Setting, calibrated_workload, fit_costs, predict_stages, relative_error
+    from gcore.simulator.model import load_workload
 
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "simulate")
     with open(os.path.join(root, "cpu_measurements.json")) as f:

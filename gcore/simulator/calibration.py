@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass, field, fields
 
 from gcore.errors import ConfigError
-from gcore.placement.simulator import Workload, simulate
-from gcore.placement.static import StaticPlacement
+from gcore.placement import StaticPlacement
+from gcore.simulator.model import Workload, simulate
 
 GENERATE_COSTS = ("decode_step_s", "generate_token_s", "context_token_s")
 JUDGE_COSTS = ("judge_token_s", "judge_decode_step_s", "judge_generate_token_s", "judge_context_token_s")

@@ -5,7 +5,8 @@ training), judge with a GenRM, swap engines, train on all devices. ``static`` ti
 device (generate, swap, judge, swap, train, swap); ``dynamic`` runs generation and the judge on two
 partitions at once, streaming each finished sample to the first free judge device, and re-sizes the
 partitions from the step's per-role busy times through the same ``DynamicPlacement.update`` the
-trainer calls.
+trainer calls. This is the synchronous loop (staleness K = 0); ``asynchronous.py`` builds K >= 1
+and partial rollouts on the same device model.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import cast
 
 from gcore.errors import ConfigError
-from gcore.placement.base import PlacementPolicy, Telemetry
-from gcore.placement.dynamic import DynamicPlacement
-from gcore.placement.static import StaticPlacement
+from gcore.placement import DynamicPlacement, PlacementPolicy, StaticPlacement, Telemetry
 
 BATCHING = ("continuous", "static")
 
@@ -45,7 +44,8 @@ class Workload:
         resample_drift: change of that share per step (clamped to [0, 1]).
         decode_step_s: one decode step of a device's running batch (the latency floor of the tail).
         generate_token_s: throughput cost per generated token on a device.
-        prefill_token_s: prefill cost per prompt token of the policy.
+        prefill_token_s: prefill cost per prompt token of the policy (and per context token of a
+            paused partial rollout read again).
         context_token_s: attention cost per decode step and token held in a running sequence's context.
         max_batch: most sequences a generation device runs at once (0: no limit); more wait in a queue.
         batching: ``continuous`` (a finished sequence leaves the batch and a waiting one joins, as in
@@ -109,6 +109,9 @@ class StepResult:
     idle: dict[str, float] = field(default_factory=dict)  # role -> idle device-seconds
     busy: dict[str, float] = field(default_factory=dict)  # role -> busy device-seconds
     stages: dict[str, float] = field(default_factory=dict)  # stage -> seconds of this step's critical path
+    staleness: dict[int, int] = field(default_factory=dict)  # versions behind -> samples trained on in this step
+    longest_segment: int = 0  # most tokens one response generated between two weight loads, for this step
+    train_devices: int = 0  # devices that train (0: all of them, in turn with the engines)
 
 
 def response_lengths(work: Workload, step: int, count: int, rng: random.Random) -> list[int]:
@@ -130,13 +133,30 @@ class DeviceCosts:
     context_token_s: float = 0.0
 
 
-def serve(arrivals: list[float], steps: list[int], prefill: list[int], costs: DeviceCosts) -> tuple[list[float], float]:
+def record(intervals: list[tuple[float, float]] | None, start: float, end: float) -> None:
+    """Appends the busy interval ``[start, end]``, merged with the last one when they touch."""
+    if intervals is None or end <= start:
+        return
+    if intervals and intervals[-1][1] == start:
+        intervals[-1] = (intervals[-1][0], end)
+    else:
+        intervals.append((start, end))
+
+
+def serve(
+    arrivals: list[float],
+    steps: list[int],
+    prefill: list[int],
+    costs: DeviceCosts,
+    intervals: list[tuple[float, float]] | None = None,
+) -> tuple[list[float], float]:
     """One device serving requests in arrival order: each request's finish time and the busy seconds.
 
     Request ``i`` arrives at ``arrivals[i]``, reads ``prefill[i]`` tokens when it joins the running
     batch and then needs ``steps[i]`` decode steps. A step of ``b`` running requests whose contexts
     hold ``c`` tokens in all costs ``step_s + b * token_s + c * context_token_s``. Between two events
     (a request joins or ends) the batch does not change, so the loop jumps from event to event.
+    ``intervals``, when given, receives the busy intervals (the asynchronous model's accounting).
     """
     order = sorted(range(len(arrivals)), key=arrivals.__getitem__)
     finish = [0.0] * len(arrivals)
@@ -149,7 +169,9 @@ def serve(arrivals: list[float], steps: list[int], prefill: list[int], costs: De
             took = costs.prefill_token_s * read + length * (costs.step_s + costs.token_s * rows)
             # every row steps until the longest ends; row contexts grow by one token a step
             took += costs.context_token_s * (length * read + rows * length * (length + 1) / 2)
-            now = max(now, max(arrivals[i] for i in chunk)) + took
+            begin = max(now, max(arrivals[i] for i in chunk))
+            now = begin + took
+            record(intervals, begin, now)
             busy += took
             for i in chunk:
                 finish[i] = now
@@ -166,7 +188,9 @@ def serve(arrivals: list[float], steps: list[int], prefill: list[int], costs: De
         if not running:
             now = arrivals[order[waiting]]
             continue
+        begin = now
         now += costs.prefill_token_s * joined
+        record(intervals, begin, now)
         busy += costs.prefill_token_s * joined
         context += joined
         rows = len(running)
@@ -176,7 +200,9 @@ def serve(arrivals: list[float], steps: list[int], prefill: list[int], costs: De
             advance = min(advance, max(1, math.ceil((arrivals[order[waiting]] - now) / step) if step > 0 else 1))
         took = advance * (costs.step_s + costs.token_s * rows)
         took += costs.context_token_s * (advance * context + rows * advance * (advance + 1) / 2)
+        begin = now
         now += took
+        record(intervals, begin, now)
         busy += took
         done_steps += advance
         context += rows * advance
@@ -226,6 +252,20 @@ def judge(
     given fewer verdicts), a device taking work from ``online[d]`` on (default 0). Each device batches
     the verdicts it holds like any engine.
     """
+    verdicts, busy, _ = judge_each(work, arrivals, lengths, devices, online)
+    return max([0.0, *verdicts]), busy
+
+
+def judge_each(
+    work: Workload,
+    arrivals: list[float],
+    lengths: list[int],
+    devices: int,
+    online: list[float] | None = None,
+    intervals: list[list[tuple[float, float]]] | None = None,
+) -> tuple[list[float], list[float], list[float]]:
+    """``judge``, per sample: each verdict's time, each device's busy seconds, and when each device
+    is free again; ``intervals[d]``, when given, receives device ``d``'s busy intervals."""
     online = online or [0.0] * devices
     order = sorted(range(len(lengths)), key=arrivals.__getitem__)
     free = [(online[d], 0, d) for d in range(devices)]  # (expected free, verdicts given, device)
@@ -238,17 +278,20 @@ def judge(
         heapq.heappush(free, (max(ready, arrivals[i]) + cost, count + 1, d))
         assigned[d].append(i)
     costs = judge_costs(work)
-    end, busy = 0.0, []
+    verdicts, busy, free_at = [0.0] * len(lengths), [], list(online)
     for d, mine in enumerate(assigned):
         ends, device_busy = serve(
             [max(arrivals[i], online[d]) for i in mine],
             [work.judge_output_tokens] * len(mine),
             [work.judge_prompt_tokens + work.prompt_tokens + lengths[i] for i in mine],
             costs,
+            None if intervals is None else intervals[d],
         )
-        end = max([end, *ends])
+        for i, end in zip(mine, ends, strict=True):
+            verdicts[i] = end
+        free_at[d] = max([free_at[d], *ends])
         busy.append(device_busy)
-    return end, busy
+    return verdicts, busy, free_at
 
 
 @dataclass
@@ -365,7 +408,8 @@ def simulate(
             "judge": sum(sum(r.judge_busy) for r in done),
             "train": train_s * devices,
         }
-        results.append(StepResult(step, step_s, g, j, idle, busy, stages))
+        staleness = {0: sum(len(r) for r in rounds)}  # synchronous: every sample from the current weights
+        results.append(StepResult(step, step_s, g, j, idle, busy, stages, staleness, max(map(max, rounds))))
     return results
 
 
@@ -373,8 +417,8 @@ def summarize(results: list[StepResult], devices: int) -> dict[str, float]:
     """Mean step time, idle fraction per role and overall, and device-hours for all steps."""
     total = sum(r.step_s for r in results)
     summary = {"step_s": total / len(results), "device_hours": devices * total / 3600}
-    for role in ("generate", "judge", "swap"):
-        summary[f"idle_{role}"] = sum(r.idle[role] for r in results) / (devices * total)
+    for role in ("generate", "judge", "train", "swap"):  # training idles only on its own partition (asynchronous)
+        summary[f"idle_{role}"] = sum(r.idle.get(role, 0.0) for r in results) / (devices * total)
     summary["busy_judge"] = sum(r.busy["judge"] for r in results) / (devices * total)
     idle = sum(sum(r.idle.values()) for r in results)
     summary["idle"] = idle / (devices * total)
@@ -440,51 +484,3 @@ def compare(
     if release_tail:
         runs["dynamic+release"] = simulate(DynamicPlacement(**dynamic_options), devices, steps, work, seed, True)
     return runs
-
-
-def main(argv: list[str]) -> int:
-    """``gcore simulate``: static vs dynamic on a workload YAML, printed and plotted."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="gcore simulate", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="YAML with a 'workload:' section (and optional 'dynamic:' options)")
-    parser.add_argument("--devices", type=int, nargs="+", default=[64, 512], help="cluster sizes (8..1024)")
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--no-release", action="store_true", help="leave out dynamic+release (tail devices swap to the judge)"
-    )
-    parser.add_argument("--plot", default="simulate.png", help="PNG path; {devices} is replaced per size")
-    args = parser.parse_args(argv)
-    work, dynamic_options = load_workload(args.config)
-    for devices in args.devices:
-        if not 2 <= devices <= 4096:
-            raise ConfigError(f"--devices {devices}: expected 2..4096")
-        runs = compare(devices, args.steps, work, dynamic_options, args.seed, release_tail=not args.no_release)
-        base = summarize(runs["static"], devices)
-        print(f"{devices} devices, {args.steps} steps")
-        print(f"  {'policy':<15} {'step_s':>8} {'idle':>6} {'idle_gen':>8} {'idle_judge':>10} {'idle_swap':>9} "
-              f"{'dev_h':>9} {'idle_dev_h':>10}")
-        for name, results in runs.items():
-            s = summarize(results, devices)
-            print(
-                f"  {name:<15} {s['step_s']:8.1f} {s['idle']:6.3f} {s['idle_generate']:8.3f} {s['idle_judge']:10.3f} "
-                f"{s['idle_swap']:9.3f} {s['device_hours']:9.1f} {s['idle_device_hours']:10.1f}"
-            )
-        for name in list(runs)[1:]:
-            dyn = summarize(runs[name], devices)
-            print(
-                f"  {name}/static: step time x{dyn['step_s'] / base['step_s']:.3f}, "
-                f"idle device-hours x{dyn['idle_device_hours'] / base['idle_device_hours']:.3f}, "
-                f"device-hours x{dyn['device_hours'] / base['device_hours']:.3f}, "
-                f"final split {runs[name][-1].generate_devices} generate / {runs[name][-1].judge_devices} judge"
-            )
-        path = args.plot.replace("{devices}", str(devices)) if "{devices}" in args.plot else (
-            args.plot if len(args.devices) == 1 else args.plot.replace(".png", f"_{devices}.png")
-        )
-        try:
-            plot(runs, devices, path)
-            print(f"  plot: {path}")
-        except ImportError:
-            print("  (no plot: pip install matplotlib)")
-    return 0

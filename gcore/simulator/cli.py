@@ -1,0 +1,115 @@
+"""``gcore simulate``: static vs dynamic placement (and asynchronous training) on a simulated cluster."""
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
+from gcore.errors import ConfigError
+from gcore.placement import DynamicPlacement
+from gcore.simulator.asynchronous import simulate_async
+from gcore.simulator.model import StepResult, Workload, compare, load_workload, plot, summarize
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, as every gcore command's bad input
+        raise ConfigError(f"gcore simulate: {message} (see gcore simulate --help)")
+
+
+def _staleness(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0 (0: synchronous)")
+    return int(text)
+
+
+def _budget(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a token budget >= 1")
+    return int(text)
+
+
+def run_all(
+    devices: int,
+    steps: int,
+    work: Workload,
+    dynamic_options: dict,
+    seed: int = 0,
+    release_tail: bool = True,
+    max_staleness: int = 0,
+    partial_budget: int = 0,
+) -> dict[str, list[StepResult]]:
+    """``model.compare``'s runs, plus ``dynamic K=..`` (and ``.. partial N``) when ``max_staleness`` >= 1."""
+    runs = compare(devices, steps, work, dynamic_options, seed, release_tail)
+    if max_staleness:
+        name = f"dynamic K={max_staleness}"
+        runs[name] = simulate_async(DynamicPlacement(**dynamic_options), devices, steps, work, seed, max_staleness)
+        if partial_budget:
+            runs[f"{name} partial {partial_budget}"] = simulate_async(
+                DynamicPlacement(**dynamic_options), devices, steps, work, seed, max_staleness, partial_budget
+            )
+    return runs
+
+
+def main(argv: list[str]) -> int:
+    """``gcore simulate``: the policies on a workload YAML, printed and plotted."""
+    parser = _Parser(prog="gcore simulate", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser.add_argument("--config", help="YAML with a 'workload:' section (and optional 'dynamic:' options)")
+    parser.add_argument("--devices", type=int, nargs="+", default=[64, 512], help="cluster sizes (8..1024)")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-release", action="store_true", help="leave out dynamic+release (tail devices swap to the judge)"
+    )
+    parser.add_argument(
+        "--max-staleness", type=_staleness, default=0, metavar="K",
+        help="also run dynamic placement trained asynchronously: generation runs ahead of training, "
+             "samples at most K policy versions old (0: only the synchronous loop)",
+    )
+    parser.add_argument(
+        "--partial-rollouts", type=_budget, nargs="?", const=-1, default=0, metavar="TOKENS",
+        help="with --max-staleness: also run it with partial rollouts, a response pausing after TOKENS tokens "
+             "per step (default: the workload's median_tokens)",
+    )
+    parser.add_argument("--plot", default="simulate.png", help="PNG path; {devices} is replaced per size")
+    args = parser.parse_args(argv)
+    if args.partial_rollouts and not args.max_staleness:
+        parser.error("--partial-rollouts needs --max-staleness >= 1 (a paused response ends with newer weights)")
+    work, dynamic_options = load_workload(args.config)
+    budget = round(work.median_tokens) if args.partial_rollouts == -1 else args.partial_rollouts
+    for devices in args.devices:
+        if not 2 <= devices <= 4096:
+            raise ConfigError(f"--devices {devices}: expected 2..4096")
+        if args.max_staleness and devices < 4:
+            raise ConfigError(f"--devices {devices}: --max-staleness needs at least 4 (train, generate, judge)")
+        runs = run_all(devices, args.steps, work, dynamic_options, args.seed, not args.no_release,
+                       args.max_staleness, budget)
+        base = summarize(runs["static"], devices)
+        print(f"{devices} devices, {args.steps} steps")
+        print(f"  {'policy':<24} {'step_s':>8} {'idle':>6} {'idle_gen':>8} {'idle_judge':>10} {'idle_train':>10} "
+              f"{'idle_swap':>9} {'dev_h':>9} {'idle_dev_h':>10}")
+        for name, results in runs.items():
+            s = summarize(results, devices)
+            print(
+                f"  {name:<24} {s['step_s']:8.1f} {s['idle']:6.3f} {s['idle_generate']:8.3f} {s['idle_judge']:10.3f} "
+                f"{s['idle_train']:10.3f} {s['idle_swap']:9.3f} {s['device_hours']:9.1f} {s['idle_device_hours']:10.1f}"
+            )
+        for name in list(runs)[1:]:
+            dyn, last = summarize(runs[name], devices), runs[name][-1]
+            split = f"{last.generate_devices} generate / {last.judge_devices} judge"
+            if last.train_devices:
+                stale = max(k for r in runs[name] for k in r.staleness)
+                split += f" / {last.train_devices} train, samples at most {stale} version(s) old"
+            print(
+                f"  {name}/static: step time x{dyn['step_s'] / base['step_s']:.3f}, "
+                f"idle device-hours x{dyn['idle_device_hours'] / base['idle_device_hours']:.3f}, "
+                f"device-hours x{dyn['device_hours'] / base['device_hours']:.3f}, final split {split}"
+            )
+        path = args.plot.replace("{devices}", str(devices)) if "{devices}" in args.plot else (
+            args.plot if len(args.devices) == 1 else args.plot.replace(".png", f"_{devices}.png")
+        )
+        try:
+            plot(runs, devices, path)
+            print(f"  plot: {path}")
+        except ImportError:
+            print("  (no plot: pip install matplotlib)")
+    return 0
