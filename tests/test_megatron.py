@@ -14,7 +14,7 @@ from conftest import spawn
 from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
-from gcore.backends.megatron_convert import (
+from gcore.backends.megatron.convert import (
     hf_state_to_megatron,
     layout_from_hf,
     megatron_states_to_hf,
@@ -119,7 +119,7 @@ def test_cpu_adaptations_match_the_pinned_version():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.tensor_parallel import random as tp_random
 
-    from gcore.backends.megatron_cpu import MEGATRON_CORE_VERSION, CPUMemoryBuffer, CPURNGStatesTracker
+    from gcore.backends.megatron.cpu import MEGATRON_CORE_VERSION, CPUMemoryBuffer, CPURNGStatesTracker
 
     assert megatron.core.__version__ == MEGATRON_CORE_VERSION
     # the names the adaptations replace still exist in the pinned version
@@ -160,7 +160,7 @@ def test_logprobs_match_the_hf_model(tmp_path):
     backend_class = _megatron()
     from transformers import AutoModelForCausalLM
 
-    from gcore.backends.torch import token_logprobs
+    from gcore.backends import token_logprobs
 
     model_dir = _model_dir(str(tmp_path))
     backend = backend_class()
@@ -170,7 +170,7 @@ def test_logprobs_match_the_hf_model(tmp_path):
     ids = torch.randint(4, 100, (3, 12), generator=torch.Generator().manual_seed(0))
     ids[0, 4:8] = torch.tensor([0, 1, 2, 3])  # pad, bos, eos, unk
     for temperature in (1.0, 0.7):
-        ours, our_entropy = backend._forward_logprobs(backend.policy, ids, temperature)
+        ours, our_entropy = backend.forward.logprobs(backend.policy, ids, temperature)
         theirs, their_entropy = token_logprobs(hf(input_ids=ids).logits, ids, temperature)
         assert (ours - theirs).abs().max() < LOGPROB_TOL
         assert (our_entropy - their_entropy).abs().max() < LOGPROB_TOL
@@ -263,11 +263,11 @@ def _compare_optimizers(fabric, model_dir, out):
             first = backend.train(_rank_batch(rank), GRPO(kl_coef=0.0), max_new_tokens=8)
         state = backend.state_dict()
         second = backend.train(_rank_batch(1 - rank), GRPO(kl_coef=0.0), max_new_tokens=8)
-        slots = backend._adam_slots()
+        slots = backend.optimizer.adam_slots()
         held = sum(len(range(p.numel())[s]) if s is not None else p.numel() for p, _, s in slots.values())
         runs[name] = {"first": first, "second": second, "state": state, "weights": dict(backend.named_weights()),
                       "held": held, "total": sum(p.numel() for p in backend.policy.parameters()),
-                      "type": type(backend.optimizer).__name__}
+                      "type": type(backend.optimizer.optimizer).__name__}
     torch.save({k: {key: v for key, v in run.items()} for k, run in runs.items()}, f"{out}.{rank}")
 
 

@@ -130,7 +130,7 @@ def keep_rotary_on_cpu(model) -> None:  # noqa: ANN001
                 cp_group=None) -> torch.Tensor:  # noqa: ANN001
         # RotaryEmbedding.forward, whose context-parallel slice (get_pos_emb_on_this_cp_rank) builds
         # a pinned CUDA index: the same zig-zag selection on the CPU
-        from gcore.backends.megatron_cp import rotary_on_this_cp_rank
+        from gcore.backends.megatron.context_parallel import rotary_on_this_cp_rank
 
         emb = get_emb(max_seq_len, offset)
         group = cp_group if cp_group is not None else rotary.cp_group
