@@ -309,6 +309,49 @@ def test_unsupported_parallel_sizes_are_one_line():
     # context parallelism itself is tested in tests/test_megatron_cp.py
 
 
+def test_the_trainer_asks_the_backend_what_it_cannot_run():
+    """``TrainingBackend.validate``: one line naming the flag, when the Trainer is built (nothing launched)."""
+    backend_class = _megatron()
+    from gcore import PPO, Trainer, TrainerConfig
+
+    cases = [
+        ({"trainer": TrainerConfig(devices=3), "backend": backend_class(tensor_parallel_size=2)},
+         r"--backend.tensor_parallel_size 2 does not divide the number of ranks \(3\)"),
+        ({"algorithm": PPO(), "backend": backend_class()},
+         "--algorithm PPO needs a critic, which backend MegatronBackend does not provide"),
+        ({"trainer": TrainerConfig(devices=2, controllers=1), "backend": backend_class(sequence_parallel_size=2)},
+         "--trainer.controllers 1 does not support --backend.sequence_parallel_size > 1"),
+        ({"trainer": TrainerConfig(devices=2), "algorithm": GRPO(entropy_coef=0.01),
+          "backend": backend_class(tensor_parallel_size=2)},
+         "--algorithm.entropy_coef with --backend megatron needs --backend.tensor_parallel_size 1"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            Trainer(**kwargs)
+    Trainer(trainer=TrainerConfig(devices=4), backend=backend_class(tensor_parallel_size=2, pipeline_parallel_size=2))
+
+
+def test_both_backends_take_the_same_optimizer_flags():
+    """One ``OptimizerConfig``: the same ``--backend.*`` optimizer flags build the same options in both."""
+    _megatron()
+    from gcore.backends import OptimizerConfig
+    from gcore.cli import build_fit_parser, resolve_argv, with_default_plugins
+
+    flags = ["--backend.lr", "0.01", "--backend.betas", "[0.8, 0.99]", "--backend.weight_decay", "0.1",
+             "--backend.max_grad_norm", "0.5", "--backend.micro_batch_size", "3", "--backend.warmup_steps", "2"]
+    built = []
+    for name in ("torch", "megatron"):
+        parser = build_fit_parser()
+        config = parser.parse_args(with_default_plugins(resolve_argv(["--backend", name, *flags])))
+        built.append(parser.instantiate_classes(config).backend.optimizer_config)
+    expected = OptimizerConfig(lr=0.01, betas=(0.8, 0.99), weight_decay=0.1, max_grad_norm=0.5, micro_batch_size=3,
+                               warmup_steps=2)
+    assert built == [expected, expected]
+    for backend_class in (TorchBackend, _megatron()):
+        with pytest.raises(ConfigError, match="--backend.micro_batch_size must be >= 1, got 0"):
+            backend_class(micro_batch_size=0)
+
+
 def _checkpoint_manager(fabric, root):
     from datetime import timedelta
 

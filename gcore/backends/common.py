@@ -22,7 +22,8 @@ class OptimizerConfig:
         weight_decay: AdamW weight decay.
         betas: AdamW betas.
         max_grad_norm: clip the global gradient norm to this (0: no clipping).
-        micro_batch_size: sequences per forward/backward pass (gradients accumulate over a mini-batch).
+        micro_batch_size: sequences per forward/backward pass (gradients accumulate over a mini-batch;
+            megatron: of a tensor-parallel group, which runs on the union of its ranks' batches).
         warmup_steps: linear learning-rate warm-up, in optimizer steps.
     """
 
