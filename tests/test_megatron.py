@@ -332,21 +332,22 @@ def test_the_trainer_asks_the_backend_what_it_cannot_run():
 
 
 def test_both_backends_take_the_same_optimizer_flags():
-    """One ``OptimizerConfig``: the same ``--backend.*`` optimizer flags build the same options in both."""
+    """One ``OptimizerOptions``: the same ``--backend.*`` optimizer flags give both backends the same options."""
     _megatron()
-    from gcore.backends import OptimizerConfig
+    from gcore.backends import OptimizerOptions
     from gcore.cli import build_fit_parser, resolve_argv, with_default_plugins
 
     flags = ["--backend.lr", "0.01", "--backend.betas", "[0.8, 0.99]", "--backend.weight_decay", "0.1",
              "--backend.max_grad_norm", "0.5", "--backend.micro_batch_size", "3", "--backend.warmup_steps", "2"]
-    built = []
+    expected = {"lr": 0.01, "weight_decay": 0.1, "betas": (0.8, 0.99), "max_grad_norm": 0.5, "micro_batch_size": 3,
+                "warmup_steps": 2}
     for name in ("torch", "megatron"):
         parser = build_fit_parser()
         config = parser.parse_args(with_default_plugins(resolve_argv(["--backend", name, *flags])))
-        built.append(parser.instantiate_classes(config).backend.optimizer_config)
-    expected = OptimizerConfig(lr=0.01, betas=(0.8, 0.99), weight_decay=0.1, max_grad_norm=0.5, micro_batch_size=3,
-                               warmup_steps=2)
-    assert built == [expected, expected]
+        backend = parser.instantiate_classes(config).backend
+        assert isinstance(backend, OptimizerOptions)
+        assert {key: getattr(backend, key) for key in expected} == expected, name
+        assert backend.warmup_factor(0) == 0.5 and backend.base_lr(embedded=True) == 0.01
     for backend_class in (TorchBackend, _megatron()):
         with pytest.raises(ConfigError, match="--backend.micro_batch_size must be >= 1, got 0"):
             backend_class(micro_batch_size=0)

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from gcore.errors import ConfigError
 
 
-@dataclass(frozen=True)
-class OptimizerConfig:
+class OptimizerOptions:
     """How a backend updates the policy: AdamW, gradient clipping, warm-up and gradient accumulation.
 
-    A backend takes these as its own flags (``--backend.lr`` etc.) through ``**optimizer`` in its
-    ``__init__``, so every backend spells and documents them alike.
+    The backends inherit these options and take them as their own flags (``--backend.lr`` etc.) by
+    passing ``**optimizer`` on to this ``__init__``, so every backend spells, checks and documents
+    them alike.
 
     Args:
         lr: learning rate; ``None`` picks 1e-6 for a checkpoint given with ``--model.path`` and
@@ -27,19 +25,25 @@ class OptimizerConfig:
         warmup_steps: linear learning-rate warm-up, in optimizer steps.
     """
 
-    lr: float | None = None
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float = 1.0
-    micro_batch_size: int = 32
-    warmup_steps: int = 0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "betas", tuple(self.betas))  # a YAML list is a tuple here
-        if self.micro_batch_size < 1:
-            raise ConfigError(f"--backend.micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"--backend.warmup_steps must be >= 0, got {self.warmup_steps}")
+    def __init__(
+        self,
+        lr: float | None = None,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        max_grad_norm: float = 1.0,
+        micro_batch_size: int = 32,
+        warmup_steps: int = 0,
+    ) -> None:
+        if micro_batch_size < 1:
+            raise ConfigError(f"--backend.micro_batch_size must be >= 1, got {micro_batch_size}")
+        if warmup_steps < 0:
+            raise ConfigError(f"--backend.warmup_steps must be >= 0, got {warmup_steps}")
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.betas = (betas[0], betas[1])  # a YAML list is a tuple here
+        self.max_grad_norm = max_grad_norm
+        self.micro_batch_size = micro_batch_size
+        self.warmup_steps = warmup_steps
 
     def base_lr(self, embedded: bool) -> float:
         """The learning rate after warm-up: ``lr``, or the default for the model's kind."""

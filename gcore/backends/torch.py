@@ -11,7 +11,7 @@ import torch
 from gcore.algorithms.base import Algorithm, LossScale
 from gcore.backends import sequence_parallel as seqpar
 from gcore.backends.base import TrainingBackend
-from gcore.backends.common import OptimizerConfig, check_sequence_parallel_controllers
+from gcore.backends.common import OptimizerOptions, check_sequence_parallel_controllers
 from gcore.backends.shared_prompts import distinct_prompts, shared_prompt_logits, to_batch_layout
 from gcore.balance import micro_batches_by_length, padding_fraction
 from gcore.errors import ConfigError
@@ -66,7 +66,7 @@ def shard_per_layer(model: torch.nn.Module, device_mesh) -> torch.nn.Module:  # 
 SHARE_PROMPTS_MIN_SAVING = 0.2
 
 
-class TorchBackend(TrainingBackend):
+class TorchBackend(OptimizerOptions, TrainingBackend):
     """Trains an HF causal LM with AdamW under Fabric.
 
     When the algorithm needs a critic (PPO), a separate ``ValueModel`` is built from the same
@@ -95,7 +95,7 @@ class TorchBackend(TrainingBackend):
             numbers up to float rounding, less work when several samples share a prompt. ``None``: only
             where it saves at least a fifth of a micro-batch's tokens (below that the second model call
             costs about what it saves; measured in BENCHMARKS.md); ``true``: wherever a prompt repeats.
-        **optimizer: the optimizer options, ``gcore.backends.common.OptimizerConfig``'s fields
+        **optimizer: the optimizer options, ``gcore.backends.common.OptimizerOptions``'s arguments
             (``lr``, ``weight_decay``, ``betas``, ``max_grad_norm``, ``micro_batch_size``, ``warmup_steps``).
     """
 
@@ -111,9 +111,8 @@ class TorchBackend(TrainingBackend):
         strategy: Literal["ddp", "fsdp"] = "ddp",
         skip_inert_rows: bool = True,
         share_prompts: bool | None = None,
-        **optimizer: Any,  # noqa: ANN401  OptimizerConfig's fields, checked by it
+        **optimizer: Any,  # noqa: ANN401  OptimizerOptions's arguments, checked there
     ) -> None:
-        self.optimizer_config = OptimizerConfig(**optimizer)
         if strategy not in ("ddp", "fsdp"):
             raise ConfigError(f"--backend.strategy {strategy!r}: valid choices: ddp, fsdp")
         self.fsdp = strategy == "fsdp"
@@ -132,6 +131,7 @@ class TorchBackend(TrainingBackend):
         self.skip_inert_rows = skip_inert_rows
         self.share_prompts = share_prompts
         self.sp: seqpar.SequenceParallelGroup | None = None  # set by setup when sequence parallel
+        super().__init__(**optimizer)  # the optimizer options: lr, ..., micro_batch_size, warmup_steps
         self.gradient_checkpointing = gradient_checkpointing
         self.critic_lr = critic_lr
         self.fabric = None
@@ -167,12 +167,11 @@ class TorchBackend(TrainingBackend):
         if self.gradient_checkpointing:
             self.hf_model.gradient_checkpointing_enable()
         self.hf_model.train()
-        config = self.optimizer_config
-        lr = config.base_lr(embedded)
+        lr = self.base_lr(embedded)
         self.policy, self.optimizer = self._setup_trained(
-            self.hf_model, lambda params: _adamw(params, lr=lr, betas=config.betas, weight_decay=config.weight_decay)
+            self.hf_model, lambda params: _adamw(params, lr=lr, betas=self.betas, weight_decay=self.weight_decay)
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: config.warmup_factor(step))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: self.warmup_factor(step))
         if algorithm.needs_reference:
             reference = AutoModelForCausalLM.from_pretrained(model_path, **load)
             reference.eval().requires_grad_(False)
@@ -186,7 +185,7 @@ class TorchBackend(TrainingBackend):
             critic_lr = self.critic_lr if self.critic_lr is not None else lr
             self.critic, self.critic_optimizer = self._setup_trained(
                 critic,
-                lambda params: _adamw(params, lr=critic_lr, betas=config.betas, weight_decay=config.weight_decay),
+                lambda params: _adamw(params, lr=critic_lr, betas=self.betas, weight_decay=self.weight_decay),
             )
         self._setup_sequence_parallel()
 
@@ -253,7 +252,7 @@ class TorchBackend(TrainingBackend):
         if self.sp is not None:
             batch, offset, count = seqpar.gather_group_batch(batch, self.sp)
         out = torch.zeros_like(batch.response_mask)
-        chunks = list(torch.arange(len(batch)).split(self.optimizer_config.micro_batch_size))
+        chunks = list(torch.arange(len(batch)).split(self.micro_batch_size))
         # under FSDP a forward is a collective (it gathers the weights): every rank makes as many, padding
         # passes last (as in training, so that the real passes pair up)
         padding = self._global_max(len(chunks)) - len(chunks) if self.fsdp else 0
@@ -299,7 +298,7 @@ class TorchBackend(TrainingBackend):
 
     def optimizer_step(self, stats: dict[str, float], loss_finite: bool) -> tuple[float, bool]:
         grad_norm = _norm_value(self.fabric.clip_gradients(
-            self.policy, self.optimizer, max_norm=self.optimizer_config.max_grad_norm or math.inf,
+            self.policy, self.optimizer, max_norm=self.max_grad_norm or math.inf,
             error_if_nonfinite=False,
         ))
         if self.critic is not None:
@@ -317,7 +316,7 @@ class TorchBackend(TrainingBackend):
     def _critic_step(self, stats: dict[str, float]) -> dict[str, float]:
         """Clip and apply the critic's accumulated gradients (skipped when non-finite)."""
         grad_norm = _norm_value(self.fabric.clip_gradients(
-            self.critic, self.critic_optimizer, max_norm=self.optimizer_config.max_grad_norm or math.inf,
+            self.critic, self.critic_optimizer, max_norm=self.max_grad_norm or math.inf,
             error_if_nonfinite=False,
         ))
         skipped = 0.0
@@ -343,7 +342,7 @@ class TorchBackend(TrainingBackend):
         rows = trained
         lengths = batch.attention_mask[rows].sum(-1).tolist()
         # similar lengths in a micro-batch: less padding
-        groups = micro_batches_by_length(lengths, self.optimizer_config.micro_batch_size)
+        groups = micro_batches_by_length(lengths, self.micro_batch_size)
         micro_rows = [rows[torch.tensor(g, dtype=torch.long)] for g in groups] or [torch.tensor([], dtype=torch.long)]
         n_micro = self._global_max(len(micro_rows))  # every rank runs as many backward passes
         local: dict[str, float] = {}

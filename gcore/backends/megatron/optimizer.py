@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from gcore.backends.common import OptimizerConfig
+from gcore.backends.common import OptimizerOptions
 from gcore.backends.megatron.convert import is_tensor_parallel
 from gcore.backends.megatron.parallel import ParallelGroups
 
@@ -34,10 +34,10 @@ class MegatronOptimizer:
     (``grad_buffers``); else torch AdamW (``optimizer``) with the gradients all-reduced here.
     """
 
-    def __init__(self, policy: GPTModel, config: OptimizerConfig, base_lr: float, groups: ParallelGroups,
+    def __init__(self, policy: GPTModel, options: OptimizerOptions, base_lr: float, groups: ParallelGroups,
                  tied_embeddings: bool, dtype: torch.dtype, distributed: bool) -> None:
         self.policy = policy
-        self.config = config
+        self.options = options
         self.base_lr = base_lr
         self.groups = groups
         self.tied_embeddings = tied_embeddings
@@ -47,8 +47,8 @@ class MegatronOptimizer:
         if distributed:
             self._setup_distributed(dtype)
         else:
-            self.optimizer = torch.optim.AdamW(policy.parameters(), lr=self.learning_rate(), betas=config.betas,
-                                               weight_decay=config.weight_decay)
+            self.optimizer = torch.optim.AdamW(policy.parameters(), lr=self.learning_rate(), betas=options.betas,
+                                               weight_decay=options.weight_decay)
 
     def _setup_distributed(self, dtype: torch.dtype) -> None:
         """Wrap the policy in megatron's ``DistributedDataParallel`` and build its ``DistributedOptimizer``."""
@@ -62,7 +62,7 @@ class MegatronOptimizer:
             use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             overlap_param_gather=False,
         )
-        c = self.config
+        c = self.options
         optimizer_config = MegatronOptimizerConfig(
             optimizer="adam", lr=self.learning_rate(), weight_decay=c.weight_decay, adam_beta1=c.betas[0],
             adam_beta2=c.betas[1], adam_eps=1e-8, clip_grad=0.0,  # clipping is done in _distributed_step
@@ -76,7 +76,7 @@ class MegatronOptimizer:
 
     def learning_rate(self) -> float:
         """The learning rate of the next update: linear warm-up over ``warmup_steps`` updates."""
-        return self.base_lr * self.config.warmup_factor(self.updates)
+        return self.base_lr * self.options.warmup_factor(self.updates)
 
     # the update ------------------------------------------------------------------------------
 
@@ -110,9 +110,9 @@ class MegatronOptimizer:
             norm = float(self.optimizer.get_grad_norm())
             stepped = math.isfinite(norm) and loss_finite
             if stepped:
-                if self.config.max_grad_norm:
+                if self.options.max_grad_norm:
                     for optimizer in optimizers:
-                        clip_grad_by_total_norm_fp32(optimizer.get_parameters(), self.config.max_grad_norm, norm)
+                        clip_grad_by_total_norm_fp32(optimizer.get_parameters(), self.options.max_grad_norm, norm)
                 for group in self.optimizer.param_groups:
                     group["lr"] = self.learning_rate()
                 self.optimizer.step_with_ready_grads()
@@ -147,7 +147,7 @@ class MegatronOptimizer:
             if (is_tensor_parallel(name) or g_.tp_rank == 0) and not getattr(param, "shared", False):
                 square += g.double().pow(2).sum()
         norm = float(g_.all_reduce(square.unsqueeze(0), group=g_.mp_group)[0].sqrt())
-        max_norm = self.config.max_grad_norm
+        max_norm = self.options.max_grad_norm
         if max_norm and math.isfinite(norm):
             coef = min(1.0, max_norm / (norm + 1e-6))
             if coef < 1.0:
