@@ -81,7 +81,7 @@ class _CommTimer:
 
 def _step(model, ids: torch.Tensor, sp, mode: str | None) -> None:
     from gcore.backends import sequence_parallel as seqpar
-    from gcore.backends.torch import token_logprobs
+    from gcore.backends import token_logprobs
 
     mask = torch.ones_like(ids)
     if sp is None:

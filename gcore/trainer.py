@@ -205,12 +205,11 @@ class Trainer:
             (0 < s.top_p <= 1, f"--sampling.top_p must be in (0, 1], got {s.top_p}"),
             (s.top_k >= 0, f"--sampling.top_k must be >= 0 (0: no top-k), got {s.top_k}"),
         ]
-        if self.algorithm.needs_critic and not self.backend.supports_critic:
-            checks.append((False, f"--algorithm {type(self.algorithm).__name__} needs a critic, which backend "
-                                  f"{type(self.backend).__name__} does not provide (use --backend torch)"))
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        world = c.devices * c.num_nodes
+        self.backend.validate(self.algorithm, world, single_controller=c.controllers == 1 and world > 1)
 
     def _fabric(self):  # noqa: ANN202
         from lightning.fabric import Fabric
@@ -495,8 +494,6 @@ class Trainer:
         if central and (isinstance(self.placement, DynamicPlacement) or getattr(self.placement, "workers", 0)):
             raise ConfigError("--trainer.controllers 1 runs with --placement static and no --placement.workers "
                               "(the engine worker pools are per controller)")
-        if central and getattr(self.backend, "sequence_parallel_size", 1) > 1:
-            raise ConfigError("--trainer.controllers 1 does not support --backend.sequence_parallel_size > 1")
         return central
 
     def _checkpoint_manager(self, fabric) -> CheckpointManager:  # noqa: ANN001

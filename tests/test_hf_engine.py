@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gcore import HFEngine, SamplingParams
-from gcore.backends.torch import token_logprobs
+from gcore.backends import token_logprobs
 from gcore.engines.hf import StaticCacheDecoder
 
 

@@ -14,7 +14,7 @@ from conftest import spawn
 from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
-from gcore.backends.megatron_convert import (
+from gcore.backends.megatron.convert import (
     hf_state_to_megatron,
     layout_from_hf,
     megatron_states_to_hf,
@@ -119,7 +119,7 @@ def test_cpu_adaptations_match_the_pinned_version():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.tensor_parallel import random as tp_random
 
-    from gcore.backends.megatron_cpu import MEGATRON_CORE_VERSION, CPUMemoryBuffer, CPURNGStatesTracker
+    from gcore.backends.megatron.cpu import MEGATRON_CORE_VERSION, CPUMemoryBuffer, CPURNGStatesTracker
 
     assert megatron.core.__version__ == MEGATRON_CORE_VERSION
     # the names the adaptations replace still exist in the pinned version
@@ -160,7 +160,7 @@ def test_logprobs_match_the_hf_model(tmp_path):
     backend_class = _megatron()
     from transformers import AutoModelForCausalLM
 
-    from gcore.backends.torch import token_logprobs
+    from gcore.backends import token_logprobs
 
     model_dir = _model_dir(str(tmp_path))
     backend = backend_class()
@@ -170,7 +170,7 @@ def test_logprobs_match_the_hf_model(tmp_path):
     ids = torch.randint(4, 100, (3, 12), generator=torch.Generator().manual_seed(0))
     ids[0, 4:8] = torch.tensor([0, 1, 2, 3])  # pad, bos, eos, unk
     for temperature in (1.0, 0.7):
-        ours, our_entropy = backend._forward_logprobs(backend.policy, ids, temperature)
+        ours, our_entropy = backend.forward.logprobs(backend.policy, ids, temperature)
         theirs, their_entropy = token_logprobs(hf(input_ids=ids).logits, ids, temperature)
         assert (ours - theirs).abs().max() < LOGPROB_TOL
         assert (our_entropy - their_entropy).abs().max() < LOGPROB_TOL
@@ -263,11 +263,11 @@ def _compare_optimizers(fabric, model_dir, out):
             first = backend.train(_rank_batch(rank), GRPO(kl_coef=0.0), max_new_tokens=8)
         state = backend.state_dict()
         second = backend.train(_rank_batch(1 - rank), GRPO(kl_coef=0.0), max_new_tokens=8)
-        slots = backend._adam_slots()
+        slots = backend.optimizer.adam_slots()
         held = sum(len(range(p.numel())[s]) if s is not None else p.numel() for p, _, s in slots.values())
         runs[name] = {"first": first, "second": second, "state": state, "weights": dict(backend.named_weights()),
                       "held": held, "total": sum(p.numel() for p in backend.policy.parameters()),
-                      "type": type(backend.optimizer).__name__}
+                      "type": type(backend.optimizer.optimizer).__name__}
     torch.save({k: {key: v for key, v in run.items()} for k, run in runs.items()}, f"{out}.{rank}")
 
 
@@ -307,6 +307,50 @@ def test_unsupported_parallel_sizes_are_one_line():
     with pytest.raises(ConfigError, match="sequence_parallel_size must be >= 1, got 0"):
         backend_class(sequence_parallel_size=0)
     # context parallelism itself is tested in tests/test_megatron_cp.py
+
+
+def test_the_trainer_asks_the_backend_what_it_cannot_run():
+    """``TrainingBackend.validate``: one line naming the flag, when the Trainer is built (nothing launched)."""
+    backend_class = _megatron()
+    from gcore import PPO, Trainer, TrainerConfig
+
+    cases = [
+        ({"trainer": TrainerConfig(devices=3), "backend": backend_class(tensor_parallel_size=2)},
+         r"--backend.tensor_parallel_size 2 does not divide the number of ranks \(3\)"),
+        ({"algorithm": PPO(), "backend": backend_class()},
+         "--algorithm PPO needs a critic, which backend MegatronBackend does not provide"),
+        ({"trainer": TrainerConfig(devices=2, controllers=1), "backend": backend_class(sequence_parallel_size=2)},
+         "--trainer.controllers 1 does not support --backend.sequence_parallel_size > 1"),
+        ({"trainer": TrainerConfig(devices=2), "algorithm": GRPO(entropy_coef=0.01),
+          "backend": backend_class(tensor_parallel_size=2)},
+         "--algorithm.entropy_coef with --backend megatron needs --backend.tensor_parallel_size 1"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            Trainer(**kwargs)
+    Trainer(trainer=TrainerConfig(devices=4), backend=backend_class(tensor_parallel_size=2, pipeline_parallel_size=2))
+
+
+def test_both_backends_take_the_same_optimizer_flags():
+    """One ``OptimizerOptions``: the same ``--backend.*`` optimizer flags give both backends the same options."""
+    _megatron()
+    from gcore.backends import OptimizerOptions
+    from gcore.cli import build_fit_parser, resolve_argv, with_default_plugins
+
+    flags = ["--backend.lr", "0.01", "--backend.betas", "[0.8, 0.99]", "--backend.weight_decay", "0.1",
+             "--backend.max_grad_norm", "0.5", "--backend.micro_batch_size", "3", "--backend.warmup_steps", "2"]
+    expected = {"lr": 0.01, "weight_decay": 0.1, "betas": (0.8, 0.99), "max_grad_norm": 0.5, "micro_batch_size": 3,
+                "warmup_steps": 2}
+    for name in ("torch", "megatron"):
+        parser = build_fit_parser()
+        config = parser.parse_args(with_default_plugins(resolve_argv(["--backend", name, *flags])))
+        backend = parser.instantiate_classes(config).backend
+        assert isinstance(backend, OptimizerOptions)
+        assert {key: getattr(backend, key) for key in expected} == expected, name
+        assert backend.warmup_factor(0) == 0.5 and backend.base_lr(embedded=True) == 0.01
+    for backend_class in (TorchBackend, _megatron()):
+        with pytest.raises(ConfigError, match="--backend.micro_batch_size must be >= 1, got 0"):
+            backend_class(micro_batch_size=0)
 
 
 def _checkpoint_manager(fabric, root):

@@ -1,5 +1,5 @@
 """The megatron backend's context parallelism (``--backend.sequence_parallel_size K``): megatron-core's
-CP with gcore's ring/Ulysses attention as the layers' ``core_attention`` (gcore/backends/megatron_cp.py).
+CP with gcore's ring/Ulysses attention as the layers' ``core_attention`` (gcore/backends/megatron/context_parallel.py).
 
 With 2 gloo processes on CPU (CP=2, TP=1), on the same 7-row batch (rows of length 7, not a
 multiple of 2*CP, two of them padded shorter; each rank brings its own rows): per-token
@@ -76,7 +76,7 @@ def test_rotary_slice_is_megatrons_zigzag_chunks():
     """``rotary_on_this_cp_rank`` (the CPU stand-in for ``get_pos_emb_on_this_cp_rank``) keeps chunks r and
     2K-1-r of 2K, and the token split (``zigzag_indices``) is the same."""
     _megatron()
-    from gcore.backends.megatron_cp import rotary_on_this_cp_rank
+    from gcore.backends.megatron.context_parallel import rotary_on_this_cp_rank
     from gcore.backends.sequence_parallel import zigzag_indices
 
     table = torch.arange(12.0)[:, None, None, None]
@@ -130,7 +130,7 @@ def _context_parallel(fabric, model_dir, out, mode, distributed, tp):
                                       parallel_state.get_context_parallel_group())["tokens"][0]
     result["megatron_split"] = torch.equal(split, zigzag_indices(12, 2)[parallel_state.get_context_parallel_rank()])
     result["cp_size"] = parallel_state.get_context_parallel_world_size()
-    result["optimizer"] = type(backend.optimizer).__name__
+    result["optimizer"] = type(backend.optimizer.optimizer).__name__
     torch.save(result, f"{out}.{fabric.global_rank}")
 
 

@@ -41,8 +41,8 @@ def test_logprobs_match_hf_on_gpu(tmp_path, transformer_engine):
     pytest.importorskip("megatron.core")
     from transformers import AutoModelForCausalLM
 
+    from gcore.backends import token_logprobs
     from gcore.backends.megatron import MegatronBackend
-    from gcore.backends.torch import token_logprobs
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model_dir = _model_dir(tmp_path, **QWEN25_05B)
@@ -52,7 +52,7 @@ def test_logprobs_match_hf_on_gpu(tmp_path, transformer_engine):
     hf = AutoModelForCausalLM.from_pretrained(model_dir).cuda()
     ids = torch.randint(4, 100, (4, 64), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.no_grad():
-        ours, _ = backend._forward_logprobs(backend.policy, ids, 1.0)
+        ours, _ = backend.forward.logprobs(backend.policy, ids, 1.0)
         theirs, _ = token_logprobs(hf(input_ids=ids).logits, ids, 1.0)
     assert (ours - theirs).abs().max() < 2e-3
     for name, tensor in backend.named_weights():

@@ -180,7 +180,7 @@ def _batch():
 
 
 def _one_rank_logprobs(model, temperature=0.8):
-    from gcore.backends.torch import token_logprobs
+    from gcore.backends import token_logprobs
 
     ids, mask = _batch()
     logprobs, _ = token_logprobs(model(input_ids=ids, attention_mask=mask).logits, ids, temperature)

@@ -5,8 +5,8 @@ import torch
 from conftest import final_weights
 
 from gcore.backends import sequence_parallel as seqpar
+from gcore.backends import token_logprobs
 from gcore.backends.shared_prompts import distinct_prompts, shared_prompt_logits, to_batch_layout
-from gcore.backends.torch import token_logprobs
 from gcore.model import ModelConfig, build_tiny_model, char_tokenizer
 from gcore.types import Prompt, Sample, collate
 

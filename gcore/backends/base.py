@@ -34,6 +34,17 @@ class TrainingBackend(ABC):
         """The Lightning Fabric strategy this backend trains under."""
         return "ddp" if world_size > 1 else "auto"
 
+    def validate(self, algorithm: Algorithm, world_size: int, single_controller: bool) -> None:
+        """Raise a one-line ``ConfigError`` (naming the flag and what works) when this backend cannot
+        run the configuration; the trainer calls it before anything is launched.
+
+        ``world_size``: the number of processes; ``single_controller``: one controller drives them all
+        (``--trainer.controllers 1``). An override adds its own checks to these (call ``super()``).
+        """
+        if algorithm.needs_critic and not self.supports_critic:
+            raise ConfigError(f"--algorithm {type(algorithm).__name__} needs a critic, which backend "
+                              f"{type(self).__name__} does not provide (use --backend torch)")
+
     @abstractmethod
     def setup(self, fabric, model_path: str, dtype: torch.dtype, trust_remote_code: bool,  # noqa: ANN001
               algorithm: Algorithm, embedded: bool) -> None:

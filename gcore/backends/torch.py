@@ -4,30 +4,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from gcore.algorithms.base import Algorithm, LossScale
 from gcore.backends import sequence_parallel as seqpar
 from gcore.backends.base import TrainingBackend
+from gcore.backends.common import OptimizerOptions, check_sequence_parallel_controllers
 from gcore.backends.shared_prompts import distinct_prompts, shared_prompt_logits, to_batch_layout
 from gcore.balance import micro_batches_by_length, padding_fraction
 from gcore.errors import ConfigError
 from gcore.types import RolloutBatch
-
-
-def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability ``[B, L-1]`` of each next token and the entropy of each next-token distribution."""
-    logits = logits[:, :-1].float()
-    if temperature not in (0.0, 1.0):
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    chosen = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return chosen, entropy
 
 
 class ValueModel(torch.nn.Module):
@@ -78,20 +66,13 @@ def shard_per_layer(model: torch.nn.Module, device_mesh) -> torch.nn.Module:  # 
 SHARE_PROMPTS_MIN_SAVING = 0.2
 
 
-class TorchBackend(TrainingBackend):
+class TorchBackend(OptimizerOptions, TrainingBackend):
     """Trains an HF causal LM with AdamW under Fabric.
 
     When the algorithm needs a critic (PPO), a separate ``ValueModel`` is built from the same
     checkpoint and trained with its own AdamW in the same mini-batch loop as the policy.
 
     Args:
-        lr: learning rate; ``None`` picks 1e-6 for a checkpoint given with ``--model.path`` and
-            5e-3 for the embedded tiny model.
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
-        max_grad_norm: clip the global gradient norm to this (0: no clipping).
-        micro_batch_size: sequences per forward/backward pass (gradients accumulate).
-        warmup_steps: linear learning-rate warm-up, in optimizer steps.
         gradient_checkpointing: trade compute for memory in the policy's (and critic's) forward pass.
         critic_lr: the critic's learning rate; ``None`` uses the policy's.
         sequence_parallel_size: split every sequence's tokens over this many ranks (groups of
@@ -114,18 +95,14 @@ class TorchBackend(TrainingBackend):
             numbers up to float rounding, less work when several samples share a prompt. ``None``: only
             where it saves at least a fifth of a micro-batch's tokens (below that the second model call
             costs about what it saves; measured in BENCHMARKS.md); ``true``: wherever a prompt repeats.
+        **optimizer: the optimizer options, ``gcore.backends.common.OptimizerOptions``'s arguments
+            (``lr``, ``weight_decay``, ``betas``, ``max_grad_norm``, ``micro_batch_size``, ``warmup_steps``).
     """
 
     supports_critic = True
 
     def __init__(
         self,
-        lr: float | None = None,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        max_grad_norm: float = 1.0,
-        micro_batch_size: int = 32,
-        warmup_steps: int = 0,
         gradient_checkpointing: bool = False,
         critic_lr: float | None = None,
         sequence_parallel_size: int = 1,
@@ -134,9 +111,8 @@ class TorchBackend(TrainingBackend):
         strategy: Literal["ddp", "fsdp"] = "ddp",
         skip_inert_rows: bool = True,
         share_prompts: bool | None = None,
+        **optimizer: Any,  # noqa: ANN401  OptimizerOptions's arguments, checked there
     ) -> None:
-        if micro_batch_size < 1:
-            raise ValueError("micro_batch_size must be >= 1")
         if strategy not in ("ddp", "fsdp"):
             raise ConfigError(f"--backend.strategy {strategy!r}: valid choices: ddp, fsdp")
         self.fsdp = strategy == "fsdp"
@@ -155,12 +131,7 @@ class TorchBackend(TrainingBackend):
         self.skip_inert_rows = skip_inert_rows
         self.share_prompts = share_prompts
         self.sp: seqpar.SequenceParallelGroup | None = None  # set by setup when sequence parallel
-        self.lr = lr
-        self.weight_decay = weight_decay
-        self.betas = tuple(betas)
-        self.max_grad_norm = max_grad_norm
-        self.micro_batch_size = micro_batch_size
-        self.warmup_steps = warmup_steps
+        super().__init__(**optimizer)  # the optimizer options: lr, ..., micro_batch_size, warmup_steps
         self.gradient_checkpointing = gradient_checkpointing
         self.critic_lr = critic_lr
         self.fabric = None
@@ -182,6 +153,10 @@ class TorchBackend(TrainingBackend):
         return ModelParallelStrategy(parallelize_fn=shard_per_layer, data_parallel_size=world_size,
                                      tensor_parallel_size=1)
 
+    def validate(self, algorithm: Algorithm, world_size: int, single_controller: bool) -> None:
+        super().validate(algorithm, world_size, single_controller)
+        check_sequence_parallel_controllers(self.sequence_parallel_size, single_controller)
+
     def setup(self, fabric, model_path: str, dtype: torch.dtype, trust_remote_code: bool,  # noqa: ANN001
               algorithm: Algorithm, embedded: bool) -> None:
         from transformers import AutoModelForCausalLM
@@ -192,14 +167,11 @@ class TorchBackend(TrainingBackend):
         if self.gradient_checkpointing:
             self.hf_model.gradient_checkpointing_enable()
         self.hf_model.train()
-        lr = self.lr if self.lr is not None else (5e-3 if embedded else 1e-6)
+        lr = self.base_lr(embedded)
         self.policy, self.optimizer = self._setup_trained(
             self.hf_model, lambda params: _adamw(params, lr=lr, betas=self.betas, weight_decay=self.weight_decay)
         )
-        warmup = self.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: self.warmup_factor(step))
         if algorithm.needs_reference:
             reference = AutoModelForCausalLM.from_pretrained(model_path, **load)
             reference.eval().requires_grad_(False)
@@ -212,7 +184,8 @@ class TorchBackend(TrainingBackend):
             critic.train()
             critic_lr = self.critic_lr if self.critic_lr is not None else lr
             self.critic, self.critic_optimizer = self._setup_trained(
-                critic, lambda params: _adamw(params, lr=critic_lr, betas=self.betas, weight_decay=self.weight_decay)
+                critic,
+                lambda params: _adamw(params, lr=critic_lr, betas=self.betas, weight_decay=self.weight_decay),
             )
         self._setup_sequence_parallel()
 
@@ -325,7 +298,8 @@ class TorchBackend(TrainingBackend):
 
     def optimizer_step(self, stats: dict[str, float], loss_finite: bool) -> tuple[float, bool]:
         grad_norm = _norm_value(self.fabric.clip_gradients(
-            self.policy, self.optimizer, max_norm=self.max_grad_norm or math.inf, error_if_nonfinite=False
+            self.policy, self.optimizer, max_norm=self.max_grad_norm or math.inf,
+            error_if_nonfinite=False,
         ))
         if self.critic is not None:
             stats.update(self._critic_step(stats))
@@ -342,7 +316,8 @@ class TorchBackend(TrainingBackend):
     def _critic_step(self, stats: dict[str, float]) -> dict[str, float]:
         """Clip and apply the critic's accumulated gradients (skipped when non-finite)."""
         grad_norm = _norm_value(self.fabric.clip_gradients(
-            self.critic, self.critic_optimizer, max_norm=self.max_grad_norm or math.inf, error_if_nonfinite=False
+            self.critic, self.critic_optimizer, max_norm=self.max_grad_norm or math.inf,
+            error_if_nonfinite=False,
         ))
         skipped = 0.0
         if math.isfinite(grad_norm) and math.isfinite(stats.get("critic/value_loss", 0.0)):
@@ -366,7 +341,8 @@ class TorchBackend(TrainingBackend):
         scale = LossScale(tokens=tokens, sequences=sequences, max_length=float(max_new_tokens))
         rows = trained
         lengths = batch.attention_mask[rows].sum(-1).tolist()
-        groups = micro_batches_by_length(lengths, self.micro_batch_size)  # similar lengths: less padding
+        # similar lengths in a micro-batch: less padding
+        groups = micro_batches_by_length(lengths, self.micro_batch_size)
         micro_rows = [rows[torch.tensor(g, dtype=torch.long)] for g in groups] or [torch.tensor([], dtype=torch.long)]
         n_micro = self._global_max(len(micro_rows))  # every rank runs as many backward passes
         local: dict[str, float] = {}

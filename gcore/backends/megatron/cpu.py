@@ -14,7 +14,7 @@ These adaptations are only installed when the run is on CPU (``install_cpu_adapt
    first forward pass. The model's instance gets a ``get_emb`` that computes the same embedding
    where the frequencies are (non-interleaved RoPE, as Llama and Qwen2 use), and a ``forward``
    whose context-parallel slice (``get_pos_emb_on_this_cp_rank`` allocates a pinned CUDA index)
-   selects the same zig-zag chunks on the CPU (``megatron_cp.rotary_on_this_cp_rank``).
+   selects the same zig-zag chunks on the CPU (``context_parallel.rotary_on_this_cp_rank``).
 
 4. megatron's ``DistributedDataParallel`` grad/param buffers, ``DistributedOptimizer`` and the
    pipeline schedules' send/receive buffers allocate on ``torch.cuda.current_device()`` or
@@ -130,7 +130,7 @@ def keep_rotary_on_cpu(model) -> None:  # noqa: ANN001
                 cp_group=None) -> torch.Tensor:  # noqa: ANN001
         # RotaryEmbedding.forward, whose context-parallel slice (get_pos_emb_on_this_cp_rank) builds
         # a pinned CUDA index: the same zig-zag selection on the CPU
-        from gcore.backends.megatron_cp import rotary_on_this_cp_rank
+        from gcore.backends.megatron.context_parallel import rotary_on_this_cp_rank
 
         emb = get_emb(max_seq_len, offset)
         group = cp_group if cp_group is not None else rotary.cp_group

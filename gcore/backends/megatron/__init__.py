@@ -1,0 +1,327 @@
+"""``megatron`` backend: megatron-core's GPT model with tensor, pipeline, context and data parallelism.
+
+One module per job, in the order a step uses them:
+
+- this file: ``MegatronBackend``, the ``TrainingBackend`` (flags, setup, PREPARE, TRAIN, SYNC, checkpoints),
+  each step delegated to the modules below;
+- ``parallel.py``: megatron-core's process groups over Fabric's, and the union of batches a group trains on;
+- ``model.py``: the ``GPTModel`` (this rank's stage and tensor-parallel shard) from an HF config;
+- ``weights.py``: this rank's tensors as full HF tensors and back (weights and Adam moments);
+- ``convert.py``: the HF <-> megatron tensor conversion itself (no megatron-core needed);
+- ``forward.py``: forward/backward passes, log-probabilities, the 1F1B micro-batch schedule;
+- ``logprobs.py``: log-probabilities and entropies on vocabulary shards (tensor parallelism);
+- ``optimizer.py``: torch AdamW or megatron's distributed optimizer, gradient reduction and clipping;
+- ``context_parallel.py``: gcore's ring/Ulysses attention inside megatron's layers (``sequence_parallel_size``);
+- ``cpu.py``: what megatron-core needs to run on a CPU-only torch.
+
+The loss follows ``Algorithm.loss`` and ``LossScale`` exactly as in the torch backend, so both
+backends compute the same update (tested). Nothing here imports megatron-core at import time:
+choosing the backend without it stops with the install hint. What is supported and what is not:
+``docs/megatron.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from gcore.algorithms.base import Algorithm, LossScale
+from gcore.backends.base import TrainingBackend
+from gcore.backends.common import OptimizerOptions, check_sequence_parallel_controllers
+from gcore.backends.megatron.convert import Layout, layout_from_hf
+from gcore.backends.megatron.forward import ForwardPasses
+from gcore.backends.megatron.model import build_gpt_model
+from gcore.backends.megatron.optimizer import MegatronOptimizer
+from gcore.backends.megatron.parallel import ParallelGroups, agree_on_keys, init_parallel_state, to_device
+from gcore.backends.megatron.weights import HFWeights
+from gcore.errors import ConfigError, GcoreError
+from gcore.types import RolloutBatch
+
+if TYPE_CHECKING:
+    from lightning.fabric import Fabric
+
+INSTALL_HINT = "--backend megatron needs megatron-core: pip install 'gcore[megatron]'"
+
+
+def _require_megatron() -> None:
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(f"{INSTALL_HINT} ({err})") from None
+
+
+class MegatronBackend(OptimizerOptions, TrainingBackend):
+    """Trains the policy as a megatron-core ``GPTModel`` (Llama/Qwen2 families): TP, PP, CP, DP, Adam.
+
+    Args:
+        tensor_parallel_size: ranks that split every layer (must divide the world size, the
+            attention heads, the key/value heads and the MLP width).
+        pipeline_parallel_size: pipeline stages (consecutive layers per stage; must divide the
+            number of layers and, times the tensor-parallel size, the world size). Micro-batches go
+            through megatron-core's pipeline schedule (1F1B).
+        sequence_parallel_size: split every sequence over this many ranks, the same flag as the torch
+            backend's; it is megatron-core's ``context_parallel_size`` (zig-zag split of each row in
+            2*K chunks), with gcore's distributed attention as the layers' ``core_attention`` (CPU and
+            GPU, no Transformer Engine; ``gcore/backends/megatron/context_parallel.py``). Not with pipeline
+            parallelism; tensor x sequence size must divide the number of ranks (the rest are data parallel).
+        sequence_parallel_mode: the distributed attention with ``sequence_parallel_size`` > 1: ``ring``
+            (any head count) or ``ulysses`` (attention heads per tensor-parallel rank divisible by the size).
+        transformer_engine: use the Transformer Engine layer spec (``auto``: on GPU when importable).
+        distributed_optimizer: megatron-core's distributed optimizer (``DistributedOptimizer`` over
+            megatron's ``DistributedDataParallel`` grad buffers: gradients reduce-scattered, Adam
+            state sharded over the data-parallel ranks, parameters all-gathered after the step);
+            ``None``: on when the data-parallel size is above 1. ``False``: torch AdamW over each
+            rank's local shards, gradients all-reduced.
+        **optimizer: the optimizer options, ``gcore.backends.common.OptimizerOptions``'s arguments
+            (``lr``, ``weight_decay``, ``betas``, ``max_grad_norm``, ``micro_batch_size``: sequences per
+            forward/backward pass of a tensor-parallel group, ``warmup_steps``).
+    """
+
+    def __init__(
+        self,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        sequence_parallel_size: int = 1,
+        sequence_parallel_mode: Literal["ring", "ulysses"] = "ring",
+        transformer_engine: Literal["auto", "true", "false"] = "auto",
+        distributed_optimizer: bool | None = None,
+        **optimizer: Any,  # noqa: ANN401  OptimizerOptions's arguments, checked there
+    ) -> None:
+        _require_megatron()
+        if tensor_parallel_size < 1:
+            raise ConfigError(f"--backend.tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if pipeline_parallel_size < 1:
+            raise ConfigError(f"--backend.pipeline_parallel_size must be >= 1, got {pipeline_parallel_size}")
+        if sequence_parallel_size < 1:
+            raise ConfigError(f"--backend.sequence_parallel_size must be >= 1, got {sequence_parallel_size}")
+        if sequence_parallel_mode not in ("ring", "ulysses"):
+            raise ConfigError(f"--backend.sequence_parallel_mode {sequence_parallel_mode!r}: valid choices are "
+                              "ring, ulysses")
+        if sequence_parallel_size > 1 and pipeline_parallel_size > 1:
+            raise ConfigError(
+                f"--backend.sequence_parallel_size {sequence_parallel_size} with --backend.pipeline_parallel_size "
+                f"{pipeline_parallel_size}: the megatron backend's context parallelism runs without pipeline stages; "
+                "set one of them to 1")
+        if sequence_parallel_size > 1 and transformer_engine == "true":
+            raise ConfigError(
+                f"--backend.sequence_parallel_size {sequence_parallel_size} with --backend.transformer_engine true: "
+                "context parallelism uses gcore's attention in megatron-core's local layer spec, not Transformer "
+                "Engine's; use --backend.transformer_engine auto or false")
+        self.tensor_parallel_size = tensor_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.sequence_parallel_size = sequence_parallel_size
+        self.sequence_parallel_mode = sequence_parallel_mode
+        self.context_parallel_size = sequence_parallel_size  # megatron-core's name
+        super().__init__(**optimizer)  # the optimizer options: lr, ..., micro_batch_size, warmup_steps
+        self.transformer_engine = transformer_engine
+        self.distributed_optimizer = distributed_optimizer
+        # set up by ``setup``
+        self.groups: ParallelGroups
+        self.hf_config: Any = None
+        self.layout: Layout
+        self.weights: HFWeights
+        self.forward: ForwardPasses
+        self.policy: Any = None
+        self.reference: Any = None
+        self.optimizer: MegatronOptimizer
+        self._synced: tuple[int, dict[str, torch.Tensor]] | None = None  # (updates, weights) of the last sync
+
+    def strategy(self, world_size: int, device_type: str) -> str:
+        # Fabric only launches the processes and the process group; megatron does the parallelism
+        return "ddp" if world_size > 1 else "auto"
+
+    def validate(self, algorithm: Algorithm, world_size: int, single_controller: bool) -> None:
+        super().validate(algorithm, world_size, single_controller)
+        check_sequence_parallel_controllers(self.sequence_parallel_size, single_controller)
+        if getattr(algorithm, "entropy_coef", 0.0) and self.tensor_parallel_size > 1:
+            raise ConfigError("--algorithm.entropy_coef with --backend megatron needs "
+                              "--backend.tensor_parallel_size 1: "
+                              "the vocabulary-parallel entropy is computed without its gradient")
+        self._check_world_size(world_size)
+
+    def _check_world_size(self, world: int) -> None:
+        tp, pp, cp = self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size
+        if world % tp:
+            raise ConfigError(f"--backend.tensor_parallel_size {tp} does not divide the number of ranks ({world})")
+        if world % (tp * pp):
+            raise ConfigError(f"--backend.tensor_parallel_size {tp} times --backend.pipeline_parallel_size {pp} "
+                              f"does not divide the number of ranks ({world})")
+        if world % (tp * pp * cp):  # (cp > 1: pp is 1)
+            raise ConfigError(f"--backend.sequence_parallel_size {cp} times --backend.tensor_parallel_size {tp} "
+                              f"does not divide the number of ranks ({world})")
+
+    # SETUP -----------------------------------------------------------------------------------
+
+    def setup(self, fabric: Fabric, model_path: str, dtype: torch.dtype, trust_remote_code: bool,
+              algorithm: Algorithm, embedded: bool) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.validate(algorithm, fabric.world_size, single_controller=False)
+        tp, pp, cp = self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size
+        self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.layout = layout_from_hf(self.hf_config, tp)
+        if cp > 1 and self.sequence_parallel_mode == "ulysses" and (self.layout.num_heads // tp) % cp:
+            raise ConfigError(
+                f"--backend.sequence_parallel_mode ulysses needs the attention heads per tensor-parallel rank "
+                f"({self.layout.num_heads} / {tp}) divisible by --backend.sequence_parallel_size {cp}; "
+                "use --backend.sequence_parallel_mode ring")
+        if self.layout.num_layers % pp:
+            raise ConfigError(f"--backend.pipeline_parallel_size {pp} does not divide the model's "
+                              f"{self.layout.num_layers} layers")
+        self.groups = init_parallel_state(fabric, tp, pp, cp, self.sequence_parallel_mode)
+        self.weights = HFWeights(self.layout, self.groups)
+        self.forward = ForwardPasses(fabric, self.groups, self.layout.vocab_size)
+        hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        hf_state = hf.state_dict()
+        # HF's nn.Embedding(padding_idx=pad): a pad token in the input gives the embedding no gradient
+        padding_idx = getattr(hf.get_input_embeddings(), "padding_idx", None)
+        del hf
+        self.policy = build_gpt_model(self.hf_config, self.layout, self.groups, dtype, self.transformer_engine,
+                                      padding_idx)
+        self.weights.load(self.policy, hf_state)
+        self.policy.train()
+        distributed = self.distributed_optimizer if self.distributed_optimizer is not None else self.groups.dp_size > 1
+        self.optimizer = MegatronOptimizer(self.policy, self, self.base_lr(embedded), self.groups,
+                                           self.layout.tied_embeddings, dtype, distributed)
+        if algorithm.needs_reference:
+            self.reference = build_gpt_model(self.hf_config, self.layout, self.groups, dtype,
+                                             self.transformer_engine, padding_idx)
+            self.weights.load(self.reference, hf_state)
+            self.reference.eval().requires_grad_(False)
+
+    # PREPARE ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RolloutBatch, role: Literal["policy", "reference"]) -> torch.Tensor:
+        model = self.policy if role == "policy" else self.reference
+        if model is None:
+            raise RuntimeError(f"no {role} model: it was not set up")
+        g = self.groups
+        was_training = model.training
+        model.eval()
+        union, offset = g.union(batch)
+        out = torch.zeros(len(union), union.input_ids.shape[1] - 1)
+        row_groups = list(torch.arange(len(union)).split(self.micro_batch_size))
+        micros = [union.select(rows) for rows in row_groups]
+        logprobs = self.forward.run_micro_batches(model, micros, union.temperature,
+                                                  lambda lp, _, micro: (lp.sum() * 0.0, lp.cpu()), forward_only=True)
+        for rows, micro, part in zip(row_groups, micros, logprobs, strict=False):
+            out[rows, : part.shape[1]] = part * micro.response_mask
+        if self.pipeline_parallel_size > 1:  # the last stage computed them
+            out = out.to(g.device)
+            dist.broadcast(out, src=g.last_stage_rank, group=g.pp_group)
+            out = out.cpu()
+        model.train(was_training)
+        own = out[offset: offset + len(batch)]
+        width = batch.response_mask.shape[1]
+        result = torch.zeros_like(batch.response_mask)
+        result[:, : min(width, own.shape[1])] = own[:, :width]
+        return result
+
+    # TRAIN -----------------------------------------------------------------------------------
+
+    def train_mini_batch(self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm,
+                         max_new_tokens: int) -> dict[str, float]:
+        """Accumulate this mini-batch's gradients (local to the rank); returns its global metrics."""
+        g = self.groups
+        own = batch.select(rows) if len(rows) else None
+        counts = g.all_reduce(torch.tensor([
+            float(batch.response_mask[rows].sum()), float(len(rows))], dtype=torch.float64))
+        scale = LossScale(tokens=float(counts[0]), sequences=float(counts[1]), max_length=float(max_new_tokens))
+        union = g.union_of_rows(own)
+
+        def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, micro: RolloutBatch
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+            micro = to_device(micro, g.device)
+            loss, shares = algorithm.loss(logprobs, micro, scale, entropy if self.tensor_parallel_size == 1 else None)
+            shares["entropy"] = (entropy.detach() * micro.response_mask).sum() / max(scale.tokens, 1.0)
+            shares["loss"] = loss.detach()
+            return loss, {key: float(value) for key, value in shares.items()}
+
+        local: dict[str, float] = {}
+        if union is not None:
+            micros = [union.select(r) for r in torch.arange(len(union)).split(self.micro_batch_size)]
+            for shares in self.forward.run_micro_batches(self.policy, micros, batch.temperature, loss_fn,
+                                                         forward_only=False):
+                for key, value in shares.items():
+                    local[key] = local.get(key, 0.0) + value
+        # every model-parallel (and context-parallel) peer trained on the same union; the last pipeline
+        # stage has its metrics: sum over data-parallel ranks, then take the last stage's
+        keys = agree_on_keys(sorted(set(local) | {"loss", "entropy"}))
+        values = g.all_reduce(torch.tensor([local.get(k, 0.0) for k in keys], dtype=torch.float64),
+                              group=g.dp_group)
+        if self.pipeline_parallel_size > 1:
+            values = g.all_reduce(values, group=g.pp_group)  # zeros on the other stages
+        return dict(zip(keys, values.tolist(), strict=False))
+
+    def optimizer_step(self, stats: dict[str, float], loss_finite: bool) -> tuple[float, bool]:
+        return self.optimizer.step(loss_finite)
+
+    def learning_rate(self) -> float:
+        """The learning rate of the next update: linear warm-up over ``warmup_steps`` updates."""
+        return self.optimizer.learning_rate()
+
+    # SYNC and SAVE ---------------------------------------------------------------------------
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-layout weights, gathered over the tensor-parallel group (a collective: every rank calls it)."""
+        weights = self.weights.to_hf({n: p.data for n, p in self.policy.named_parameters()})
+        if self.layout.tied_embeddings:
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        self._synced = (self.optimizer.updates, weights)
+        yield from weights.items()
+
+    def save_pretrained(self, path: str) -> None:
+        """Write an HF checkpoint (rank 0 alone: uses the weights of the last ``named_weights`` call)."""
+        from transformers import AutoModelForCausalLM
+
+        if self._synced is not None and self._synced[0] == self.optimizer.updates:
+            weights = self._synced[1]
+        elif self.groups.mp_size == 1:
+            weights = dict(self.named_weights())
+        else:
+            raise RuntimeError("save_pretrained with tensor or pipeline parallelism needs a named_weights() call "
+                               "on every rank after the last update")
+        model = AutoModelForCausalLM.from_config(self.hf_config)
+        model.load_state_dict({k: v.cpu() for k, v in weights.items()}, strict=False)
+        model.save_pretrained(path)
+
+    # CHECKPOINT ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Weights and Adam moments as full HF-layout tensors: loads at any parallel layout and with
+        or without the distributed optimizer.
+
+        Every rank holds the same full tensors (DCP writes replicated tensors once). This is a
+        collective over the tensor-parallel and pipeline groups (and, with the distributed optimizer,
+        the data-parallel group); a peer that does not join within the collective timeout fails it
+        with a ``GcoreError`` instead of a hang.
+        """
+        try:
+            return self._state_dict()
+        except (RuntimeError, dist.DistError) as err:
+            raise GcoreError(
+                f"megatron backend: gathering the checkpoint state over the model-parallel ranks failed after at "
+                f"most {self.groups.collective_timeout_s:.0f} s (--trainer.collective_timeout); every rank must save "
+                f"together ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+            ) from err
+
+    def _state_dict(self) -> dict:
+        weights = {n: p.data.clone() for n, p in self.policy.named_parameters()}  # a snapshot, not live views
+        model = self.weights.to_hf(weights)
+        moments, step = self.optimizer.adam_moments()
+        optim: dict[str, object] = {key: self.weights.to_hf(per_param) for key, per_param in moments.items()}
+        optim["step"] = torch.tensor(step)
+        return {"model": model, "optim": optim, "updates": torch.tensor(float(self.optimizer.updates))}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        names = [n for n, _ in self.policy.named_parameters()]
+        self.weights.load(self.policy, dict(state["model"]))
+        moments = {key: self.weights.local_shards(dict(state["optim"][key]), names)
+                   for key in ("exp_avg", "exp_avg_sq")}
+        self.optimizer.load(moments, float(state["optim"]["step"]), updates=int(float(state["updates"])))
+        self._synced = None
