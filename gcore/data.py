@@ -23,7 +23,9 @@ class DataConfig:
         path: a ``.jsonl`` or ``.parquet`` file, or a folder saved with ``datasets``'
             ``save_to_disk``. Unset: the embedded task named by ``task``.
         task: the embedded task when ``path`` is unset: ``target_char`` (for the embedded tiny model)
-            or ``arithmetic`` (2-3 digit addition/subtraction word problems, for the ``math`` reward).
+            or ``arithmetic`` (addition/subtraction word problems, for the ``math`` reward).
+        task_digits: the ``arithmetic`` task's operand sizes in digits, ``[fewest, most]``: ``[2, 3]``
+            draws 10-999; ``[1, 2]`` (1-99) is a level a 135M-parameter instruct model sometimes solves.
         prompt_key: the column holding the prompt text.
         answer_key: the column holding the reference answer (optional per row).
         prompt_template: a format string applied to each prompt, e.g. ``"Q: {prompt}\\nA:"``.
@@ -45,6 +47,7 @@ class DataConfig:
 
     path: str | None = None
     task: Literal["target_char", "arithmetic"] = "target_char"
+    task_digits: tuple[int, int] = (2, 3)
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     prompt_template: str = "{prompt}"
@@ -115,17 +118,22 @@ def read_rows(path: str) -> list[tuple[dict, str]]:
     raise DataError(f"--data.path {path}: unknown format; expected .jsonl or .parquet")
 
 
-def embedded_rows(task: str, num_prompts: int, split: Literal["train", "test"]) -> list[tuple[dict, str]]:
+def embedded_rows(task: str, num_prompts: int, split: Literal["train", "test"],
+                  digits: tuple[int, int] = (2, 3)) -> list[tuple[dict, str]]:
     """Rows of an embedded task's split, each with its source (``<task:split>:row``)."""
     if task not in TASKS:
         raise DataError(f"--data.task {task!r}: valid choices: {', '.join(TASKS)}")
-    return [(row, f"<{task}:{split}>:{i + 1}") for i, row in enumerate(TASKS[task](num_prompts, 0, split))]
+    try:
+        rows = TASKS[task](num_prompts, 0, split, tuple(digits))
+    except ValueError as err:
+        raise DataError(f"--data.task {task} --data.task_digits {list(digits)}: {err}") from None
+    return [(row, f"<{task}:{split}>:{i + 1}") for i, row in enumerate(rows)]
 
 
 def load_prompts(config: DataConfig, tokenizer, max_new_tokens: int, context: int | None) -> list[Prompt]:  # noqa: ANN001
     """Read, template and tokenize every prompt; reject rows that cannot be used."""
     if config.path is None:
-        rows = embedded_rows(config.task, config.num_synthetic_prompts, "train")
+        rows = embedded_rows(config.task, config.num_synthetic_prompts, "train", config.task_digits)
     else:
         rows = read_rows(config.path)
     if not rows:
@@ -140,7 +148,7 @@ def load_eval_prompts(config: DataConfig, tokenizer, max_new_tokens: int, contex
     if config.eval_path is not None:
         rows = read_rows(config.eval_path)[: config.num_eval_prompts]
     elif config.path is None:
-        rows = embedded_rows(config.task, config.num_eval_prompts, "test")
+        rows = embedded_rows(config.task, config.num_eval_prompts, "test", config.task_digits)
     else:
         raise DataError("evaluation needs held-out prompts: set --data.eval_path (a .jsonl or .parquet file "
                         "like --data.path)")

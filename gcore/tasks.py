@@ -43,8 +43,12 @@ def held_out(a: int, b: int, op: str) -> bool:
     return zlib.crc32(f"{a}{op}{b}".encode()) % 10 == 0
 
 
-def arithmetic_rows(num_prompts: int, seed: int = 0, split: Literal["train", "test"] = "train") -> list[dict[str, str]]:
-    """Word problems adding or subtracting 2-3 digit numbers; the answer is the resulting number.
+def arithmetic_rows(num_prompts: int, seed: int = 0, split: Literal["train", "test"] = "train",
+                    digits: tuple[int, int] = (2, 3)) -> list[dict[str, str]]:
+    """Word problems adding or subtracting two numbers; the answer is the resulting number.
+
+    ``digits`` is the operands' size in digits, ``(fewest, most)``: ``(2, 3)`` (the default) draws
+    10-999, ``(1, 2)`` draws 1-99, an easier level for small models.
 
     ``split="test"`` draws only held-out problems and ``"train"`` never does (``held_out`` decides
     by the operands and the operation, whatever the wording), so accuracy on the test split measures
@@ -53,12 +57,21 @@ def arithmetic_rows(num_prompts: int, seed: int = 0, split: Literal["train", "te
     """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    rng = random.Random(f"arithmetic-{split}-{seed}")
+    fewest, most = digits
+    if not 1 <= fewest <= most <= 9:
+        raise ValueError(f"digits must be (fewest, most) with 1 <= fewest <= most <= 9, got {digits!r}")
+    low, high = 10 ** (fewest - 1), 10**most
+    rng = random.Random(f"arithmetic-{split}-{seed}" + ("" if digits == (2, 3) else f"-{fewest}-{most}"))
     rows: list[dict[str, str]] = []
     seen: set[tuple[int, int, str]] = set()
+    draws = 0
     while len(rows) < num_prompts:
+        draws += 1
+        if draws > 1000 * (num_prompts + 100):
+            raise ValueError(f"the {split} split of {fewest}-{most} digit problems has fewer than {num_prompts} "
+                             "distinct problems; use more digits or fewer prompts")
         template, op = rng.choice(_WORD_PROBLEMS)
-        a, b = rng.randrange(10, 1000), rng.randrange(10, 1000)
+        a, b = rng.randrange(low, high), rng.randrange(low, high)
         if op == "-" and b > a:
             a, b = b, a
         if held_out(a, b, op) != (split == "test") or (a, b, op) in seen:
@@ -69,6 +82,6 @@ def arithmetic_rows(num_prompts: int, seed: int = 0, split: Literal["train", "te
     return rows
 
 
-#: the embedded tasks by name: ``(num_prompts, seed, split) -> rows``
-TASKS = {"target_char": lambda n, seed, split: target_char_rows(n, seed + (split == "test") * 10_000),
+#: the embedded tasks by name: ``(num_prompts, seed, split, digits) -> rows`` (``target_char`` ignores ``digits``)
+TASKS = {"target_char": lambda n, seed, split, digits: target_char_rows(n, seed + (split == "test") * 10_000),
          "arithmetic": arithmetic_rows}

@@ -40,6 +40,40 @@ def test_arithmetic_task_has_disjoint_deterministic_splits():
         arithmetic_rows(1, split="dev")
 
 
+def test_task_digits_sets_the_operand_sizes_and_keeps_the_splits_disjoint(tmp_path):
+    easy, easy_test = arithmetic_rows(500, digits=(1, 2)), arithmetic_rows(50, split="test", digits=(1, 2))
+    problems = [_problem(r) for r in easy]
+    assert all(1 <= a <= 99 and 1 <= b <= 99 for a, _, b in problems)
+    assert any(a < 10 for a, _, _ in problems) and any(a >= 10 for a, _, _ in problems)
+    assert not set(problems) & {_problem(r) for r in easy_test}
+    assert arithmetic_rows(5) == arithmetic_rows(5, digits=(2, 3))  # the default level is unchanged
+    with pytest.raises(ValueError, match="fewer than 50 distinct problems"):
+        arithmetic_rows(50, split="test", digits=(1, 1))  # 1-9 holds about a dozen held-out problems
+    # through the data options, with a one-line error naming them
+    tokenizer = char_tokenizer()
+    config = DataConfig(task="arithmetic", task_digits=(1, 2), num_eval_prompts=4, num_synthetic_prompts=20)
+    assert [p.answer for p in load_eval_prompts(config, tokenizer, 8, None)] == [r["answer"] for r in easy_test[:4]]
+    with pytest.raises(DataError, match=r"--data.task_digits \[3, 1\]: digits must be"):
+        load_prompts(DataConfig(task="arithmetic", task_digits=(3, 1)), tokenizer, 8, None)
+    from gcore.cli import build_fit_parser, resolve_argv, with_default_plugins
+
+    argv = with_default_plugins(resolve_argv(["--data.task", "arithmetic", "--data.task_digits", "[1,2]"]))
+    assert build_fit_parser().parse_args(argv).data.task_digits == (1, 2)
+
+
+def test_the_math_reward_credits_the_models_own_answer_styles():
+    """Reply styles of SmolLM2-135M-Instruct on the task (BENCHMARKS.md), each scored by its final "answer is"."""
+    reward = MathReward()
+    from gcore.testing import make_sample
+
+    replies = {"The answer is 4.": 1.0, "The answer is 4. The answer is 4.": 1.0, "The answer is 4": 1.0,
+               "5 - 1 = 4\nThe answer is 4.": 1.0, "The answer is: 4.": 1.0, "The answer is $4$.": 1.0,
+               "The answer is 4.\n\nThis is a classic example of a logical fallacy.": 1.0,
+               "N = 4\nThe answer is N.": 0.0, "The answer is 5.": 0.0, "5 - 1 = 4, so 4 are left.": 0.0}
+    samples = [make_sample("A train carries 5 passengers. At the station 1 get off.", text, "4") for text in replies]
+    assert reward.score(samples) == list(replies.values())
+
+
 def test_the_math_reward_scores_the_tasks_answer_format():
     reward, row = MathReward(), arithmetic_rows(1)[0]
     from gcore.testing import make_sample
