@@ -185,10 +185,10 @@ class JudgeCostSchedule(DynamicPlacement):
         super().__init__(**kwargs)
         self.lengths, self.steps = lengths, 0
 
-    def rollout(self, controller, prompts, timer, first_group):
-        controller.reward.params.max_new_tokens = self.lengths[min(self.steps, len(self.lengths) - 1)]
+    def rollout(self, job):
+        job.reward.params.max_new_tokens = self.lengths[min(self.steps, len(self.lengths) - 1)]
         self.steps += 1
-        return super().rollout(controller, prompts, timer, first_group)
+        return super().rollout(job)
 
 
 @pytest.mark.slow

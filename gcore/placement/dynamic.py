@@ -14,10 +14,10 @@ from gcore.engines.base import Engine
 from gcore.errors import ConfigError
 from gcore.placement.base import PlacementPolicy, Telemetry
 from gcore.rewards.base import RewardModel
-from gcore.types import Generation, Prompt, Sample
+from gcore.rollout import RolloutJob
+from gcore.types import Generation, Sample
 
 if TYPE_CHECKING:
-    from gcore.controller import Controller, StageTimer
     from gcore.placement.workers import PoolEngine, PoolReward, WorkerPool
 
 GENERATE, JUDGE = "generate", "reward"
@@ -170,14 +170,12 @@ class DynamicPlacement(PlacementPolicy):
 
         return [POLICY] * self.generate_devices + [self.reward_role] * self.judge_devices
 
-    def rollout(
-        self, controller: Controller, prompts: list[Prompt], timer: StageTimer, first_group: int
-    ) -> list[Sample]:
+    def rollout(self, job: RolloutJob) -> list[Sample]:
         """Generate on one partition and judge on the other at once: each finished request is judged
         while the rest is still generating. Writes per-device busy seconds for ``update``."""
         from gcore.placement.workers import POLICY
 
-        pool = self.pool
+        pool, prompts, timer = self.pool, job.prompts, job.timer
         if pool is None:
             raise RuntimeError("DynamicPlacement.rollout called before launch")
         pool.revive()
@@ -196,19 +194,19 @@ class DynamicPlacement(PlacementPolicy):
         chunks = {
             start: prompts[start : start + self.stream_groups] for start in range(0, len(prompts), self.stream_groups)
         }
-        jobs = {start: pool.submit("generate", (POLICY, [p.token_ids for p in chunk], controller.sampling),
-                                   generators, POLICY) for start, chunk in chunks.items()}
+        requests = {start: pool.submit("generate", (POLICY, [p.token_ids for p in chunk], job.sampling),
+                                       generators, POLICY) for start, chunk in chunks.items()}
         by_chunk: dict[int, list[Sample]] = {}
-        while len(by_chunk) < len(jobs):
-            pool.wait([job for start, job in jobs.items() if start not in by_chunk], first=True)
+        while len(by_chunk) < len(requests):
+            pool.wait([request for start, request in requests.items() if start not in by_chunk], first=True)
             finished = []
-            for start, job in jobs.items():
-                if job.done and start not in by_chunk:
-                    generations = cast("list[list[Generation]]", job.result)
-                    by_chunk[start] = controller.make_samples(chunks[start], generations, first_group + start)
+            for start, request in requests.items():
+                if request.done and start not in by_chunk:
+                    generations = cast("list[list[Generation]]", request.result)
+                    by_chunk[start] = job.samples(generations, start)
                     finished += by_chunk[start]
             scored = time.perf_counter()
-            controller.score(finished, reward)  # on the reward partition, while generation goes on
+            job.score(finished, reward)  # on the reward partition, while generation goes on
             in_controller += time.perf_counter() - scored
         wall = time.perf_counter() - started
         busy_generate = pool.busy.get(POLICY, 0.0)

@@ -11,10 +11,10 @@ from gcore.engines.base import Engine
 from gcore.errors import ConfigError
 from gcore.placement.base import PlacementPolicy
 from gcore.rewards.base import RewardModel
-from gcore.types import Prompt, Sample
+from gcore.rollout import RolloutJob
+from gcore.types import Sample
 
 if TYPE_CHECKING:
-    from gcore.controller import Controller, StageTimer
     from gcore.placement.workers import PoolEngine, WorkerPool
 
 
@@ -70,28 +70,26 @@ class StaticPlacement(PlacementPolicy):
             [POLICY] * self.workers, self.threads, seed, self.release, self.worker_timeout_s, self.retries)
         return policy
 
-    def rollout(
-        self, controller: Controller, prompts: list[Prompt], timer: StageTimer, first_group: int
-    ) -> list[Sample]:
+    def rollout(self, job: RolloutJob) -> list[Sample]:
         if self.pool is None:
-            return super().rollout(controller, prompts, timer, first_group)
+            return super().rollout(job)
         from gcore.placement.workers import JUDGE, POLICY
 
-        pool, everyone = self.pool, list(range(self.pool.size))
+        pool, everyone, timer = self.pool, list(range(self.pool.size)), job.timer
         pool.revive()
         pool.busy.clear()
         with timer("generate"):
             started = time.perf_counter()
-            outputs = pool.generate(POLICY, [p.token_ids for p in prompts], controller.sampling, everyone)
+            outputs = pool.generate(POLICY, [p.token_ids for p in job.prompts], job.sampling, everyone)
             generate_s = time.perf_counter() - started
-        samples = controller.make_samples(prompts, outputs, first_group)
+        samples = job.samples(outputs)
         if self.judge_engine is not None:
             with timer("swap"):
                 pool.assign([JUDGE] * pool.size)
             self.judge_engine.workers = everyone
         with timer("reward"):
             started = time.perf_counter()
-            controller.score(samples)
+            job.score(samples)
             reward_s = time.perf_counter() - started
         if self.judge_engine is not None:
             with timer("swap"):
