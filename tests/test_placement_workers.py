@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from gcore.engines.hf import HFEngine
+from gcore.engines.pool import JUDGE, POLICY, PoolEngine, RoleSpec, WorkerPool
 from gcore.errors import ConfigError, GcoreError, RewardError
 from gcore.model import ModelConfig, char_tokenizer, materialize
 from gcore.placement.base import Telemetry
 from gcore.placement.dynamic import DynamicPlacement
 from gcore.placement.static import StaticPlacement
-from gcore.placement.workers import JUDGE, POLICY, PoolEngine, RoleSpec, WorkerPool
 from gcore.rewards.generative import GenerativeReward
 from gcore.rewards.rule import CallableReward
 from gcore.testing import make_sample, tiny_fit

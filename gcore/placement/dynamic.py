@@ -18,7 +18,8 @@ from gcore.rollout import RolloutJob
 from gcore.types import Generation, Sample
 
 if TYPE_CHECKING:
-    from gcore.placement.workers import PoolEngine, PoolReward, WorkerPool
+    from gcore.engines.pool import PoolEngine, WorkerPool
+    from gcore.placement.launch import PoolReward
 
 GENERATE, JUDGE = "generate", "reward"
 
@@ -107,7 +108,7 @@ class DynamicPlacement(PlacementPolicy):
 
     def setup(self, world_size: int, device_type: str, reward: RewardModel | None = None) -> None:
         """``reward`` ``None`` (``gcore simulate``) or one with a generative judge: a judge partition."""
-        from gcore.placement.workers import JUDGE, REWARD, generative_judges
+        from gcore.engines.pool import JUDGE, REWARD
 
         if device_type not in ("simulated", "cpu"):
             raise ConfigError(
@@ -115,7 +116,7 @@ class DynamicPlacement(PlacementPolicy):
                 "the generation and judge partitions need engine servers on GPU partitions, not built yet: "
                 "use --placement static"
             )
-        judged = reward is None or bool(generative_judges(reward))
+        judged = reward is None or bool(reward.judges())
         self.reward_role = JUDGE if judged else REWARD
         self.total = self.devices or (
             world_size if device_type == "simulated" else max(1, usable_cores() // world_size)
@@ -151,29 +152,29 @@ class DynamicPlacement(PlacementPolicy):
     def launch(self, engine: Engine, reward: RewardModel, model_path: str, dtype: torch.dtype,
                trust_remote_code: bool, device: torch.device, seed: int) -> Engine:
         """Start ``devices`` engine workers: the first ``generate_devices`` hold the policy, the rest the judge."""
-        from gcore.placement.workers import launch_workers
+        from gcore.engines.pool import REWARD
+        from gcore.placement.launch import PoolReward, launch_workers
 
         if self.total == 0:
             raise RuntimeError("DynamicPlacement.launch called before setup")
-        from gcore.placement.workers import REWARD, PoolReward
-
         self.pool, self.policy_engine, self.judge_engine = launch_workers(
-            "--placement dynamic", engine, reward, model_path, dtype, trust_remote_code, device,
-            self._roles(), self.threads, seed, True, self.worker_timeout_s, self.retries,
+            "--placement dynamic", engine, reward, model_path=model_path, dtype=dtype,
+            trust_remote_code=trust_remote_code, device=device, roles=self._roles(), threads=self.threads, seed=seed,
+            release=True, job_timeout_s=self.worker_timeout_s, retries=self.retries,
             reward_workers=self.reward_role == REWARD and self.max_reward_devices > 0)
         if self.reward_role == REWARD:
             self.reward_pool = PoolReward(self.pool, [])
         return self.policy_engine
 
     def _roles(self) -> list[str]:
-        from gcore.placement.workers import POLICY
+        from gcore.engines.pool import POLICY
 
         return [POLICY] * self.generate_devices + [self.reward_role] * self.judge_devices
 
     def rollout(self, job: RolloutJob) -> list[Sample]:
         """Generate on one partition and judge on the other at once: each finished request is judged
         while the rest is still generating. Writes per-device busy seconds for ``update``."""
-        from gcore.placement.workers import POLICY
+        from gcore.engines.pool import POLICY
 
         pool, prompts, timer = self.pool, job.prompts, job.timer
         if pool is None:

@@ -15,7 +15,7 @@ from gcore.rollout import RolloutJob
 from gcore.types import Sample
 
 if TYPE_CHECKING:
-    from gcore.placement.workers import PoolEngine, WorkerPool
+    from gcore.engines.pool import PoolEngine, WorkerPool
 
 
 class StaticPlacement(PlacementPolicy):
@@ -63,17 +63,19 @@ class StaticPlacement(PlacementPolicy):
                trust_remote_code: bool, device: torch.device, seed: int) -> Engine:
         if not self.workers:
             return super().launch(engine, reward, model_path, dtype, trust_remote_code, device, seed)
-        from gcore.placement.workers import POLICY, launch_workers
+        from gcore.engines.pool import POLICY
+        from gcore.placement.launch import launch_workers
 
         self.pool, policy, self.judge_engine = launch_workers(
-            "--placement.workers", engine, reward, model_path, dtype, trust_remote_code, device,
-            [POLICY] * self.workers, self.threads, seed, self.release, self.worker_timeout_s, self.retries)
+            "--placement.workers", engine, reward, model_path=model_path, dtype=dtype,
+            trust_remote_code=trust_remote_code, device=device, roles=[POLICY] * self.workers, threads=self.threads,
+            seed=seed, release=self.release, job_timeout_s=self.worker_timeout_s, retries=self.retries)
         return policy
 
     def rollout(self, job: RolloutJob) -> list[Sample]:
         if self.pool is None:
             return super().rollout(job)
-        from gcore.placement.workers import JUDGE, POLICY
+        from gcore.engines.pool import JUDGE, POLICY
 
         pool, everyone, timer = self.pool, list(range(self.pool.size)), job.timer
         pool.revive()
