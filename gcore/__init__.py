@@ -10,7 +10,8 @@ from gcore.engines import Engine, HFEngine
 from gcore.errors import ConfigError, DataError, GcoreError, PluginError, RewardError
 from gcore.model import ModelConfig
 from gcore.placement import DynamicPlacement, PlacementPolicy, StaticPlacement, Telemetry
-from gcore.rewards import CallableReward, RegexReward, RewardModel, RuleReward, TargetCharReward
+from gcore.rewards import CallableReward, Judge, RegexReward, RewardModel, RuleReward, TargetCharReward
+from gcore.rollout import RolloutJob
 from gcore.trainer import FitResult, Trainer, TrainerConfig, fit
 from gcore.types import Generation, Prompt, RolloutBatch, Sample, SamplingParams
 
@@ -32,6 +33,7 @@ __all__ = [
     "GcoreError",
     "Generation",
     "HFEngine",
+    "Judge",
     "LossScale",
     "ModelConfig",
     "PlacementPolicy",
@@ -41,6 +43,7 @@ __all__ = [
     "RewardError",
     "RewardModel",
     "RolloutBatch",
+    "RolloutJob",
     "RuleReward",
     "Sample",
     "SamplingParams",

@@ -237,6 +237,54 @@ def simulate_main(argv: Sequence[str]) -> int:
     return simulate(list(argv))
 
 
+def eval_main(argv: Sequence[str]) -> int:
+    """``gcore eval``: ``gcore fit``'s model, data, sampling, engine and reward options; prints the metrics.
+
+    One process (``gcore/evaluation.py`` has the metrics). Example: ``gcore eval --model.path final/
+    --data.task arithmetic --data.chat_template true --reward math --sampling.max_new_tokens 48``.
+    """
+    import json
+    import shutil
+    import tempfile
+
+    import torch
+
+    from gcore.data import load_eval_prompts
+    from gcore.evaluation import evaluate
+    from gcore.model import context_length, load_tokenizer, materialize
+
+    argv = list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: gcore eval [gcore fit options]\n\nHeld-out accuracy of --model.path (greedy and at "
+              "--sampling.temperature) on --data.eval_path, or on the embedded --data.task's held-out split.\n"
+              "The --model, --data, --sampling, --engine and --reward options are gcore fit's "
+              "(gcore fit --help); the others are ignored.")
+        return 0
+    parser = build_fit_parser()
+    config = parser.parse_args(with_default_plugins(resolve_argv(argv)))
+    init = parser.instantiate_classes(config)
+    model_config, data, sampling = init["model"], init["data"], init["sampling"]
+    engine, reward = init["engine"], init["reward"]
+    device = torch.device("cuda" if torch.cuda.is_available() and init["trainer"].accelerator != "cpu" else "cpu")
+    workdir = tempfile.mkdtemp(prefix="gcore-eval-")
+    try:
+        tokenizer = load_tokenizer(model_config)
+        model_path = materialize(model_config, tokenizer, init["trainer"].seed, workdir)
+        prompts = load_eval_prompts(data, tokenizer, sampling.max_new_tokens,
+                                    context_length(model_path, model_config.trust_remote_code))
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in sampling.stop_token_ids:
+            sampling.stop_token_ids = (*sampling.stop_token_ids, tokenizer.eos_token_id)
+        torch.manual_seed(init["trainer"].seed)
+        engine.setup(model_path, device, model_config.torch_dtype, model_config.trust_remote_code)
+        reward.setup(device)
+        metrics = evaluate(engine, reward, tokenizer, prompts, sampling)
+    finally:
+        engine.shutdown()
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(json.dumps(metrics, indent=1))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -244,7 +292,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     from gcore.checkpoint import export_main
-    from gcore.evaluation import eval_main
     from gcore.model import import_main
     from gcore.report import report_main
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,10 +19,10 @@ import torch
 from gcore.algorithms.base import Algorithm
 from gcore.backends.base import TrainingBackend
 from gcore.engines.base import Engine
-from gcore.errors import RewardError
 from gcore.placement.base import PlacementPolicy, Telemetry
-from gcore.rewards.base import RewardModel, as_reward, describe_sample
-from gcore.types import Generation, Prompt, Sample, SamplingParams, collate
+from gcore.rewards.base import RewardModel
+from gcore.rollout import LOCAL_STAGES, STAGES, RolloutJob, StageTimer
+from gcore.types import Prompt, RolloutBatch, Sample, SamplingParams, collate
 
 if TYPE_CHECKING:
     from lightning.fabric import Fabric
@@ -31,34 +30,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STAGES = ("generate", "reward", "swap", "prepare", "train", "sync")
-LOCAL_STAGES = ("generate", "reward", "swap", "prepare")  # no collective inside: a controller's own work
-
-
-class StageTimer:
-    """Wall-clock seconds per stage of one step."""
-
-    def __init__(self, on_stage: Callable[[str], None] | None = None) -> None:
-        self.seconds: dict[str, float] = {}
-        self.on_stage = on_stage
-
-    @contextmanager
-    def __call__(self, stage: str) -> Iterator[None]:
-        if self.on_stage:
-            self.on_stage(stage)
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(stage, time.perf_counter() - start)
-
-    def add(self, stage: str, seconds: float) -> None:
-        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+__all__ = ["LOCAL_STAGES", "STAGES", "Controller", "StageTimer"]
 
 
 @dataclass
 class Controller:
-    """Runs the stages for one rank; the trainer calls ``step`` once per training step."""
+    """Runs the stages for one rank; the trainer calls ``step`` once per training step.
+
+    ``step`` is the whole step, one named method per stage: ``rollout`` (GENERATE and REWARD, asked
+    of the placement policy), ``filter``, ``prepare``, ``train``, ``sync`` and ``log``. A variant of
+    the step (the one-controller baseline in ``single_controller.py``) overrides only the stages
+    that differ.
+    """
 
     fabric: Fabric
     engine: Engine
@@ -80,51 +63,61 @@ class Controller:
         timer = StageTimer(on_stage)
         step_start = time.perf_counter()
         self._reward_errors, self._first_reward_error = 0, None
+        samples = self.rollout(prompts, timer)
+        kept, samples, filter_metrics = self.filter(step, prompts, samples, timer)
+        batch = self.prepare(kept, samples, timer)
+        train_metrics = self.train(batch, timer)
+        synced_bytes = self.sync(timer)
+        self.last_samples = samples
+        return self.log(step, timer, step_start, samples, len(kept), [filter_metrics, train_metrics], synced_bytes)
 
-        # GENERATE and REWARD: n samples per prompt from the rollout engine, scored and shaped
-        samples = self._rollout(prompts, timer, first_group=0)
+    # -- the stages, in the order of a step ------------------------------------------------------
+    def rollout(self, prompts: list[Prompt], timer: StageTimer, first_group: int = 0) -> list[Sample]:
+        """GENERATE and REWARD: ``n`` samples per prompt from the rollout engine, scored and shaped
+        (groups numbered from ``first_group``). The placement policy runs the ``RolloutJob``: it
+        decides where and in what order."""
+        job = RolloutJob(prompts, self.sampling, self.engine, self.reward, self.algorithm, self.tokenizer, timer,
+                         first_group)
+        samples = self.placement.rollout(job)
+        self._reward_errors += job.reward_errors
+        self._first_reward_error = self._first_reward_error or job.first_reward_error
+        return samples
 
-        # FILTER: the algorithm may drop whole groups; with max_rounds > 1 this controller samples
-        # more prompts of its own until its share (len(prompts) groups) is full (dynamic sampling)
-        kept, samples, filter_metrics = self._fill_batch(prompts, samples, timer)
+    def filter(
+        self, step: int, prompts: list[Prompt], samples: list[Sample], timer: StageTimer
+    ) -> tuple[list[Sample], list[Sample], dict[str, float]]:
+        """FILTER: the algorithm may drop whole groups; with ``max_rounds`` > 1 this controller samples
+        more prompts of its own until its share (``len(prompts)`` groups) is full (dynamic sampling).
+        Returns (the samples to train, every sample, FILTER's metrics over every rank)."""
+        kept, samples, rounds = self._resample(prompts, samples, timer)
+        self._end_rollout()
         self._warn_reward_errors(step)
+        n = self.sampling.n
+        metrics = self._filter_metrics(len(samples) // n, len(kept) // n, len(prompts), rounds)
+        return kept[: len(prompts) * n], samples, metrics
 
-        # PREPARE: padded batch, log-probabilities the loss needs, advantages
+    def prepare(self, kept: list[Sample], samples: list[Sample], timer: StageTimer) -> RolloutBatch:
+        """PREPARE: the padded batch, the log-probabilities and values the loss needs, advantages."""
         with timer("prepare"):
-            batch = collate(kept or samples[:1], self.tokenizer.pad_token_id, self.sampling.temperature)
-            if not kept:
-                batch.response_mask.zero_()  # nothing to learn from: join the collectives with zero weight
-            batch.response_mask = self.algorithm.loss_mask(batch)
-            if self.algorithm.needs_critic:
-                batch.values = self.backend.compute_values(batch)
-            if self.algorithm.needs_old_logprobs:
-                batch.old_logprobs = self.backend.compute_logprobs(batch, "policy")
-            if self.algorithm.needs_reference:
-                batch.ref_logprobs = self.backend.compute_logprobs(batch, "reference")
+            batch = self._collate(kept, samples)
+            self._model_outputs(batch)
             batch.advantages = self.algorithm.advantages(batch)
+        return batch
 
-        # TRAIN: the algorithm's loss, gradients all-reduced over every rank
+    def train(self, batch: RolloutBatch, timer: StageTimer) -> dict[str, float]:
+        """TRAIN: the algorithm's loss, gradients all-reduced over every rank."""
         with timer("train"):
-            train_metrics = self.backend.train(batch, self.algorithm, self.sampling.max_new_tokens)
+            return self.backend.train(batch, self.algorithm, self.sampling.max_new_tokens)
 
-        # SYNC: the new weights go to the rollout engine
+    def sync(self, timer: StageTimer) -> int:
+        """SYNC: the new weights go to the rollout engine; returns the bytes it received."""
         with timer("swap"):
             self.placement.before_sync(self.engine)
         with timer("sync"):
-            synced_bytes = self.engine.update_weights(self.backend.named_weights())
+            return self.engine.update_weights(self.backend.named_weights())
 
-        self.last_samples = samples
-        return self._step_metrics(step, timer, step_start, samples, len(kept), [filter_metrics, train_metrics],
-                                  synced_bytes)
-
-    def _warn_reward_errors(self, step: int) -> None:
-        """One line per step, however many samples got a fallback reward (``reward/errors`` counts them)."""
-        if self._reward_errors:
-            log.warning("step %d: %d sample(s) could not be scored and got the fallback reward (reward/errors); "
-                        "the first: %s", step, self._reward_errors, self._first_reward_error or "(no detail)")
-
-    def _step_metrics(self, step: int, timer: StageTimer, step_start: float, samples: list[Sample], kept: int,
-                      parts: list[dict[str, float]], synced_bytes: int) -> dict[str, float]:
+    def log(self, step: int, timer: StageTimer, step_start: float, samples: list[Sample], kept: int,
+            parts: list[dict[str, float]], synced_bytes: int) -> dict[str, float]:
         """The step's metrics over every rank: samples, the stages' ``parts``, telemetry, weight sync."""
         timer.seconds["step"] = time.perf_counter() - step_start
         metrics = self._global_sample_metrics(samples, kept)
@@ -135,53 +128,33 @@ class Controller:
         metrics["sync/gb"] = synced_bytes / 1e9
         return metrics
 
-    def _rollout(self, prompts: list[Prompt], timer: StageTimer, first_group: int) -> list[Sample]:
-        """GENERATE and REWARD, run by the placement policy (which decides where and in what order)."""
-        return self.placement.rollout(self, prompts, timer, first_group)
+    # -- what the stages are made of --------------------------------------------------------------
+    def _collate(self, kept: list[Sample], samples: list[Sample]) -> RolloutBatch:
+        """The kept samples as a padded batch with the algorithm's loss mask; with none kept, one sample
+        with a zero mask, so that this controller joins the collectives with zero weight."""
+        batch = collate(kept or samples[:1], self.tokenizer.pad_token_id, self.sampling.temperature)
+        if not kept:
+            batch.response_mask.zero_()
+        batch.response_mask = self.algorithm.loss_mask(batch)
+        return batch
 
-    def make_samples(self, prompts: list[Prompt], outputs: list[list[Generation]], first_group: int) -> list[Sample]:
-        """One ``Sample`` per generation; the groups of ``prompts`` are numbered from ``first_group``."""
-        return [
-            Sample(
-                prompt=prompt,
-                group=first_group + group,
-                response_ids=g.token_ids,
-                response_logprobs=g.logprobs,
-                response_text=self.tokenizer.decode(g.token_ids, skip_special_tokens=True),
-                finished=g.finished,
-            )
-            for group, (prompt, generations) in enumerate(zip(prompts, outputs, strict=False))
-            for g in generations
-        ]
+    def _model_outputs(self, batch: RolloutBatch) -> None:
+        """The values and log-probabilities the algorithm needs, on ``batch``'s rows (set in place)."""
+        if self.algorithm.needs_critic:
+            batch.values = self.backend.compute_values(batch)
+        if self.algorithm.needs_old_logprobs:
+            batch.old_logprobs = self.backend.compute_logprobs(batch, "policy")
+        if self.algorithm.needs_reference:
+            batch.ref_logprobs = self.backend.compute_logprobs(batch, "reference")
 
-    def score(self, samples: list[Sample], reward: RewardModel | None = None) -> None:
-        """Reward the samples (with ``reward``, e.g. one scored in worker processes, instead of this
-        controller's): the raw score is kept in ``reward_info["raw"]``, the algorithm shapes it."""
-        reward = reward or self.reward
-        raw = reward.score(samples)
-        if len(raw) != len(samples):
-            raise RewardError(f"{type(reward).__name__} returned {len(raw)} rewards for {len(samples)} samples")
-        self._reward_errors += getattr(reward, "last_errors", 0)
-        self._first_reward_error = self._first_reward_error or getattr(reward, "last_error", None)
-        for sample, value in zip(samples, raw, strict=False):
-            try:  # any reward model, not only the rule-based ones (which check their own values)
-                value = as_reward(value)
-            except (TypeError, ValueError) as err:
-                name = type(reward).__name__
-                raise RewardError(f"{name} gave {err} on sample ({describe_sample(sample)})") from None
-            sample.reward_info["raw"] = value
-            sample.reward = value
-            sample.reward = float(self.algorithm.shape_reward(sample))
+    def _end_rollout(self) -> None:
+        """Called when this step generates no more (after dynamic sampling); nothing to do here."""
 
-    def _fill_batch(
-        self, prompts: list[Prompt], samples: list[Sample], timer: StageTimer
-    ) -> tuple[list[Sample], list[Sample], dict[str, float]]:
-        """Keep the groups the algorithm accepts; re-sample locally until ``len(prompts)`` groups are
-        kept or ``algorithm.max_rounds`` rounds ran. Returns (kept samples, all samples, metrics)."""
-        kept, samples, rounds = self._resample(prompts, samples, timer)
-        n = self.sampling.n
-        metrics = self._filter_metrics(len(samples) // n, len(kept) // n, len(prompts), rounds)
-        return kept[: len(prompts) * n], samples, metrics
+    def _warn_reward_errors(self, step: int) -> None:
+        """One line per step, however many samples got a fallback reward (``reward/errors`` counts them)."""
+        if self._reward_errors:
+            log.warning("step %d: %d sample(s) could not be scored and got the fallback reward (reward/errors); "
+                        "the first: %s", step, self._reward_errors, self._first_reward_error or "(no detail)")
 
     def _resample(
         self, prompts: list[Prompt], samples: list[Sample], timer: StageTimer
@@ -193,7 +166,7 @@ class Controller:
             missing = target - len(kept) // n
             keep_rate = max(len(kept) / len(samples), 1.0 / (len(samples) // n))  # at worst, one group in all
             extra = self.draw_prompts(min(math.ceil(missing / keep_rate), 4 * target))
-            more = self._rollout(extra, timer, first_group=len(samples) // n)
+            more = self.rollout(extra, timer, first_group=len(samples) // n)
             samples, kept, rounds = samples + more, kept + self._keep_groups(more), rounds + 1
         return kept, samples, rounds
 

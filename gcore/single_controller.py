@@ -13,8 +13,7 @@ and shapes, then the tensors); nothing is pickled.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import fields
 
 import torch
@@ -22,7 +21,7 @@ import torch.distributed as dist
 
 from gcore.controller import Controller, StageTimer
 from gcore.engines.base import Engine
-from gcore.types import Generation, Prompt, RolloutBatch, SamplingParams, collate
+from gcore.types import Generation, Prompt, RolloutBatch, Sample, SamplingParams
 
 _DTYPES = (torch.int64, torch.float32, torch.float64, torch.bool, torch.int32, torch.uint8, torch.float16,
            torch.bfloat16)
@@ -171,7 +170,12 @@ class RemoteEngines(Engine):
 class SingleController(Controller):
     """One controller on rank 0 for all ranks (``--trainer.controllers 1``), the baseline of G-Core's
     parallel controllers. Rank 0 calls ``step`` with the whole step's prompts; the other ranks call it
-    with none and serve generation and training for rank 0."""
+    with none and serve generation and training for rank 0.
+
+    The step is ``Controller.step``; this class overrides only the stages that differ: ``rollout``
+    (rank 0 sends each rank its part of the prompts, the others serve it), the end of the rollout
+    (rank 0 tells the others), ``prepare`` (rank 0 collates and scatters) and ``log`` (the bytes
+    rank 0 sent)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -179,47 +183,63 @@ class SingleController(Controller):
         if self.rank == 0:
             self.engine = RemoteEngines(self.engine, self.world)
 
-    def step(self, step: int, prompts: list[Prompt], on_stage: Callable[[str], None] | None = None) -> dict[str, float]:
-        timer = StageTimer(on_stage)
-        step_start = time.perf_counter()
-        self._reward_errors, self._first_reward_error = 0, None
+    def rollout(self, prompts: list[Prompt], timer: StageTimer, first_group: int = 0) -> list[Sample]:
+        """Rank 0: the rollout of ``Controller`` on every rank's engine (``RemoteEngines``); the other
+        ranks generate what rank 0 sends them until it says the rollout is over."""
         if self.rank == 0:
-            self.engine.sent_bytes = 0
-            samples = self._rollout(prompts, timer, first_group=0)  # every rank generates a part
-            kept, samples, rounds = self._resample(prompts, samples, timer)
-            self._warn_reward_errors(step)
-            self.engine.finish_rollout()
-        else:
-            with timer("generate"):
-                self.placement.before_generate(self.engine)
-                self._serve_generation()
-            with timer("swap"):
-                self.placement.after_generate(self.engine)
-            kept, samples, rounds = [], [], 0
-        filter_metrics = self._filter_metrics(len(samples) // self.sampling.n, len(kept) // self.sampling.n,
-                                              len(prompts), rounds)
-
-        with timer("prepare"):
-            batch = self._prepare((kept or samples[:1]) if self.rank == 0 else None, empty=not kept)
-        with timer("train"):
-            train_metrics = self.backend.train(batch, self.algorithm, self.sampling.max_new_tokens)
-        engine = self.engine.local if self.rank == 0 else self.engine
+            features = [p.metadata.get("feature") for p in prompts]
+            self.engine.features = torch.stack(features) if prompts and features[0] is not None else None
+            return super().rollout(prompts, timer, first_group)
+        with timer("generate"):
+            self.placement.before_generate(self.engine)
+            self._serve_generation()
         with timer("swap"):
-            self.placement.before_sync(engine)
-        with timer("sync"):
-            synced_bytes = engine.update_weights(self.backend.named_weights())
+            self.placement.after_generate(self.engine)
+        return []
 
-        self.last_samples = samples
-        metrics = self._step_metrics(step, timer, step_start, samples, len(kept), [filter_metrics, train_metrics],
-                                     synced_bytes)
-        sent = self.engine.sent_bytes if self.rank == 0 else 0
+    def _end_rollout(self) -> None:
+        if self.rank == 0:
+            self.engine.finish_rollout()
+
+    def prepare(self, kept: list[Sample], samples: list[Sample], timer: StageTimer) -> RolloutBatch:
+        """Rank 0 collates every sample and computes advantages; each rank gets its rows, computes the
+        log-probabilities and values the algorithm needs on its own shard, and sends them back first
+        when the advantages depend on them."""
+        with timer("prepare"):
+            algorithm = self.algorithm
+            needs_model = algorithm.needs_critic or algorithm.needs_old_logprobs or algorithm.needs_reference
+            if self.rank == 0:
+                batch = self._collate(kept, samples)
+                parts = list(torch.arange(len(batch)).tensor_split(self.world))  # contiguous rows per rank
+                if not needs_model:
+                    batch.advantages = algorithm.advantages(batch)
+                    return self._scatter(batch, parts)
+                own = self._scatter(batch, parts)
+            else:
+                own = _decode_batch(recv_tensors(0))
+                if not needs_model:
+                    return own
+            self._model_outputs(own)
+            computed = [getattr(own, name) if getattr(own, name) is not None else torch.empty(0)
+                        for name in _MODEL_FIELDS]
+            if self.rank != 0:
+                send_tensors(computed, 0)
+                return _decode_batch(recv_tensors(0))
+            pieces = [computed] + [recv_tensors(rank) for rank in range(1, self.world)]
+            for i, name in enumerate(_MODEL_FIELDS):
+                if getattr(own, name) is not None:
+                    setattr(batch, name, torch.cat([piece[i] for piece in pieces]))
+            batch.advantages = algorithm.advantages(batch)
+            return self._scatter(batch, parts)
+
+    def log(self, step: int, timer: StageTimer, step_start: float, samples: list[Sample], kept: int,
+            parts: list[dict[str, float]], synced_bytes: int) -> dict[str, float]:
+        metrics = super().log(step, timer, step_start, samples, kept, parts, synced_bytes)
+        sent = 0
+        if self.rank == 0:
+            sent, self.engine.sent_bytes = self.engine.sent_bytes, 0
         metrics["controller/sent_gb"] = float(self._all_reduce(torch.tensor([float(sent)]), "sum")[0]) / 1e9
         return metrics
-
-    def _rollout(self, prompts: list[Prompt], timer: StageTimer, first_group: int):  # noqa: ANN202
-        features = [p.metadata.get("feature") for p in prompts]
-        self.engine.features = torch.stack(features) if prompts and features[0] is not None else None
-        return super()._rollout(prompts, timer, first_group)
 
     def _serve_generation(self) -> None:
         """Generate what rank 0 sends until it says the rollout is over."""
@@ -230,37 +250,6 @@ class SingleController(Controller):
             token_ids, _features = _decode_prompts(message)  # a multimodal engine would read the features
             outputs = _generate(self.engine, token_ids, self.sampling)
             send_tensors(_encode_generations(outputs), 0)
-
-    def _prepare(self, samples, empty: bool) -> RolloutBatch:  # noqa: ANN001
-        """Rank 0 collates every sample and computes advantages; each rank gets its rows, computes the
-        log-probabilities and values the algorithm needs on its own shard, and sends them back first
-        when the advantages depend on them."""
-        algorithm = self.algorithm
-        needs_model = algorithm.needs_critic or algorithm.needs_old_logprobs or algorithm.needs_reference
-        if self.rank == 0:
-            batch = collate(samples, self.tokenizer.pad_token_id, self.sampling.temperature)
-            if empty:
-                batch.response_mask.zero_()
-            batch.response_mask = algorithm.loss_mask(batch)
-            parts = list(torch.arange(len(batch)).tensor_split(self.world))  # contiguous rows per rank
-            if not needs_model:
-                batch.advantages = algorithm.advantages(batch)
-                return self._scatter(batch, parts)
-            own = self._scatter(batch, parts)
-        else:
-            own = _decode_batch(recv_tensors(0))
-            if not needs_model:
-                return own
-        computed = self._model_outputs(own)
-        if self.rank != 0:
-            send_tensors(computed, 0)
-            return _decode_batch(recv_tensors(0))
-        pieces = [computed] + [recv_tensors(rank) for rank in range(1, self.world)]
-        for i, name in enumerate(_MODEL_FIELDS):
-            if getattr(own, name) is not None:
-                setattr(batch, name, torch.cat([piece[i] for piece in pieces]))
-        batch.advantages = algorithm.advantages(batch)
-        return self._scatter(batch, parts)
 
     def _scatter(self, batch: RolloutBatch, parts: list[torch.Tensor]) -> RolloutBatch:
         """Send every other rank its rows; return rank 0's own. A rank without rows gets one row with a
@@ -275,20 +264,6 @@ class SingleController(Controller):
             else:
                 self.engine.sent_bytes += send_tensors(_encode_batch(rows), rank)
         return own
-
-    def _model_outputs(self, batch: RolloutBatch) -> list[torch.Tensor]:
-        """The values and log-probabilities the algorithm needs, for this rank's rows (in ``_MODEL_FIELDS``
-        order; an empty tensor for those not needed)."""
-        algorithm, backend = self.algorithm, self.backend
-        out = {
-            "values": backend.compute_values(batch) if algorithm.needs_critic else None,
-            "old_logprobs": backend.compute_logprobs(batch, "policy") if algorithm.needs_old_logprobs else None,
-            "ref_logprobs": backend.compute_logprobs(batch, "reference") if algorithm.needs_reference else None,
-        }
-        for name, value in out.items():
-            setattr(batch, name, value)
-        return [out[name] if out[name] is not None else torch.empty(0) for name in _MODEL_FIELDS]
-
 
 
 _MODEL_FIELDS = ("values", "old_logprobs", "ref_logprobs")

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from gcore.engines.hf import HFEngine
+from gcore.engines.pool import JUDGE, POLICY, PoolEngine, RoleSpec, WorkerPool
 from gcore.errors import ConfigError, GcoreError, RewardError
 from gcore.model import ModelConfig, char_tokenizer, materialize
 from gcore.placement.base import Telemetry
 from gcore.placement.dynamic import DynamicPlacement
 from gcore.placement.static import StaticPlacement
-from gcore.placement.workers import JUDGE, POLICY, PoolEngine, RoleSpec, WorkerPool
 from gcore.rewards.generative import GenerativeReward
 from gcore.rewards.rule import CallableReward
 from gcore.testing import make_sample, tiny_fit
@@ -185,10 +185,10 @@ class JudgeCostSchedule(DynamicPlacement):
         super().__init__(**kwargs)
         self.lengths, self.steps = lengths, 0
 
-    def rollout(self, controller, prompts, timer, first_group):
-        controller.reward.params.max_new_tokens = self.lengths[min(self.steps, len(self.lengths) - 1)]
+    def rollout(self, job):
+        job.reward.params.max_new_tokens = self.lengths[min(self.steps, len(self.lengths) - 1)]
         self.steps += 1
-        return super().rollout(controller, prompts, timer, first_group)
+        return super().rollout(job)
 
 
 @pytest.mark.slow

@@ -60,6 +60,19 @@ class Returns(RuleReward):
         return self.values.pop(0)
 
 
+def test_a_reward_names_its_generative_judge_and_placement_can_point_it_elsewhere(tmp_path):
+    rule = RegexReward(r"\d")
+    judge = GenerativeReward(str(tmp_path / "judge"), trust_remote_code=True)
+    assert rule.judges() == []
+    (found,) = CombinedReward([rule, judge]).judges()  # a combined reward returns its parts' judges
+    assert found.path == str(tmp_path / "judge") and found.trust_remote_code
+    assert found.engine is judge.engine  # configured, not set up: what a worker builds a copy of
+    elsewhere = HFEngine()
+    found.use(elsewhere)
+    assert judge.engine is elsewhere
+    assert len(CombinedReward([judge, GenerativeReward("other")]).judges()) == 2
+
+
 def test_rewards_are_finite_numbers_and_bools_count_as_one_or_zero():
     import numpy as np
 

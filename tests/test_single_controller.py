@@ -16,6 +16,7 @@ from gcore.engines.hf import HFEngine
 from gcore.model import char_tokenizer, materialize
 from gcore.placement.static import StaticPlacement
 from gcore.rewards.rule import TargetCharReward
+from gcore.rollout import StageTimer
 from gcore.single_controller import SingleController, recv_tensors, send_tensors
 from gcore.types import Prompt, Sample, SamplingParams, collate
 
@@ -91,8 +92,8 @@ def _one_controller(fabric, model_dir, out, name):
     sampling = SamplingParams(n=2, max_new_tokens=6)
     controller = SingleController(fabric, HFEngine(), TargetCharReward(), algorithm, backend, StaticPlacement(),
                                   tokenizer, sampling)
-    samples = _samples(tokenizer) if fabric.global_rank == 0 else None
-    batch = controller._prepare(samples, empty=False)
+    samples = _samples(tokenizer) if fabric.global_rank == 0 else []
+    batch = controller.prepare(samples, samples, StageTimer())
     metrics = backend.train(batch, algorithm, max_new_tokens=6)
     torch.save({"metrics": metrics, "weights": {k: v.clone() for k, v in backend.named_weights()},
                 "features": batch.features}, out % fabric.global_rank)

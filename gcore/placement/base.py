@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from gcore.engines.base import Engine
 from gcore.rewards.base import RewardModel
-from gcore.types import Prompt, Sample
-
-if TYPE_CHECKING:
-    from gcore.controller import Controller, StageTimer
+from gcore.rollout import RolloutJob
+from gcore.types import Sample
 
 
 @dataclass
@@ -31,8 +28,9 @@ class PlacementPolicy(ABC):
     """Decides how roles (policy generation, judge, training) share the devices.
 
     ``launch`` starts the engines where the policy places them and returns the rollout engine the
-    controller calls; ``rollout`` runs the GENERATE and REWARD stages of a step (the default:
-    generate everything, then score it), with ``before_generate``/``after_generate`` around them;
+    controller calls; ``rollout(job)`` runs the GENERATE and REWARD stages the controller asks for
+    in a ``RolloutJob`` (the default: generate everything, then score it), with
+    ``before_generate``/``after_generate`` around them;
     ``update`` gets the step's gathered telemetry and returns what to log. Decisions must be
     computed identically on every rank from the same telemetry: there is no master.
     """
@@ -58,18 +56,17 @@ class PlacementPolicy(ABC):
         reward.setup(device)
         return engine
 
-    def rollout(
-        self, controller: Controller, prompts: list[Prompt], timer: StageTimer, first_group: int
-    ) -> list[Sample]:
-        """Generate ``n`` samples per prompt and score them (groups numbered from ``first_group``)."""
-        with timer("generate"):
-            self.before_generate(controller.engine)
-            outputs = controller.engine.generate([p.token_ids for p in prompts], controller.sampling)
-        samples = controller.make_samples(prompts, outputs, first_group)
-        with timer("reward"):
-            controller.score(samples)
-        with timer("swap"):
-            self.after_generate(controller.engine)
+    def rollout(self, job: RolloutJob) -> list[Sample]:
+        """Generate ``job.sampling.n`` samples per prompt of ``job`` and score them (``job.samples``,
+        ``job.score``), timing the stages in ``job.timer``. Default: on ``job.engine``, in this process."""
+        with job.timer("generate"):
+            self.before_generate(job.engine)
+            outputs = job.engine.generate([p.token_ids for p in job.prompts], job.sampling)
+        samples = job.samples(outputs)
+        with job.timer("reward"):
+            job.score(samples)
+        with job.timer("swap"):
+            self.after_generate(job.engine)
         return samples
 
     def shutdown(self) -> None:

@@ -14,11 +14,12 @@ from gcore.engines.base import Engine
 from gcore.errors import ConfigError
 from gcore.placement.base import PlacementPolicy, Telemetry
 from gcore.rewards.base import RewardModel
-from gcore.types import Generation, Prompt, Sample
+from gcore.rollout import RolloutJob
+from gcore.types import Generation, Sample
 
 if TYPE_CHECKING:
-    from gcore.controller import Controller, StageTimer
-    from gcore.placement.workers import PoolEngine, PoolReward, WorkerPool
+    from gcore.engines.pool import PoolEngine, WorkerPool
+    from gcore.placement.launch import PoolReward
 
 GENERATE, JUDGE = "generate", "reward"
 
@@ -107,7 +108,7 @@ class DynamicPlacement(PlacementPolicy):
 
     def setup(self, world_size: int, device_type: str, reward: RewardModel | None = None) -> None:
         """``reward`` ``None`` (``gcore simulate``) or one with a generative judge: a judge partition."""
-        from gcore.placement.workers import JUDGE, REWARD, generative_judges
+        from gcore.engines.pool import JUDGE, REWARD
 
         if device_type not in ("simulated", "cpu"):
             raise ConfigError(
@@ -115,7 +116,7 @@ class DynamicPlacement(PlacementPolicy):
                 "the generation and judge partitions need engine servers on GPU partitions, not built yet: "
                 "use --placement static"
             )
-        judged = reward is None or bool(generative_judges(reward))
+        judged = reward is None or bool(reward.judges())
         self.reward_role = JUDGE if judged else REWARD
         self.total = self.devices or (
             world_size if device_type == "simulated" else max(1, usable_cores() // world_size)
@@ -151,33 +152,31 @@ class DynamicPlacement(PlacementPolicy):
     def launch(self, engine: Engine, reward: RewardModel, model_path: str, dtype: torch.dtype,
                trust_remote_code: bool, device: torch.device, seed: int) -> Engine:
         """Start ``devices`` engine workers: the first ``generate_devices`` hold the policy, the rest the judge."""
-        from gcore.placement.workers import launch_workers
+        from gcore.engines.pool import REWARD
+        from gcore.placement.launch import PoolReward, launch_workers
 
         if self.total == 0:
             raise RuntimeError("DynamicPlacement.launch called before setup")
-        from gcore.placement.workers import REWARD, PoolReward
-
         self.pool, self.policy_engine, self.judge_engine = launch_workers(
-            "--placement dynamic", engine, reward, model_path, dtype, trust_remote_code, device,
-            self._roles(), self.threads, seed, True, self.worker_timeout_s, self.retries,
+            "--placement dynamic", engine, reward, model_path=model_path, dtype=dtype,
+            trust_remote_code=trust_remote_code, device=device, roles=self._roles(), threads=self.threads, seed=seed,
+            release=True, job_timeout_s=self.worker_timeout_s, retries=self.retries,
             reward_workers=self.reward_role == REWARD and self.max_reward_devices > 0)
         if self.reward_role == REWARD:
             self.reward_pool = PoolReward(self.pool, [])
         return self.policy_engine
 
     def _roles(self) -> list[str]:
-        from gcore.placement.workers import POLICY
+        from gcore.engines.pool import POLICY
 
         return [POLICY] * self.generate_devices + [self.reward_role] * self.judge_devices
 
-    def rollout(
-        self, controller: Controller, prompts: list[Prompt], timer: StageTimer, first_group: int
-    ) -> list[Sample]:
+    def rollout(self, job: RolloutJob) -> list[Sample]:
         """Generate on one partition and judge on the other at once: each finished request is judged
         while the rest is still generating. Writes per-device busy seconds for ``update``."""
-        from gcore.placement.workers import POLICY
+        from gcore.engines.pool import POLICY
 
-        pool = self.pool
+        pool, prompts, timer = self.pool, job.prompts, job.timer
         if pool is None:
             raise RuntimeError("DynamicPlacement.rollout called before launch")
         pool.revive()
@@ -196,19 +195,19 @@ class DynamicPlacement(PlacementPolicy):
         chunks = {
             start: prompts[start : start + self.stream_groups] for start in range(0, len(prompts), self.stream_groups)
         }
-        jobs = {start: pool.submit("generate", (POLICY, [p.token_ids for p in chunk], controller.sampling),
-                                   generators, POLICY) for start, chunk in chunks.items()}
+        requests = {start: pool.submit("generate", (POLICY, [p.token_ids for p in chunk], job.sampling),
+                                       generators, POLICY) for start, chunk in chunks.items()}
         by_chunk: dict[int, list[Sample]] = {}
-        while len(by_chunk) < len(jobs):
-            pool.wait([job for start, job in jobs.items() if start not in by_chunk], first=True)
+        while len(by_chunk) < len(requests):
+            pool.wait([request for start, request in requests.items() if start not in by_chunk], first=True)
             finished = []
-            for start, job in jobs.items():
-                if job.done and start not in by_chunk:
-                    generations = cast("list[list[Generation]]", job.result)
-                    by_chunk[start] = controller.make_samples(chunks[start], generations, first_group + start)
+            for start, request in requests.items():
+                if request.done and start not in by_chunk:
+                    generations = cast("list[list[Generation]]", request.result)
+                    by_chunk[start] = job.samples(generations, start)
                     finished += by_chunk[start]
             scored = time.perf_counter()
-            controller.score(finished, reward)  # on the reward partition, while generation goes on
+            job.score(finished, reward)  # on the reward partition, while generation goes on
             in_controller += time.perf_counter() - scored
         wall = time.perf_counter() - started
         busy_generate = pool.busy.get(POLICY, 0.0)

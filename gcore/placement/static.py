@@ -11,11 +11,11 @@ from gcore.engines.base import Engine
 from gcore.errors import ConfigError
 from gcore.placement.base import PlacementPolicy
 from gcore.rewards.base import RewardModel
-from gcore.types import Prompt, Sample
+from gcore.rollout import RolloutJob
+from gcore.types import Sample
 
 if TYPE_CHECKING:
-    from gcore.controller import Controller, StageTimer
-    from gcore.placement.workers import PoolEngine, WorkerPool
+    from gcore.engines.pool import PoolEngine, WorkerPool
 
 
 class StaticPlacement(PlacementPolicy):
@@ -63,35 +63,35 @@ class StaticPlacement(PlacementPolicy):
                trust_remote_code: bool, device: torch.device, seed: int) -> Engine:
         if not self.workers:
             return super().launch(engine, reward, model_path, dtype, trust_remote_code, device, seed)
-        from gcore.placement.workers import POLICY, launch_workers
+        from gcore.engines.pool import POLICY
+        from gcore.placement.launch import launch_workers
 
         self.pool, policy, self.judge_engine = launch_workers(
-            "--placement.workers", engine, reward, model_path, dtype, trust_remote_code, device,
-            [POLICY] * self.workers, self.threads, seed, self.release, self.worker_timeout_s, self.retries)
+            "--placement.workers", engine, reward, model_path=model_path, dtype=dtype,
+            trust_remote_code=trust_remote_code, device=device, roles=[POLICY] * self.workers, threads=self.threads,
+            seed=seed, release=self.release, job_timeout_s=self.worker_timeout_s, retries=self.retries)
         return policy
 
-    def rollout(
-        self, controller: Controller, prompts: list[Prompt], timer: StageTimer, first_group: int
-    ) -> list[Sample]:
+    def rollout(self, job: RolloutJob) -> list[Sample]:
         if self.pool is None:
-            return super().rollout(controller, prompts, timer, first_group)
-        from gcore.placement.workers import JUDGE, POLICY
+            return super().rollout(job)
+        from gcore.engines.pool import JUDGE, POLICY
 
-        pool, everyone = self.pool, list(range(self.pool.size))
+        pool, everyone, timer = self.pool, list(range(self.pool.size)), job.timer
         pool.revive()
         pool.busy.clear()
         with timer("generate"):
             started = time.perf_counter()
-            outputs = pool.generate(POLICY, [p.token_ids for p in prompts], controller.sampling, everyone)
+            outputs = pool.generate(POLICY, [p.token_ids for p in job.prompts], job.sampling, everyone)
             generate_s = time.perf_counter() - started
-        samples = controller.make_samples(prompts, outputs, first_group)
+        samples = job.samples(outputs)
         if self.judge_engine is not None:
             with timer("swap"):
                 pool.assign([JUDGE] * pool.size)
             self.judge_engine.workers = everyone
         with timer("reward"):
             started = time.perf_counter()
-            controller.score(samples)
+            job.score(samples)
             reward_s = time.perf_counter() - started
         if self.judge_engine is not None:
             with timer("swap"):

@@ -1,6 +1,6 @@
 """Reward models: ``RewardModel`` and its implementations."""
 
-from gcore.rewards.base import RewardModel, RuleReward
+from gcore.rewards.base import Judge, RewardModel, RuleReward
 from gcore.rewards.rule import CallableReward, RegexReward, TargetCharReward
 
-__all__ = ["CallableReward", "RegexReward", "RewardModel", "RuleReward", "TargetCharReward"]
+__all__ = ["CallableReward", "Judge", "RegexReward", "RewardModel", "RuleReward", "TargetCharReward"]

@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 import numbers
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
+from gcore.engines.base import Engine
 from gcore.errors import RewardError
 from gcore.types import Sample
 
@@ -44,12 +46,28 @@ def _short(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+@dataclass
+class Judge:
+    """A judge LLM inside a reward (``RewardModel.judges``): how to build its engine elsewhere.
+
+    A placement policy that runs the judge in engine processes of its own builds a copy of
+    ``engine`` (configured, not set up) there from ``path``, and calls ``use`` with the engine that
+    reaches those processes, before the reward's ``setup``: the reward then asks that one.
+    """
+
+    engine: Engine
+    path: str
+    trust_remote_code: bool
+    use: Callable[[Engine], None]
+
+
 class RewardModel(ABC):
     """Scores completions: ``score(samples)`` returns one float per sample.
 
     ``last_errors`` counts the samples whose scoring failed in the last call (summed per step into
     the ``reward/errors`` metric); ``last_error`` describes the first of them (the controller warns
-    once per step with it).
+    once per step with it). A reward that asks an LLM judge on an engine of its own says so in
+    ``judges``, so that a placement policy can place that engine.
     """
 
     last_errors: int = 0
@@ -61,6 +79,11 @@ class RewardModel(ABC):
     @abstractmethod
     def score(self, samples: Sequence[Sample]) -> list[float]:
         """One reward per sample."""
+
+    def judges(self) -> list[Judge]:
+        """The generative judges this reward asks (none by default; a reward made of other rewards
+        returns theirs)."""
+        return []
 
 
 class RuleReward(RewardModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gcore.errors import ConfigError
-from gcore.rewards.base import RewardModel
+from gcore.rewards.base import Judge, RewardModel
 from gcore.types import Sample
 
 
@@ -28,6 +28,9 @@ class CombinedReward(RewardModel):
     def setup(self, device) -> None:  # noqa: ANN001
         for reward in self.rewards:
             reward.setup(device)
+
+    def judges(self) -> list[Judge]:
+        return [judge for reward in self.rewards for judge in reward.judges()]
 
     def score(self, samples: Sequence[Sample]) -> list[float]:
         totals = [0.0] * len(samples)

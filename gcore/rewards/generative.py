@@ -12,7 +12,7 @@ import torch
 
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError, RewardError
-from gcore.rewards.base import RewardModel
+from gcore.rewards.base import Judge, RewardModel
 from gcore.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,13 @@ class GenerativeReward(RewardModel):
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.engine.setup(self.path, device, torch.float32, self.trust_remote_code)
+
+    def judges(self) -> list[Judge]:
+        """This reward's judge: a placement policy may run it on engine workers of its own."""
+        return [Judge(self.engine, self.path, self.trust_remote_code, self._use_engine)]
+
+    def _use_engine(self, engine: Engine) -> None:
+        self.engine = engine
 
     def judge_prompt(self, sample: Sample) -> str:
         return self.template.format(prompt=sample.prompt.text, response=sample.response_text,

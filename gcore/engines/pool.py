@@ -1,9 +1,14 @@
 """Engine worker processes: the "devices" that placement policies assign roles to on a CPU machine.
 
+An engine runtime: ``PoolEngine`` is an ``Engine`` whose ``generate`` runs on worker processes.
+Which worker holds which role, and when, is decided by a placement policy; the policies start a
+pool through ``gcore/placement/launch.py``.
+
 A ``WorkerPool`` owns ``size`` worker processes (``torch.multiprocessing`` spawn, each with its own
 ``torch.set_num_threads`` budget). Every worker holds one awake *role* at a time: the policy engine
 (``policy``), the judge engine (``judge``), both built from the configured, not yet set-up
-``Engine`` objects the trainer was given, or a rule-based reward (``reward``) that scores samples.
+``Engine`` objects the trainer was given, or a rule-based reward (``reward``, any ``Scorer``) that
+scores samples.
 Changing a worker's role is a real swap: the old engine is
 put to sleep and, with ``release=True`` (the CPU default), shut down so its memory is freed; the new
 one wakes up, or is loaded again from its checkpoint (the policy then takes the latest weights from
@@ -30,17 +35,27 @@ import time
 import traceback
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from gcore.engines.base import Engine
 from gcore.errors import GcoreError
-from gcore.rewards.base import RewardModel
 from gcore.types import Generation, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
 POLICY, JUDGE, REWARD = "policy", "judge", "reward"
+
+
+class Scorer(Protocol):
+    """What a worker needs of a rule-based reward (a ``gcore.rewards.RewardModel`` is one)."""
+
+    last_errors: int
+
+    def setup(self, device: torch.device) -> None: ...
+
+    def score(self, samples: Sequence[Sample]) -> list[float]: ...
 
 
 @dataclass
@@ -51,7 +66,7 @@ class RoleSpec:
     path: str
     dtype: torch.dtype = torch.float32
     trust_remote_code: bool = False
-    reward: RewardModel | None = None  # a rule-based reward: the role scores samples instead of generating
+    reward: Scorer | None = None  # a rule-based reward: the role scores samples instead of generating
 
 
 @dataclass
@@ -139,10 +154,10 @@ class _WorkerRuntime:
 
     def __init__(self, specs: dict[str, RoleSpec], release: bool) -> None:
         self.specs, self.release = specs, release
-        self.engines: dict[str, Engine | RewardModel] = {}
+        self.engines: dict[str, Engine | Scorer] = {}
         self.role: str | None = None
 
-    def _load(self, role: str, weights: tuple | None) -> Engine | RewardModel:
+    def _load(self, role: str, weights: tuple | None) -> Engine | Scorer:
         spec = self.specs[role]
         if spec.reward is not None:
             reward = pickle.loads(pickle.dumps(spec.reward))
@@ -182,7 +197,7 @@ class _WorkerRuntime:
         return self.engines[role].generate(prompts, params)
 
     def score(self, role: str, samples: list[Sample]) -> tuple[list[float], int]:
-        """The reward of each sample, and how many failed (``RewardModel.last_errors``)."""
+        """The reward of each sample, and how many failed (``Scorer.last_errors``)."""
         if role != self.role:
             raise RuntimeError(f"worker holds the {self.role} role, asked to score as {role}")
         reward = self.engines[role]
@@ -539,76 +554,3 @@ class PoolEngine(Engine):
 
     def shutdown(self) -> None:
         self.pool.close()
-
-
-class PoolReward(RewardModel):
-    """A rule-based reward scored on a set of pool workers (the ``reward`` role), split like generation."""
-
-    def __init__(self, pool: WorkerPool, workers: Sequence[int]) -> None:
-        self.pool, self.workers = pool, list(workers)
-
-    def score(self, samples: Sequence[Sample]) -> list[float]:
-        if not samples:
-            return []
-        chunk = math.ceil(len(samples) / len(self.workers))
-        jobs = [self.pool.submit("score", (REWARD, list(samples[s : s + chunk])), self.workers, REWARD)
-                for s in range(0, len(samples), chunk)]
-        self.pool.wait(jobs)
-        self.last_errors = sum(job.result[1] for job in jobs)
-        return [value for job in jobs for value in job.result[0]]
-
-
-def generative_judges(reward: object) -> list:
-    """The ``GenerativeReward`` objects in a reward (itself, or inside a combined reward)."""
-    from gcore.rewards.generative import GenerativeReward
-
-    if isinstance(reward, GenerativeReward):
-        return [reward]
-    return [judge for part in getattr(reward, "rewards", None) or [] for judge in generative_judges(part)]
-
-
-def launch_workers(option: str, engine: Engine, reward: object, model_path: str, dtype: torch.dtype,
-                   trust_remote_code: bool, device: torch.device, roles: Sequence[str], threads: int, seed: int,
-                   release: bool, job_timeout_s: float, retries: int, reward_workers: bool = False,
-                   ) -> tuple[WorkerPool, PoolEngine, PoolEngine | None]:
-    """Start a pool with the policy engine and (if the reward has one) the generative judge's engine.
-
-    The judge's ``engine`` is replaced by a ``PoolEngine`` on the judge workers, so the reward
-    scores through the pool; the reward is then set up in this process (tokenizers, rule parts).
-    With ``reward_workers`` and no generative judge, workers may also take the ``reward`` role
-    (the rule-based reward, scored through a ``PoolReward``).
-    """
-    from gcore.errors import ConfigError
-
-    if device.type != "cpu":
-        raise ConfigError(f"{option}: engine worker processes run on CPU only so far; on {device.type} use "
-                          "--placement static without workers (engines in the controller's process)")
-    judges = generative_judges(reward)
-    if len(judges) > 1:
-        raise ConfigError(f"{option}: engine workers hold one generative judge, the reward has {len(judges)}")
-    specs = {POLICY: RoleSpec(engine, model_path, dtype, trust_remote_code)}
-    if judges:
-        specs[JUDGE] = RoleSpec(judges[0].engine, judges[0].path, torch.float32, judges[0].trust_remote_code)
-    elif JUDGE in roles:
-        raise ConfigError(f"{option}: a judge partition needs a generative judge (--reward generative, or "
-                          "--reward combined with one)")
-    elif reward_workers:
-        specs[REWARD] = RoleSpec(None, "", reward=reward)
-    for role, spec in specs.items():
-        try:
-            pickle.dumps(spec.reward if spec.reward is not None else spec.engine)
-        except Exception as err:
-            what = spec.reward if spec.reward is not None else spec.engine
-            raise ConfigError(f"{option}: the {role} {type(what).__name__} cannot be sent to a "
-                              f"worker process: {err}") from err
-    cores = os.cpu_count() or 1
-    if threads * len(roles) > cores:
-        log.info("%d engine workers x %d threads on %d cores: oversubscribed", len(roles), threads, cores)
-    pool = WorkerPool(len(roles), specs, roles, threads=threads, seed=seed, release=release,
-                      job_timeout_s=job_timeout_s, retries=retries)
-    policy = PoolEngine(pool, POLICY, [i for i, r in enumerate(roles) if r == POLICY])
-    judge = None
-    if judges:
-        judge = judges[0].engine = PoolEngine(pool, JUDGE, [i for i, r in enumerate(roles) if r == JUDGE])
-    reward.setup(device)
-    return pool, policy, judge

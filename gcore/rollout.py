@@ -1,0 +1,110 @@
+"""What a controller asks of its placement policy: one ``RolloutJob`` per GENERATE + REWARD.
+
+The controller (``gcore/controller.py``) owns the step; the placement policy (``gcore/placement/``)
+decides where and when the engines run. Between them travels a ``RolloutJob``: the prompts, the
+sampling parameters, the engine to call, and how a completion becomes a scored ``Sample``
+(``job.samples``, ``job.score``). A policy never sees the controller, so nothing in placement calls
+back up into it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+from gcore.algorithms.base import Algorithm
+from gcore.engines.base import Engine
+from gcore.errors import RewardError
+from gcore.rewards.base import RewardModel, as_reward, describe_sample
+from gcore.types import Generation, Prompt, Sample, SamplingParams
+
+STAGES = ("generate", "reward", "swap", "prepare", "train", "sync")
+LOCAL_STAGES = ("generate", "reward", "swap", "prepare")  # no collective inside: a controller's own work
+
+
+class Decoder(Protocol):
+    """What a job needs of a tokenizer (a ``transformers`` tokenizer is one)."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class StageTimer:
+    """Wall-clock seconds per stage of one step."""
+
+    def __init__(self, on_stage: Callable[[str], None] | None = None) -> None:
+        self.seconds: dict[str, float] = {}
+        self.on_stage = on_stage
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        if self.on_stage:
+            self.on_stage(stage)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(stage, time.perf_counter() - start)
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+
+@dataclass
+class RolloutJob:
+    """One GENERATE + REWARD request: ``n`` samples per prompt, scored and shaped.
+
+    A placement policy's ``rollout(job)`` generates ``prompts`` with ``sampling`` (on ``engine``, or
+    on engines it launched itself), turns the completions into samples with ``job.samples`` and
+    scores them with ``job.score``, timing its stages in ``timer``. The job counts the samples
+    whose scoring failed (``reward_errors``), for the controller's ``reward/errors``.
+    """
+
+    prompts: list[Prompt]
+    sampling: SamplingParams
+    engine: Engine  # the rollout engine ``PlacementPolicy.launch`` returned
+    reward: RewardModel
+    algorithm: Algorithm  # shapes the raw reward (``Algorithm.shape_reward``)
+    tokenizer: Decoder  # decodes the responses
+    timer: StageTimer
+    first_group: int = 0  # the groups of ``prompts`` are numbered from here
+    reward_errors: int = 0
+    first_reward_error: str | None = None
+
+    def samples(self, outputs: list[list[Generation]], start: int = 0) -> list[Sample]:
+        """One ``Sample`` per generation of ``prompts[start:]`` (``outputs[i]`` are the completions
+        of ``prompts[start + i]``), in the groups of those prompts."""
+        first = self.first_group + start
+        return [
+            Sample(
+                prompt=prompt,
+                group=first + group,
+                response_ids=g.token_ids,
+                response_logprobs=g.logprobs,
+                response_text=self.tokenizer.decode(g.token_ids, skip_special_tokens=True),
+                finished=g.finished,
+            )
+            for group, (prompt, generations) in enumerate(zip(self.prompts[start:], outputs, strict=False))
+            for g in generations
+        ]
+
+    def score(self, samples: list[Sample], reward: RewardModel | None = None) -> None:
+        """Reward the samples (with ``reward``, e.g. one scored in worker processes, instead of the
+        job's): the raw score is kept in ``reward_info["raw"]``, the algorithm shapes it."""
+        reward = reward or self.reward
+        raw = reward.score(samples)
+        if len(raw) != len(samples):
+            raise RewardError(f"{type(reward).__name__} returned {len(raw)} rewards for {len(samples)} samples")
+        self.reward_errors += getattr(reward, "last_errors", 0)
+        self.first_reward_error = self.first_reward_error or getattr(reward, "last_error", None)
+        for sample, value in zip(samples, raw, strict=False):
+            try:  # any reward model, not only the rule-based ones (which check their own values)
+                value = as_reward(value)
+            except (TypeError, ValueError) as err:
+                name = type(reward).__name__
+                raise RewardError(f"{name} gave {err} on sample ({describe_sample(sample)})") from None
+            sample.reward_info["raw"] = value
+            sample.reward = value
+            sample.reward = float(self.algorithm.shape_reward(sample))
