@@ -55,25 +55,35 @@ def test_gguf_converts_to_a_plain_llama_checkpoint(smollm2):
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
 
 
-def test_engine_and_trainer_logprobs_agree_on_smollm2(smollm2):
-    """float32 on CPU: the engine's sampled-token logprobs and the trainer's recomputed ones differ only by
-    kernel order (static-KV-cache decode vs one full forward over 30 layers): measured max gap 9.5e-6 on a
-    2-core x86-64 CPU (2026-11-23), bound 1e-4 (the tiny model's parity bound in test_weight_sync.py)."""
+def _trainer_side(path: str, lr: float = 1e-5):
+    """The trainer half of a parity test on SmolLM2: a float32 torch backend, 2 arithmetic prompts in the chat
+    template, and sampling settings that stop at EOS."""
     from lightning.fabric import Fabric
 
-    from gcore import GRPO, HFEngine, ModelConfig, SamplingParams, TorchBackend
+    from gcore import GRPO, ModelConfig, SamplingParams, TorchBackend
     from gcore.data import DataConfig, load_prompts
     from gcore.model import load_tokenizer
 
-    path, _ = smollm2
     torch.manual_seed(0)
     tokenizer = load_tokenizer(ModelConfig(path=path))
     prompts = load_prompts(DataConfig(task="arithmetic", num_synthetic_prompts=2, chat_template=True),
                            tokenizer, 12, None)
     params = SamplingParams(n=2, max_new_tokens=12, temperature=0.8, stop_token_ids=(tokenizer.eos_token_id,))
     fabric = Fabric(accelerator="cpu", devices=1)
-    backend, engine = TorchBackend(), HFEngine()
+    backend = TorchBackend(lr=lr)
     backend.setup(fabric, path, torch.float32, False, GRPO(kl_coef=0.0), embedded=False)
+    return fabric, backend, tokenizer, params, prompts
+
+
+def test_engine_and_trainer_logprobs_agree_on_smollm2(smollm2):
+    """float32 on CPU: the engine's sampled-token logprobs and the trainer's recomputed ones differ only by
+    kernel order (static-KV-cache decode vs one full forward over 30 layers): measured max gap 9.5e-6 on a
+    2-core x86-64 CPU (2026-11-23), bound 1e-4 (the tiny model's parity bound in test_weight_sync.py)."""
+    from gcore import HFEngine
+
+    path, _ = smollm2
+    fabric, backend, tokenizer, params, prompts = _trainer_side(path)
+    engine = HFEngine()
     engine.setup(path, fabric.device, torch.float32, False)
     gap, _ = engine_logprob_gap(engine, backend, tokenizer, params, prompts)
     print(f"engine vs trainer max |logprob gap| on SmolLM2-135M: {float(gap):.2e}")
@@ -129,24 +139,13 @@ def test_vllm_and_sglang_logprobs_agree_on_smollm2_before_and_after_a_sync(smoll
     Measured max gaps (2026-11-23, 2-core x86-64): vLLM 2.8e-5 before, 7.5e-5 after the sync; SGLang 6.7e-6
     after it (BENCHMARKS.md); bound 1e-4 as in the tiny-model parity tests. The GRPO step must open a gap far
     above it, or the sync would prove nothing."""
-    from lightning.fabric import Fabric
-
-    from gcore import GRPO, ModelConfig, SamplingParams, TorchBackend
+    from gcore import GRPO
     from gcore.algorithms.base import group_normalize
-    from gcore.data import DataConfig, load_prompts
-    from gcore.model import load_tokenizer
 
     if torch.cuda.is_available():
         pytest.skip("CPU builds of vLLM and SGLang only")
     path, _ = smollm2
-    torch.manual_seed(0)
-    tokenizer = load_tokenizer(ModelConfig(path=path))
-    prompts = load_prompts(DataConfig(task="arithmetic", num_synthetic_prompts=2, chat_template=True),
-                           tokenizer, 12, None)
-    params = SamplingParams(n=2, max_new_tokens=12, temperature=0.8, stop_token_ids=(tokenizer.eos_token_id,))
-    fabric = Fabric(accelerator="cpu", devices=1)
-    backend = TorchBackend(lr=1e-4)
-    backend.setup(fabric, path, torch.float32, False, GRPO(kl_coef=0.0), embedded=False)
+    fabric, backend, tokenizer, params, prompts = _trainer_side(path, lr=1e-4)
     if engine_name == "vllm":
         from gcore.engines.vllm import VLLMEngine
 
