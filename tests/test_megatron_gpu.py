@@ -102,8 +102,11 @@ def test_distributed_optimizer_and_pipeline_on_gpus(tmp_path, pp, distributed_op
         pytest.skip(f"needs {devices} GPUs")
     model_dir = _model_dir(tmp_path, **{**QWEN25_05B, "num_hidden_layers": 4})
     out = str(tmp_path / "result")
-    launch = dict(strategy="ddp_spawn") if devices > 1 else {}
-    Fabric(accelerator="cuda", devices=devices, **launch).launch(_compare, model_dir, 1, out, pp, distributed_optimizer)
+    args = (model_dir, 1, out, pp, distributed_optimizer)
+    if devices > 1:  # spawned ranks that leave together, as in every other multi-rank test
+        spawn(devices, _compare, *args, accelerator="cuda")
+    else:
+        Fabric(accelerator="cuda", devices=1).launch(_compare, *args)
     for rank in range(devices):
         result = torch.load(f"{out}.{rank}")
         assert result["loss"] < 1e-4 and result["weights"] < 1e-4, result
