@@ -18,6 +18,11 @@ alternate A B A B so that load from other processes on the machine hits both ali
 Prints, per trainer: median step time (with spread), completion tokens per second, peak RSS,
 the mean reward curve; then the ratios gcore/TRL and gcore's per-stage breakdown.
 
+``--neighbour none,pinned,unpinned,threaded,gloo`` runs every trainer next to each kind of other work in turn
+(started before each run, killed after it; see ``neighbour_main``), prints the report above per kind with the
+load average after each run, then one table: each trainer's median step by neighbour, its ratio to its own
+``none`` runs, and gcore/TRL next to the same neighbour. ``--json`` then holds ``runs[kind][trainer]``.
+
 With ``--model-path`` (an HF checkpoint folder or a ``.gguf`` file, converted once before the runs), both
 trainers train that model instead, on the embedded arithmetic task (``gcore.tasks.arithmetic_rows``) with the
 tokenizer's chat template (gcore ``--data.chat_template true``; TRL conversational prompts), scored by the
