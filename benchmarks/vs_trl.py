@@ -18,6 +18,11 @@ alternate A B A B so that load from other processes on the machine hits both ali
 Prints, per trainer: median step time (with spread), completion tokens per second, peak RSS,
 the mean reward curve; then the ratios gcore/TRL and gcore's per-stage breakdown.
 
+``--neighbour none,pinned,unpinned,threaded,gloo`` runs every trainer next to each kind of other work in turn
+(started before each run, killed after it; see ``neighbour_main``), prints the report above per kind with the
+load average after each run, then one table: each trainer's median step by neighbour, its ratio to its own
+``none`` runs, and gcore/TRL next to the same neighbour. ``--json`` then holds ``runs[kind][trainer]``.
+
 With ``--model-path`` (an HF checkpoint folder or a ``.gguf`` file, converted once before the runs), both
 trainers train that model instead, on the embedded arithmetic task (``gcore.tasks.arithmetic_rows``) with the
 tokenizer's chat template (gcore ``--data.chat_template true``; TRL conversational prompts), scored by the
@@ -38,6 +43,8 @@ import argparse
 import json
 import os
 import resource
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +53,67 @@ import time
 
 VARIANTS = ("gcore", "gcore-all-rows", "gcore-dynamic", "gcore-generate", "trl")
 STAGES = ("generate", "reward", "swap", "prepare", "train", "sync")
+NEIGHBOURS = ("none", "pinned", "unpinned", "threaded", "gloo")
+
+
+# --------------------------------------------------------------------------------------------- #
+# neighbours: other work on the machine while a trainer runs (``--neighbour``)                    #
+# --------------------------------------------------------------------------------------------- #
+
+
+def neighbour_main(kind: str) -> None:
+    """Run one neighbour until killed. ``pinned``/``unpinned``: a pure-Python busy loop (``pinned``: on the last core
+    this process may use); ``threaded``: float32 matmuls with torch on every usable core; ``gloo``: a 2-process
+    torch.distributed gloo job (a matmul then an all-reduce of its result, in a loop, torch's default threads)."""
+    if kind == "pinned":
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+    if kind in ("pinned", "unpinned"):
+        while True:
+            pass
+    import torch
+
+    if kind == "threaded":
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        a = torch.randn(512, 512)
+        while True:
+            a = torch.tanh(a @ a)
+    if kind == "gloo":
+        import torch.multiprocessing as mp
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.start_processes(_gloo_rank, args=(port,), nprocs=2, start_method="spawn")
+    raise SystemExit(f"unknown neighbour {kind!r}; valid: {', '.join(NEIGHBOURS)}")
+
+
+def _gloo_rank(rank: int, port: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    a = torch.randn(256, 256)
+    while True:
+        b = torch.tanh(a @ a)
+        dist.all_reduce(b)
+        a = b / 2
+
+
+def start_neighbour(kind: str) -> subprocess.Popen | None:
+    if kind == "none":
+        return None
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--neighbour-worker", kind],
+                            start_new_session=True)  # its own process group: stopping it ends the gloo ranks too
+
+
+def stop_neighbour(proc: subprocess.Popen | None) -> None:
+    if proc is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -335,8 +403,15 @@ def main() -> None:
                              "test-split problems (greedy and at --temperature, gcore's evaluation for both)")
     parser.add_argument("--model-path", default=None,
                         help="train this model (HF checkpoint folder or .gguf file) on the arithmetic task instead")
+    parser.add_argument("--neighbour", default="none",
+                        help=f"comma-separated kinds of other work running during every trainer run, each kind's runs "
+                             f"done in turn and reported side by side (from {', '.join(NEIGHBOURS)})")
+    parser.add_argument("--neighbour-worker", choices=NEIGHBOURS, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    if args.neighbour_worker:
+        neighbour_main(args.neighbour_worker)
+        return
     if args.worker:
         if args.threads:
             import torch
@@ -350,7 +425,11 @@ def main() -> None:
     unknown = set(names) - set(VARIANTS)
     if unknown:
         parser.error(f"--variants: unknown {', '.join(sorted(unknown))}; valid: {', '.join(VARIANTS)}")
-    runs: dict[str, list[dict]] = {name: [] for name in names}
+    kinds = [k.strip() for k in args.neighbour.split(",") if k.strip()]
+    if set(kinds) - set(NEIGHBOURS) or not kinds:
+        parser.error(f"--neighbour: unknown {', '.join(sorted(set(kinds) - set(NEIGHBOURS)))}; "
+                     f"valid: {', '.join(NEIGHBOURS)}")
+    runs_by_kind: dict[str, dict[str, list[dict]]] = {kind: {name: [] for name in names} for kind in kinds}
     forwarded = _clean(sys.argv[1:])
     converted = None
     if args.model_path and args.model_path.endswith(".gguf"):  # convert once, outside every timed run
@@ -362,26 +441,50 @@ def main() -> None:
         forwarded += ["--model-path", converted or args.model_path]
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     for repeat in range(args.repeats):
-        order = names  # A B A B ...: contention from other processes hits every trainer alike
-        for name in order:
+        # A B A B ... and every neighbour kind in turn: contention from other processes hits every run alike
+        for kind, name in ((kind, name) for kind in kinds for name in names):
             seed = seeds[repeat % len(seeds)]
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, *forwarded, "--seed", str(seed)]
             env = dict(os.environ)
             if args.threads:
                 env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
             t0 = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            neighbour = start_neighbour(kind)
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            finally:
+                stop_neighbour(neighbour)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH-RESULT ")]
             if proc.returncode != 0 or not lines:
                 sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-                raise SystemExit(f"{name} run {repeat + 1} failed (exit {proc.returncode})")
+                raise SystemExit(f"{name} run {repeat + 1} next to {kind} failed (exit {proc.returncode})")
             run = json.loads(lines[-1][len("BENCH-RESULT ") :])
-            runs[name].append(run)
-            print(f"[{repeat + 1}/{args.repeats}] seed {seed} {name:5s} {time.perf_counter() - t0:6.1f} s wall, "
+            run["loadavg"] = _loadavg()
+            runs_by_kind[kind][name].append(run)
+            print(f"[{repeat + 1}/{args.repeats}] neighbour {kind:8s} seed {seed} {name:5s} "
+                  f"{time.perf_counter() - t0:6.1f} s wall, "
                   f"median step {statistics.median(step_times(run, args.warmup)):.3f} s, "
-                  f"last-5 reward {statistics.mean(run['reward'][-5:]):.3f}", flush=True)
+                  f"last-5 reward {statistics.mean(run['reward'][-5:]):.3f}, load {run['loadavg']}", flush=True)
 
+    by_kind = {kind: report(args, names, runs_by_kind[kind], kind) for kind in kinds}
+    if len(kinds) > 1 or kinds != ["none"]:
+        side_by_side(names, by_kind)
+    if "trl" in names:
+        print(f"\nTRL version {runs_by_kind[kinds[0]]['trl'][0].get('trl_version')}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": runs_by_kind}, f)
+    if converted:
+        import shutil
+
+        shutil.rmtree(converted, ignore_errors=True)
+
+
+def report(args: argparse.Namespace, names: list[str], runs: dict[str, list[dict]], kind: str) -> dict[str, dict]:
+    """Print one neighbour kind's figures; returns each trainer's summary."""
     summaries = {name: summarize(name, runs[name], args.warmup) for name in names}
+    loads = [r["loadavg"] for rs in runs.values() for r in rs]
+    print(f"\n######## neighbour: {kind} (1-minute load average after each run: {', '.join(loads)})")
     print()
     print(f"settings: {args.prompts_per_step} prompts x {args.n} generations, {args.max_new_tokens} new tokens, "
           f"lr {args.lr}, {args.steps} steps, {args.repeats} runs each (seeds {args.seeds}), "
@@ -427,15 +530,33 @@ def main() -> None:
         print(f"  reward last 5 steps: {name} {g['last5']:.3f} vs TRL {t['last5']:.3f}; "
               f"first step reaching 0.2 (mean curve): {name} {_reach(g['curve'], 0.2)} "
               f"vs TRL {_reach(t['curve'], 0.2)}")
-    if "trl" in runs:
-        print(f"\nTRL version {runs['trl'][0].get('trl_version')}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "runs": runs}, f)
-    if converted:
-        import shutil
+    return summaries
 
-        shutil.rmtree(converted, ignore_errors=True)
+
+def side_by_side(names: list[str], by_kind: dict[str, dict[str, dict]]) -> None:
+    """Median step time of every trainer next to each neighbour kind, its ratio to the quiet (``none``) runs of the
+    same trainer when they were measured, and gcore's ratio to TRL next to the same neighbour."""
+    quiet = by_kind.get("none")
+    print("\n== median step time (s) by neighbour" + ("; x: / the same trainer's quiet runs" if quiet else ""))
+    header = f"  {'neighbour':10s}" + "".join(f" {n:>22s}" for n in names)
+    if "trl" in names:
+        header += "".join(f" {n + '/trl':>20s}" for n in names if n != "trl")
+    print(header)
+    for kind, summaries in by_kind.items():
+        line = f"  {kind:10s}"
+        for n in names:
+            t = summaries[n]["median_step_s"]
+            ratio = f" ({t / quiet[n]['median_step_s']:.2f}x)" if quiet else ""
+            line += f" {f'{t:.3f}{ratio}':>22s}"
+        if "trl" in names:
+            line += "".join(f" {summaries[n]['median_step_s'] / summaries['trl']['median_step_s']:19.2f}x"
+                            for n in names if n != "trl")
+        print(line)
+
+
+def _loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return f.read().split()[0]
 
 
 def _reach(curve: list[float], level: float) -> str:
@@ -448,9 +569,9 @@ def _clean(argv: list[str]) -> list[str]:
         if skip:
             skip = False
             continue
-        if a.startswith(("--json=", "--variants=", "--seeds=", "--model-path=")):
+        if a.startswith(("--json=", "--variants=", "--seeds=", "--model-path=", "--neighbour=")):
             continue
-        if a in ("--json", "--variants", "--seeds", "--model-path"):
+        if a in ("--json", "--variants", "--seeds", "--model-path", "--neighbour"):
             skip = True
             continue
         out.append(a)

@@ -3,6 +3,8 @@
 Public API: the five plugin interfaces, the built-in plugins, the configs, and ``Trainer``/``fit``.
 """
 
+# first, before anything imports torch: sets OpenMP's wait policy, which it reads once (docs/threads.md)
+from gcore import threads as _threads  # noqa: F401  imported for that effect
 from gcore.algorithms import DAPO, GRPO, PPO, RLOO, Algorithm, LossScale
 from gcore.backends import TorchBackend, TrainingBackend
 from gcore.data import DataConfig

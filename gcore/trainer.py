@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from lightning.fabric.loggers import CSVLogger
 
+from gcore import threads
 from gcore.algorithms.base import Algorithm
 from gcore.backends.base import TrainingBackend
 from gcore.checkpoint import (
@@ -249,6 +250,7 @@ class Trainer:
     def fit(self) -> FitResult:
         """Launch the controllers and train for ``max_steps``; returns the run's results on rank 0."""
         _quiet_dependencies()
+        threads.warn_if_spinning()
         _check_writable(self.config.default_root_dir)
         self._resume_from = self._pick_resume()
         self._check_resume_steps(self._resume_from[0])  # before anything is built: nothing to do fails at once

@@ -15,7 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "gcore"
 # lowest first; a module belongs to the first entry that is it or a package above it
 LAYERS: list[tuple[str, ...]] = [
     ("gcore.errors", "gcore.types", "gcore.balance", "gcore.tasks", "gcore.liveness", "gcore.rendezvous",
-     "gcore.registry", "gcore.report", "gcore.checkpoint", "gcore.model", "gcore.data", "gcore.assets"),
+     "gcore.registry", "gcore.report", "gcore.checkpoint", "gcore.model", "gcore.data", "gcore.assets",
+     "gcore.threads"),
     ("gcore.engines",),
     ("gcore.rewards", "gcore.algorithms"),
     ("gcore.backends", "gcore.rollout", "gcore.evaluation"),

@@ -5,7 +5,8 @@ Which worker holds which role, and when, is decided by a placement policy; the p
 pool through ``gcore/placement/launch.py``.
 
 A ``WorkerPool`` owns ``size`` worker processes (``torch.multiprocessing`` spawn, each with its own
-``torch.set_num_threads`` budget). Every worker holds one awake *role* at a time: the policy engine
+``torch.set_num_threads`` budget, started with ``OMP_NUM_THREADS`` and a passive OpenMP wait policy unless the
+user set them: ``gcore/threads.py``). Every worker holds one awake *role* at a time: the policy engine
 (``policy``), the judge engine (``judge``), both built from the configured, not yet set-up
 ``Engine`` objects the trainer was given, or a rule-based reward (``reward``, any ``Scorer``) that
 scores samples.
@@ -41,6 +42,7 @@ import torch
 
 from gcore.engines.base import Engine
 from gcore.errors import GcoreError
+from gcore.threads import spawning, worker_threads
 from gcore.types import Generation, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -217,7 +219,8 @@ class WorkerPool:
         size: worker processes.
         specs: role name -> how to build its engine.
         roles: the awake role of each worker at start.
-        threads: ``torch.set_num_threads`` of each worker.
+        threads: ``torch.set_num_threads`` of each worker; 0: each worker's share of this process's threads, or
+            the user's ``OMP_NUM_THREADS`` (``gcore.threads.worker_threads``).
         seed: workers are seeded ``seed + index``.
         release: free a sleeping engine's memory (reload it on wake-up) instead of ``Engine.sleep`` only.
         job_timeout_s: a request not answered in this time kills its worker and is sent elsewhere.
@@ -225,7 +228,7 @@ class WorkerPool:
         startup_timeout_s: how long a worker may take to load its engine.
     """
 
-    def __init__(self, size: int, specs: dict[str, RoleSpec], roles: Sequence[str], threads: int = 1, seed: int = 0,
+    def __init__(self, size: int, specs: dict[str, RoleSpec], roles: Sequence[str], threads: int = 0, seed: int = 0,
                  release: bool = True, job_timeout_s: float = 600.0, retries: int = 2,
                  startup_timeout_s: float = 900.0) -> None:
         if size < 1 or len(roles) != size:
@@ -235,7 +238,7 @@ class WorkerPool:
                 raise GcoreError(f"worker role {role!r} has no engine; roles with one: {', '.join(specs)}")
         import torch.multiprocessing as mp
 
-        self.size, self.threads, self.seed, self.release = size, threads, seed, release
+        self.size, self.threads, self.seed, self.release = size, threads or worker_threads(size), seed, release
         self.job_timeout_s, self.retries, self.startup_timeout_s = job_timeout_s, retries, startup_timeout_s
         self._specs = pickle.dumps(specs)
         self._ctx = mp.get_context("spawn")
@@ -274,7 +277,8 @@ class WorkerPool:
                 args=(i, self.threads, self.seed + i, self._specs, self.roles[i], weights, self.release,
                       self._requests[i], writer),
             )
-            process.start()
+            with spawning(self.threads):  # its OpenMP reads these when it imports torch
+                process.start()
             writer.close()  # the worker holds the only writing end: its death reads as end of file
             self.processes[i] = process
 

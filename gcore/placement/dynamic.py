@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import pickle
 import time
 from typing import TYPE_CHECKING, cast
@@ -15,6 +14,7 @@ from gcore.errors import ConfigError
 from gcore.placement.base import PlacementPolicy, Telemetry
 from gcore.rewards.base import RewardModel
 from gcore.rollout import RolloutJob
+from gcore.threads import usable_cores, worker_threads
 from gcore.types import Generation, Sample
 
 if TYPE_CHECKING:
@@ -56,7 +56,8 @@ class DynamicPlacement(PlacementPolicy):
         hysteresis: move only when the two roles' idle times differ by more than this share of the
             rollout phase.
         max_move_fraction: move at most this share of the devices in one step (at least one).
-        threads: torch threads of each engine worker (trainer only).
+        threads: torch threads of each engine worker (trainer only; 0: each worker's share of the controller's
+            cores, or the user's ``OMP_NUM_THREADS``; docs/threads.md).
         stream_groups: prompt groups per generation request: the unit that streams to the judge.
         worker_timeout_s: a worker that does not answer a request in this time is killed and the
             request sent to another worker.
@@ -72,7 +73,7 @@ class DynamicPlacement(PlacementPolicy):
         min_fraction: float = 0.125,
         hysteresis: float = 0.1,
         max_move_fraction: float = 0.125,
-        threads: int = 1,
+        threads: int = 0,
         stream_groups: int = 1,
         worker_timeout_s: float = 600.0,
         retries: int = 2,
@@ -84,8 +85,8 @@ class DynamicPlacement(PlacementPolicy):
             raise ConfigError("--placement.hysteresis must be >= 0 and max_move_fraction in (0, 1]")
         self.devices, self.judge_fraction, self.min_fraction = devices, judge_fraction, min_fraction
         self.hysteresis, self.max_move_fraction = hysteresis, max_move_fraction
-        if threads < 1 or stream_groups < 1 or retries < 0:
-            raise ConfigError(f"--placement.threads and stream_groups must be >= 1, retries >= 0, got "
+        if threads < 0 or stream_groups < 1 or retries < 0:
+            raise ConfigError(f"--placement.threads and retries must be >= 0, stream_groups >= 1, got "
                               f"{threads}, {stream_groups}, {retries}")
         self.threads, self.stream_groups = threads, stream_groups
         self.worker_timeout_s, self.retries = worker_timeout_s, retries
@@ -145,7 +146,8 @@ class DynamicPlacement(PlacementPolicy):
         moves = ("it moves workers between generation and reward scoring from the measured stage times every step"
                  if self.max_reward_devices else "the reward cannot be sent to a worker process, so it stays there")
         return (f"dynamic placement: {self.total} engine worker process(es) per controller "
-                f"({self.threads} thread(s) each, from {usable_cores()} usable cores) generate; the "
+                f"({self.threads or worker_threads(self.total)} thread(s) each, from {usable_cores()} usable cores) "
+                f"generate; the "
                 f"reward scores {where}; training uses the controller's cores between rollouts; {moves} "
                 "(placement/* in metrics.csv)")
 
@@ -299,11 +301,6 @@ class DynamicPlacement(PlacementPolicy):
             "placement/idle_generate_s": idle_generate,
             "placement/idle_judge_s": idle_judge,
         }
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity, e.g. under ``taskset`` or a container)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _picklable(reward: RewardModel | None) -> bool:

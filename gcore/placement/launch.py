@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import pickle
 from collections.abc import Sequence
 from typing import cast
@@ -20,6 +19,7 @@ from gcore.engines.base import Engine
 from gcore.engines.pool import JUDGE, POLICY, REWARD, PoolEngine, RoleSpec, WorkerPool
 from gcore.errors import ConfigError
 from gcore.rewards.base import RewardModel
+from gcore.threads import usable_cores
 from gcore.types import Sample
 
 log = logging.getLogger(__name__)
@@ -97,11 +97,10 @@ def launch_workers(
             what = spec.reward if spec.reward is not None else spec.engine
             raise ConfigError(f"{option}: the {role} {type(what).__name__} cannot be sent to a "
                               f"worker process: {err}") from err
-    cores = os.cpu_count() or 1
-    if threads * len(roles) > cores:
-        log.info("%d engine workers x %d threads on %d cores: oversubscribed", len(roles), threads, cores)
     pool = WorkerPool(len(roles), specs, roles, threads=threads, seed=seed, release=release,
                       job_timeout_s=job_timeout_s, retries=retries)
+    if pool.threads * len(roles) > usable_cores():
+        log.info("%d engine workers x %d threads on %d cores: oversubscribed", len(roles), pool.threads, usable_cores())
     policy = PoolEngine(pool, POLICY, [i for i, r in enumerate(roles) if r == POLICY])
     judge = None
     if judges:

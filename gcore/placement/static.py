@@ -32,7 +32,8 @@ class StaticPlacement(PlacementPolicy):
         offload: put the rollout engine to sleep (release device memory) while training. ``auto``
             does so on GPUs only, where memory is shared with the trainer.
         workers: engine worker processes per controller (0: engines in the controller's process).
-        threads: torch threads of each worker.
+        threads: torch threads of each worker (0: each worker's share of the controller's cores, or the user's
+            ``OMP_NUM_THREADS``; docs/threads.md).
         release: on a swap, free the sleeping engine's memory and reload it on wake-up (the policy
             then takes the latest weights from shared memory); ``false``: ``Engine.sleep`` only.
         worker_timeout_s: a worker that does not answer a request in this time is killed and the
@@ -40,10 +41,10 @@ class StaticPlacement(PlacementPolicy):
         retries: further attempts for a failed worker request before the step fails.
     """
 
-    def __init__(self, offload: bool | None = None, workers: int = 0, threads: int = 1, release: bool = True,
+    def __init__(self, offload: bool | None = None, workers: int = 0, threads: int = 0, release: bool = True,
                  worker_timeout_s: float = 600.0, retries: int = 2) -> None:
-        if workers < 0 or threads < 1 or retries < 0:
-            raise ConfigError(f"--placement.workers must be >= 0, threads >= 1 and retries >= 0, got "
+        if workers < 0 or threads < 0 or retries < 0:
+            raise ConfigError(f"--placement.workers, threads and retries must be >= 0, got "
                               f"{workers}, {threads}, {retries}")
         self.offload = offload
         self.workers, self.threads, self.release = workers, threads, release
