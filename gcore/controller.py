@@ -41,7 +41,8 @@ class Controller:
     ``step`` is the whole step, one named method per stage: ``rollout`` (GENERATE and REWARD, asked
     of the placement policy), ``filter``, ``prepare``, ``train``, ``sync`` and ``log``. A variant of
     the step (the one-controller baseline in ``single_controller.py``) overrides only the stages
-    that differ.
+    that differ. With ``max_staleness`` 1 (docs/asynchronous.md), ``collect`` takes the rollout
+    started during the step before, and ``run_ahead`` starts the next step's before ``train``.
     """
 
     fabric: Fabric
