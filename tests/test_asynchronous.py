@@ -124,3 +124,34 @@ def test_one_step_off_trains_only_on_samples_at_most_one_version_old(placement, 
     history = result.history
     assert [row["async/staleness_max"] for row in history] == [0.0] + [1.0] * (steps - 1)
     assert all(math.isfinite(row["async/behaviour_ratio_dev"]) for row in history)
+
+
+@pytest.mark.slow  # starts an engine worker process
+def test_a_queued_weight_update_reaches_the_worker_after_the_generation_sent_before_it(tmp_path):
+    """With ``queue_syncs`` the sync returns without waiting; the request in flight still samples with the
+    old weights, the next one with the new."""
+    from gcore.engines.hf import HFEngine
+    from gcore.engines.pool import POLICY, RoleSpec, WorkerPool
+    from gcore.model import char_tokenizer, materialize
+
+    path = materialize(ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64), char_tokenizer(),
+                       seed=0, workdir=str(tmp_path / "policy"))
+    greedy, prompts = SamplingParams(n=1, max_new_tokens=8, temperature=0.0), [[5, 6, 7], [8, 9]]
+    old, new = HFEngine(), HFEngine()
+    for engine in (old, new):
+        engine.setup(path, torch.device("cpu"), torch.float32, False)
+    weights = [(name, t + 0.5 * torch.randn_like(t)) for name, t in old.model.state_dict().items()]
+    new.update_weights(weights)
+    tokens = lambda outputs: [o[0].token_ids for o in outputs]  # noqa: E731
+    assert tokens(old.generate(prompts, greedy)) != tokens(new.generate(prompts, greedy))
+    pool = WorkerPool(1, {POLICY: RoleSpec(HFEngine(), path)}, [POLICY])
+    try:
+        pool.queue_syncs = True
+        in_flight = pool.submit_generate(POLICY, prompts, greedy, [0])
+        pool.sync_weights(weights)  # queued behind the request in flight
+        assert not in_flight[0].done  # nothing waited for it
+        after = pool.submit_generate(POLICY, prompts, greedy, [0])
+        assert tokens(pool.collect_generate(in_flight)) == tokens(old.generate(prompts, greedy))
+        assert tokens(pool.collect_generate(after)) == tokens(new.generate(prompts, greedy))
+    finally:
+        pool.close()
