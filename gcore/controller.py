@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,6 +19,7 @@ import torch
 from gcore.algorithms.base import Algorithm
 from gcore.backends.base import TrainingBackend
 from gcore.engines.base import Engine
+from gcore.errors import ConfigError
 from gcore.placement.base import PlacementPolicy, Telemetry
 from gcore.rewards.base import RewardModel
 from gcore.rollout import LOCAL_STAGES, STAGES, RolloutJob, StageTimer
@@ -40,7 +41,8 @@ class Controller:
     ``step`` is the whole step, one named method per stage: ``rollout`` (GENERATE and REWARD, asked
     of the placement policy), ``filter``, ``prepare``, ``train``, ``sync`` and ``log``. A variant of
     the step (the one-controller baseline in ``single_controller.py``) overrides only the stages
-    that differ.
+    that differ. With ``max_staleness`` 1 (docs/asynchronous.md), ``collect`` takes the rollout
+    started during the step before, and ``run_ahead`` starts the next step's before ``train``.
     """
 
     fabric: Fabric
@@ -54,34 +56,78 @@ class Controller:
     #: draws ``k`` more prompts for this controller alone (dynamic sampling); ``None``: no re-sampling
     draw_prompts: Callable[[int], list[Prompt]] | None = None
     last_samples: list[Sample] | None = None  # the last step's samples (the trainer learns lengths from them)
+    #: rollouts of the next steps may run while this step trains, with weights up to this many steps old
+    #: (``--trainer.max_staleness``; 0: the synchronous step). Needs ``placement.supports_overlap``.
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
         self.algorithm.setup(self.sampling.max_new_tokens)
         self._reward_errors, self._first_reward_error = 0, None
+        #: the training steps the engine's weights have had; set at the first step (a resumed run's start)
+        self.policy_version: int | None = None
+        self._ahead: dict[int, tuple[RolloutJob, Callable[[], list[Sample]]]] = {}  # step -> rollout in flight
+        self._wait_s = 0.0
+        if self.max_staleness:
+            if not self.placement.supports_overlap:
+                raise ConfigError(f"--trainer.max_staleness {self.max_staleness}: {type(self.placement).__name__} "
+                                  "runs no rollout while the controller trains")
+            self.placement.allow_overlap()
 
-    def step(self, step: int, prompts: list[Prompt], on_stage: Callable[[str], None] | None = None) -> dict[str, float]:
+    def step(self, step: int, prompts: list[Prompt], on_stage: Callable[[str], None] | None = None,
+             upcoming: Sequence[list[Prompt]] = ()) -> dict[str, float]:
+        """One training step on ``prompts``. ``upcoming``: the prompts of the next steps; with
+        ``max_staleness`` K >= 1 the rollouts of the next K of them are started before this step
+        trains, and collected by the steps they belong to."""
         timer = StageTimer(on_stage)
         step_start = time.perf_counter()
         self._reward_errors, self._first_reward_error = 0, None
-        samples = self.rollout(prompts, timer)
+        if self.policy_version is None:
+            self.policy_version = step
+        samples = self.collect(step, prompts, timer)
         kept, samples, filter_metrics = self.filter(step, prompts, samples, timer)
+        self.run_ahead(step, upcoming, timer)
         batch = self.prepare(kept, samples, timer)
         train_metrics = self.train(batch, timer)
         synced_bytes = self.sync(timer)
         self.last_samples = samples
-        return self.log(step, timer, step_start, samples, len(kept), [filter_metrics, train_metrics], synced_bytes)
+        parts = [filter_metrics, train_metrics]
+        if self.max_staleness:
+            parts.append(self._staleness_metrics(step, kept))
+        return self.log(step, timer, step_start, samples, len(kept), parts, synced_bytes)
 
     # -- the stages, in the order of a step ------------------------------------------------------
+    def collect(self, step: int, prompts: list[Prompt], timer: StageTimer) -> list[Sample]:
+        """GENERATE and REWARD of this step: the rollout started ahead for it, waited for, or else
+        ``rollout`` now."""
+        if step not in self._ahead:
+            return self.rollout(prompts, timer)
+        job, result = self._ahead.pop(step)
+        if [p.index for p in job.prompts] != [p.index for p in prompts]:
+            raise RuntimeError(f"step {step}: the rollout started ahead was for other prompts than the step's")
+        job.timer = timer
+        started = time.perf_counter()
+        samples = result()
+        self._wait_s = time.perf_counter() - started
+        self._count_reward_errors(job)
+        return samples
+
     def rollout(self, prompts: list[Prompt], timer: StageTimer, first_group: int = 0) -> list[Sample]:
         """GENERATE and REWARD: ``n`` samples per prompt from the rollout engine, scored and shaped
         (groups numbered from ``first_group``). The placement policy runs the ``RolloutJob``: it
         decides where and in what order."""
-        job = RolloutJob(prompts, self.sampling, self.engine, self.reward, self.algorithm, self.tokenizer, timer,
-                         first_group)
+        job = self._job(prompts, timer, first_group)
         samples = self.placement.rollout(job)
-        self._reward_errors += job.reward_errors
-        self._first_reward_error = self._first_reward_error or job.first_reward_error
+        self._count_reward_errors(job)
         return samples
+
+    def run_ahead(self, step: int, upcoming: Sequence[list[Prompt]], timer: StageTimer) -> None:
+        """Start the rollouts of the next ``max_staleness`` steps that are not in flight yet, with the
+        weights the engine has now: they generate while this step trains (``placement.start_rollout``;
+        the weight update after it queues behind them)."""
+        for offset, prompts in enumerate(upcoming[: self.max_staleness], start=1):
+            if step + offset not in self._ahead and prompts:
+                job = self._job(prompts, timer)
+                self._ahead[step + offset] = (job, self.placement.start_rollout(job))
 
     def filter(
         self, step: int, prompts: list[Prompt], samples: list[Sample], timer: StageTimer
@@ -114,7 +160,10 @@ class Controller:
         with timer("swap"):
             self.placement.before_sync(self.engine)
         with timer("sync"):
-            return self.engine.update_weights(self.backend.named_weights())
+            synced = self.engine.update_weights(self.backend.named_weights())
+        assert self.policy_version is not None  # set by ``step``
+        self.policy_version += 1
+        return synced
 
     def log(self, step: int, timer: StageTimer, step_start: float, samples: list[Sample], kept: int,
             parts: list[dict[str, float]], synced_bytes: int) -> dict[str, float]:
@@ -129,14 +178,37 @@ class Controller:
         return metrics
 
     # -- what the stages are made of --------------------------------------------------------------
+    def _job(self, prompts: list[Prompt], timer: StageTimer, first_group: int = 0) -> RolloutJob:
+        return RolloutJob(prompts, self.sampling, self.engine, self.reward, self.algorithm, self.tokenizer, timer,
+                          first_group, policy_version=self.policy_version or 0)
+
+    def _count_reward_errors(self, job: RolloutJob) -> None:
+        self._reward_errors += job.reward_errors
+        self._first_reward_error = self._first_reward_error or job.first_reward_error
+
     def _collate(self, kept: list[Sample], samples: list[Sample]) -> RolloutBatch:
         """The kept samples as a padded batch with the algorithm's loss mask; with none kept, one sample
-        with a zero mask, so that this controller joins the collectives with zero weight."""
+        with a zero mask, so that this controller joins the collectives with zero weight. When samples
+        may be off-policy (``max_staleness``), the engine's log-probabilities are the behaviour policy's."""
         batch = collate(kept or samples[:1], self.tokenizer.pad_token_id, self.sampling.temperature)
         if not kept:
             batch.response_mask.zero_()
         batch.response_mask = self.algorithm.loss_mask(batch)
+        if self.max_staleness:
+            batch.behaviour_logprobs = batch.engine_logprobs
+            batch.policy_versions = torch.tensor([s.policy_version for s in kept or samples[:1]], dtype=torch.long)
         return batch
+
+    def _staleness_metrics(self, step: int, kept: list[Sample]) -> dict[str, float]:
+        """How many versions old the trained samples were (``step - policy_version``), over every rank,
+        and the slowest controller's wait for its rollout to come in."""
+        ages = torch.tensor([float(step - s.policy_version) for s in kept], dtype=torch.float64)
+        sums = self._all_reduce(torch.tensor([ages.sum(), len(ages)], dtype=torch.float64), "sum")
+        most = self._all_reduce(torch.tensor([ages.max() if len(ages) else 0.0, self._wait_s],
+                                             dtype=torch.float64), "max")
+        self._wait_s = 0.0
+        return {"async/staleness_mean": float(sums[0] / sums[1].clamp(min=1.0)),
+                "async/staleness_max": float(most[0]), "async/rollout_wait_s": float(most[1])}
 
     def _model_outputs(self, batch: RolloutBatch) -> None:
         """The values and log-probabilities the algorithm needs, on ``batch``'s rows (set in place)."""

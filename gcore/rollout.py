@@ -59,7 +59,9 @@ class RolloutJob:
     A placement policy's ``rollout(job)`` generates ``prompts`` with ``sampling`` (on ``engine``, or
     on engines it launched itself), turns the completions into samples with ``job.samples`` and
     scores them with ``job.score``, timing its stages in ``timer``. The job counts the samples
-    whose scoring failed (``reward_errors``), for the controller's ``reward/errors``.
+    whose scoring failed (``reward_errors``), for the controller's ``reward/errors``. A job started
+    ahead of its step (``PlacementPolicy.start_rollout``) is given that step's ``timer`` before its
+    result is collected.
     """
 
     prompts: list[Prompt]
@@ -70,6 +72,7 @@ class RolloutJob:
     tokenizer: Decoder  # decodes the responses
     timer: StageTimer
     first_group: int = 0  # the groups of ``prompts`` are numbered from here
+    policy_version: int = 0  # the training steps the engine's weights have had (``Sample.policy_version``)
     reward_errors: int = 0
     first_reward_error: str | None = None
 
@@ -85,6 +88,7 @@ class RolloutJob:
                 response_logprobs=g.logprobs,
                 response_text=self.tokenizer.decode(g.token_ids, skip_special_tokens=True),
                 finished=g.finished,
+                policy_version=self.policy_version,
             )
             for group, (prompt, generations) in enumerate(zip(self.prompts[start:], outputs, strict=False))
             for g in generations

@@ -95,7 +95,10 @@ def _decode_generations(message: list[torch.Tensor], n: int) -> list[list[Genera
     return [flat[i : i + n] for i in range(0, len(flat), n)]
 
 
-_BATCH_FIELDS = [f.name for f in fields(RolloutBatch) if f.name != "temperature"]
+#: the one-controller baseline runs the synchronous step only (``--trainer.max_staleness`` 0): no
+#: behaviour log-probabilities or policy versions travel
+_BATCH_FIELDS = [f.name for f in fields(RolloutBatch)
+                 if f.name not in ("temperature", "behaviour_logprobs", "policy_versions")]
 
 
 def _encode_batch(batch: RolloutBatch) -> list[torch.Tensor]:

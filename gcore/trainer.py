@@ -111,6 +111,10 @@ class TrainerConfig:
         controllers: ``None``: one controller per process (G-Core's parallel controllers); ``1``: one
             controller on rank 0 drives the engines and training shards of every process, and all
             rollout data passes through it (the single-driver baseline, for comparison).
+        max_staleness: 0: the synchronous step. 1: the next step's rollout runs on the engine worker
+            processes while this step trains (``--placement dynamic``, or ``static`` with
+            ``--placement.workers``), so a sample is at most one version old; the loss corrects for it
+            (``--algorithm.behaviour_is_cap``). See docs/asynchronous.md.
     """
 
     max_steps: int = 30
@@ -133,6 +137,7 @@ class TrainerConfig:
     max_skipped_updates: int = 3
     controllers: int | None = None
     eval_every: int = 0
+    max_staleness: int = 0
 
 
 @dataclass
@@ -209,6 +214,14 @@ class Trainer:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        if c.max_staleness not in (0, 1):
+            raise ConfigError(f"--trainer.max_staleness {c.max_staleness}: valid choices are 0 (synchronous) and 1 "
+                              "(the next step's rollout runs while this one trains)")
+        if c.max_staleness and not self.placement.supports_overlap:
+            raise ConfigError(f"--trainer.max_staleness {c.max_staleness} needs engine worker processes to generate "
+                              f"while the controller trains: --placement dynamic, or --placement static with "
+                              f"--placement.workers N; {type(self.placement).__name__} here runs its engine in the "
+                              "controller's process")
         world = c.devices * c.num_nodes
         self.backend.validate(self.algorithm, world, single_controller=c.controllers == 1 and world > 1)
 
@@ -330,7 +343,8 @@ class Trainer:
             controller_class = SingleController
         controller = controller_class(fabric, self.rollout_engine, self.reward, self.algorithm, self.backend,
                                       self.placement, tokenizer, self.sampling,
-                                      draw_prompts=lambda k: take([extra.next_global()[0] for _ in range(k)]))
+                                      draw_prompts=lambda k: take([extra.next_global()[0] for _ in range(k)]),
+                                      max_staleness=c.max_staleness)
         checkpoints = self._checkpoint_manager(fabric)
         start_step = self._resume(fabric, checkpoints, sampler, extra)
 
@@ -368,16 +382,19 @@ class Trainer:
         bar.update(start_step)
         step = start_step
         skipping = 0  # consecutive steps that skipped an update (non-finite loss or gradient)
+        ahead: list[tuple[list[int], float]] = []  # (shard, its predicted imbalance) of this and the next steps
         try:
             for step in range(start_step, c.max_steps):
                 if eval_prompts and step % c.eval_every == 0:
                     run_eval(step)
-                shard = sampler.shard(sampler.next_global())
+                while len(ahead) <= c.max_staleness and step + len(ahead) < c.max_steps:  # drawn max_staleness early
+                    ahead.append((sampler.shard(sampler.next_global()), sampler.last_imbalance))
+                (shard, imbalance), upcoming = ahead.pop(0), [take(s) for s, _ in ahead]
                 shard = take(shard) if not central or rank == 0 else []
-                metrics = controller.step(step, shard,
+                metrics = controller.step(step, shard, upcoming=upcoming,
                                           on_stage=lambda stage: bar.set_description(stage, refresh=False))
                 metrics["step"] = float(step)
-                metrics["balance/predicted_imbalance"] = sampler.last_imbalance
+                metrics["balance/predicted_imbalance"] = imbalance
                 if balancer is not None:
                     _learn_lengths(fabric, balancer, controller.last_samples, self.data_config.prompts_per_step)
                 # an interrupt here is held until the save is started and the step logged: a checkpoint

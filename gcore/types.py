@@ -62,6 +62,9 @@ class Sample:
     finished: bool
     reward: float = 0.0
     reward_info: dict[str, float] = field(default_factory=dict)
+    #: the weights that generated it: the number of training steps (updates) they had had. A sample
+    #: trained at step ``s`` is ``s - policy_version`` versions old (0 in the synchronous loop).
+    policy_version: int = 0
 
 
 @dataclass
@@ -88,6 +91,11 @@ class RolloutBatch:
     truncated: torch.Tensor | None = None  # [B] bool: the response was cut at max_new_tokens
     features: torch.Tensor | None = None  # [B, ...] a per-sample input such as an image (prompt.metadata["feature"])
     prompt_lengths: torch.Tensor | None = None  # [B] long: the response starts at this token index
+    #: [B, L-1] the behaviour policy's log-probabilities (the engine's, 0 off-response), set only when the
+    #: samples may be off-policy (``--trainer.max_staleness`` >= 1): the loss then weighs each token by
+    #: the truncated importance weight proximal / behaviour (``Algorithm.loss``)
+    behaviour_logprobs: torch.Tensor | None = None
+    policy_versions: torch.Tensor | None = None  # [B] long: ``Sample.policy_version``, set with ``behaviour_logprobs``
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

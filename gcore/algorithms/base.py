@@ -152,6 +152,23 @@ def clipped_surrogate(
     return torch.maximum(unclipped, clipped), (clipped > unclipped).float(), ratio
 
 
+def behaviour_weight(
+    proximal: torch.Tensor, behaviour: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The behaviour importance weight of each token, ``min(pi_prox / pi_behav, cap)``; returns (the
+    truncated weight, the raw ratio), both without gradient.
+
+    The decoupled PPO objective (AReaL, arXiv 2505.24298) for samples from an older policy
+    ``pi_behav`` (the engine's log-probabilities): PPO's clipped surrogate is taken against the
+    proximal policy ``pi_prox`` (the trainer's weights at the start of the step: ``old_logprobs``,
+    or the current log-probabilities when the policy does not move within a step), and each token is
+    weighed by ``pi_prox / pi_behav``, truncated at ``cap`` (truncated importance sampling, as
+    verl's TIS) so that one unlikely token cannot dominate the update.
+    """
+    raw = torch.exp(proximal.detach() - behaviour.detach())
+    return raw.clamp(max=cap), raw
+
+
 class Algorithm(ABC):
     """An RL algorithm: the parts a researcher changes are separate methods.
 
@@ -169,6 +186,9 @@ class Algorithm(ABC):
         epochs: passes over each step's batch.
         mini_batches: optimizer steps per pass (the batch is split into this many parts).
         entropy_coef: weight of the entropy bonus (subtracted from the loss); 0 disables it.
+        behaviour_is_cap: when the samples may be off-policy (``--trainer.max_staleness`` >= 1), each
+            token's loss is weighed by proximal / behaviour probability, truncated at this cap
+            (``behaviour_weight``); no effect in the synchronous loop.
     """
 
     #: generation rounds a controller may run per step to fill its share of the batch after
@@ -183,6 +203,7 @@ class Algorithm(ABC):
         epochs: int = 1,
         mini_batches: int = 1,
         entropy_coef: float = 0.0,
+        behaviour_is_cap: float = 2.0,
     ) -> None:
         _check(epochs >= 1 and mini_batches >= 1, f"epochs and mini_batches must be >= 1, got {epochs}, {mini_batches}")
         _check_choice("kl_estimator", kl_estimator, KLEstimator)
@@ -194,6 +215,8 @@ class Algorithm(ABC):
         self.epochs = epochs
         self.mini_batches = mini_batches
         self.entropy_coef = entropy_coef
+        _check(behaviour_is_cap >= 1.0, f"--algorithm.behaviour_is_cap must be >= 1, got {behaviour_is_cap}")
+        self.behaviour_is_cap = behaviour_is_cap
         self.max_new_tokens: int | None = None
 
     def setup(self, max_new_tokens: int) -> None:
@@ -284,6 +307,12 @@ class Algorithm(ABC):
         """This micro-batch's share of the loss, and its share of each token-mean metric."""
         per_token, diagnostics = self.policy_loss(logprobs, batch)
         mask = batch.response_mask
+        if batch.behaviour_logprobs is not None:  # off-policy samples: the decoupled objective
+            proximal = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+            weight, raw = behaviour_weight(proximal, batch.behaviour_logprobs, self.behaviour_is_cap)
+            per_token = per_token * weight
+            diagnostics = {**diagnostics, "async/behaviour_ratio_dev": (raw - 1.0).abs(),
+                           "async/behaviour_truncated_frac": (raw > self.behaviour_is_cap).float()}
         if self.needs_reference and self.kl_in_loss:
             if batch.ref_logprobs is None:
                 raise RuntimeError("kl_coef is set but the batch has no reference log-probabilities")

@@ -30,6 +30,8 @@ class DAPO(GRPO):
         filter_truncated: mask responses that hit the length limit out of the loss.
         dynamic_sampling: drop groups with equal rewards and re-sample to fill the batch.
         max_rounds: generation rounds per step at most (1: drop without re-sampling).
+        behaviour_is_cap: cap of the behaviour importance weight for off-policy samples
+            (``--trainer.max_staleness`` >= 1; see ``behaviour_weight``).
     """
 
     def __init__(
@@ -48,9 +50,10 @@ class DAPO(GRPO):
         epochs: int = 1,
         mini_batches: int = 1,
         entropy_coef: float = 0.0,
+        behaviour_is_cap: float = 2.0,
     ) -> None:
         super().__init__(clip_low, clip_high, scale_rewards, kl_coef, kl_estimator, loss_agg, epochs, mini_batches,
-                         entropy_coef)
+                         entropy_coef, behaviour_is_cap)
         _check(max_rounds >= 1, f"--algorithm.max_rounds must be >= 1, got {max_rounds}")
         _check(overlong_buffer >= 0, f"--algorithm.overlong_buffer must be >= 0, got {overlong_buffer}")
         self.clip_low, self.clip_high = clip_low, clip_high

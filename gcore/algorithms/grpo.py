@@ -36,6 +36,8 @@ class GRPO(Algorithm):
         epochs: passes over each step's batch (the paper's mu).
         mini_batches: optimizer steps per pass.
         entropy_coef: entropy bonus weight (not in the paper; 0 by default).
+        behaviour_is_cap: cap of the behaviour importance weight for off-policy samples
+            (``--trainer.max_staleness`` >= 1; see ``behaviour_weight``).
     """
 
     def __init__(
@@ -49,8 +51,9 @@ class GRPO(Algorithm):
         epochs: int = 1,
         mini_batches: int = 1,
         entropy_coef: float = 0.0,
+        behaviour_is_cap: float = 2.0,
     ) -> None:
-        super().__init__(kl_coef, kl_estimator, loss_agg, epochs, mini_batches, entropy_coef)
+        super().__init__(kl_coef, kl_estimator, loss_agg, epochs, mini_batches, entropy_coef, behaviour_is_cap)
         self.clip_eps = clip_eps
         self.clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
         self.scale_rewards = scale_rewards

@@ -59,6 +59,8 @@ class PPO(Algorithm):
         epochs: PPO epochs over each step's batch.
         mini_batches: optimizer steps per epoch.
         entropy_coef: entropy bonus weight.
+        behaviour_is_cap: cap of the behaviour importance weight for off-policy samples
+            (``--trainer.max_staleness`` >= 1; see ``behaviour_weight``).
     """
 
     def __init__(
@@ -76,8 +78,9 @@ class PPO(Algorithm):
         epochs: int = 2,
         mini_batches: int = 2,
         entropy_coef: float = 0.0,
+        behaviour_is_cap: float = 2.0,
     ) -> None:
-        super().__init__(kl_coef, kl_estimator, loss_agg, epochs, mini_batches, entropy_coef)
+        super().__init__(kl_coef, kl_estimator, loss_agg, epochs, mini_batches, entropy_coef, behaviour_is_cap)
         _check(0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0,
                f"--algorithm.gamma and lam must be in [0, 1], got {gamma}, {lam}")
         _check_choice("kl_penalty", kl_penalty, KLPenalty)

@@ -29,8 +29,10 @@ class RLOO(GRPO):
         loss_agg: LossAggregation = "token_mean",
         epochs: int = 1,
         mini_batches: int = 1,
+        behaviour_is_cap: float = 2.0,
     ) -> None:
-        super().__init__(clip_eps, None, False, kl_coef, kl_estimator, loss_agg, epochs, mini_batches)
+        super().__init__(clip_eps, None, False, kl_coef, kl_estimator, loss_agg, epochs, mini_batches,
+                         behaviour_is_cap=behaviour_is_cap)
 
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
         centered = group_normalize(batch.rewards, batch.group_ids, scale=False)

@@ -252,6 +252,9 @@ class WorkerPool:
         self._pending: list[Job] = []
         self._ids = itertools.count()
         self.weights: SharedWeights | None = None
+        #: weight syncs return once queued, without waiting for the generation in flight (``sync_weights``)
+        self.queue_syncs = False
+        self._syncs: list[Job] = []  # the last queued sync's requests
         self.busy: dict[str, float] = {}
         self.retried = 0
         self.respawned = 0
@@ -366,11 +369,19 @@ class WorkerPool:
     def generate(self, role: str, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  workers: Sequence[int]) -> list[list[Generation]]:
         """``prompts`` split into one request per worker; the results in the order of ``prompts``."""
+        return self.collect_generate(self.submit_generate(role, prompts, params, workers))
+
+    def submit_generate(self, role: str, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                        workers: Sequence[int]) -> list[Job]:
+        """Send ``generate``'s requests and return at once; ``collect_generate`` waits for them."""
         if not prompts:
             return []
         chunk = math.ceil(len(prompts) / len(workers))
-        jobs = [self.submit("generate", (role, [list(p) for p in prompts[s : s + chunk]], params), workers, role)
+        return [self.submit("generate", (role, [list(p) for p in prompts[s : s + chunk]], params), workers, role)
                 for s in range(0, len(prompts), chunk)]
+
+    def collect_generate(self, jobs: list[Job]) -> list[list[Generation]]:
+        """Wait for requests of ``submit_generate``; their results in the order of its prompts."""
         self.wait(jobs)
         return [out for job in jobs for out in job.result]
 
@@ -387,11 +398,19 @@ class WorkerPool:
         return time.perf_counter() - started
 
     def sync_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        """Copy the trainer's weights into shared memory, and from there into every policy engine."""
+        """Copy the trainer's weights into shared memory, and from there into every policy engine.
+
+        A worker takes requests in order, so the update reaches each engine after the generation it
+        was sent before. With ``queue_syncs`` (rollouts that run while the controller trains) this
+        returns once the update is queued, without waiting for the generation in flight; it waits only
+        for the previous update to be loaded, so that the shared memory is never rewritten while a
+        worker copies from it. ``bytes`` is then what was queued (the shared size per policy worker).
+        """
         started = time.perf_counter()
         named = [(name, tensor.detach()) for name, tensor in named]
         if self.weights is None:
             self.weights = _create_shared(named)
+        self.wait(self._syncs)
         views = dict(self.weights.views())
         if set(views) != {name for name, _ in named}:
             raise GcoreError("weight sync: the trainer's parameter names changed since the first sync")
@@ -401,8 +420,12 @@ class WorkerPool:
         copied = time.perf_counter()
         jobs = [self.submit("sync", (self.weights.ref(),), [i]) for i in range(self.size)
                 if self.roles[i] == POLICY]
-        self.wait(jobs)
-        loaded = sum(int(j.result) for j in jobs)
+        if self.queue_syncs:
+            self._syncs = jobs
+            loaded = self.weights.nbytes * len(jobs)
+        else:
+            self.wait(jobs)
+            loaded = sum(int(j.result) for j in jobs)
         end = time.perf_counter()
         return {"bytes": float(loaded), "shm_bytes": float(self.weights.nbytes), "copy_s": copied - started,
                 "load_s": end - copied, "s": end - started}

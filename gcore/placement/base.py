@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,12 @@ class PlacementPolicy(ABC):
     #: extra per-rank numbers this policy writes into the step's timer; gathered and logged as ``time/<key>``
     telemetry_keys: tuple[str, ...] = ()
 
+    @property
+    def supports_overlap(self) -> bool:
+        """Whether ``start_rollout`` returns while generation goes on in processes of their own, so that
+        a rollout can run while the controller trains (``--trainer.max_staleness`` >= 1). Default: no."""
+        return False
+
     @abstractmethod
     def setup(self, world_size: int, device_type: str, reward: RewardModel | None = None) -> None:
         """Check that the roles fit the devices and the reward; raise a ``GcoreError`` if not.
@@ -68,6 +75,18 @@ class PlacementPolicy(ABC):
         with job.timer("swap"):
             self.after_generate(job.engine)
         return samples
+
+    def allow_overlap(self) -> None:
+        """Called once by the controller when rollouts will run while it trains (``--trainer.max_staleness``
+        >= 1, only where ``supports_overlap``): from then on a weight update is queued behind the
+        generation in flight instead of waiting for it."""
+
+    def start_rollout(self, job: RolloutJob) -> Callable[[], list[Sample]]:
+        """Start ``job``; returns the function that waits for it and returns its samples (timed in
+        ``job.timer`` as it is then). A policy that ``supports_overlap`` sends the generation requests
+        here and returns at once; weight updates sent meanwhile are applied after them. Default: the
+        whole ``rollout`` runs when the result is asked for."""
+        return lambda: self.rollout(job)
 
     def shutdown(self) -> None:
         """Stop whatever ``launch`` started."""

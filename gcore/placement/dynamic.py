@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import pickle
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -18,7 +19,7 @@ from gcore.threads import usable_cores, worker_threads
 from gcore.types import Generation, Sample
 
 if TYPE_CHECKING:
-    from gcore.engines.pool import PoolEngine, WorkerPool
+    from gcore.engines.pool import Job, PoolEngine, WorkerPool
     from gcore.placement.launch import PoolReward
 
 GENERATE, JUDGE = "generate", "reward"
@@ -173,9 +174,24 @@ class DynamicPlacement(PlacementPolicy):
 
         return [POLICY] * self.generate_devices + [self.reward_role] * self.judge_devices
 
+    @property
+    def supports_overlap(self) -> bool:
+        return True
+
+    def allow_overlap(self) -> None:
+        if self.pool is None:
+            raise RuntimeError("DynamicPlacement.allow_overlap called before launch")
+        self.pool.queue_syncs = True
+
     def rollout(self, job: RolloutJob) -> list[Sample]:
         """Generate on one partition and judge on the other at once: each finished request is judged
         while the rest is still generating. Writes per-device busy seconds for ``update``."""
+        return self.start_rollout(job)()
+
+    def start_rollout(self, job: RolloutJob) -> Callable[[], list[Sample]]:
+        """Swap the workers that changed partition and send the generation requests; the judging runs
+        when the result is asked for. While rollouts overlap training (``allow_overlap``), one request
+        per generation worker, so that every worker is busy while no one dispatches requests."""
         from gcore.engines.pool import POLICY
 
         pool, prompts, timer = self.pool, job.prompts, job.timer
@@ -190,15 +206,24 @@ class DynamicPlacement(PlacementPolicy):
         for role_engine in (self.judge_engine, self.reward_pool):
             if role_engine is not None:
                 role_engine.workers = scorers
-        reward = self.reward_pool if scorers and self.reward_pool is not None else None  # None: in the controller
-        in_controller = 0.0
         pool.busy.clear()
         started = time.perf_counter()
-        chunks = {
-            start: prompts[start : start + self.stream_groups] for start in range(0, len(prompts), self.stream_groups)
-        }
+        size = self.stream_groups
+        if pool.queue_syncs:
+            size = max(size, math.ceil(len(prompts) / len(generators)))
+        chunks = {start: prompts[start : start + size] for start in range(0, len(prompts), size)}
         requests = {start: pool.submit("generate", (POLICY, [p.token_ids for p in chunk], job.sampling),
                                        generators, POLICY) for start, chunk in chunks.items()}
+        return lambda: self._finish_rollout(job, requests, scorers, started)
+
+    def _finish_rollout(self, job: RolloutJob, requests: dict[int, Job], scorers: list[int],
+                        started: float) -> list[Sample]:
+        from gcore.engines.pool import POLICY
+
+        pool, timer = self.pool, job.timer
+        assert pool is not None  # set by launch
+        reward = self.reward_pool if scorers and self.reward_pool is not None else None  # None: in the controller
+        in_controller = 0.0
         by_chunk: dict[int, list[Sample]] = {}
         while len(by_chunk) < len(requests):
             pool.wait([request for start, request in requests.items() if start not in by_chunk], first=True)
@@ -214,11 +239,12 @@ class DynamicPlacement(PlacementPolicy):
         wall = time.perf_counter() - started
         busy_generate = pool.busy.get(POLICY, 0.0)
         busy_judge = pool.busy.get(self.reward_role, 0.0) if scorers else in_controller
-        timer.add("generate", busy_generate / self.generate_devices)
-        timer.add("reward", busy_judge / max(self.judge_devices, 1))
+        generate_devices = self.total - len(scorers)  # the split when the rollout started
+        timer.add("generate", busy_generate / generate_devices)
+        timer.add("reward", busy_judge / max(len(scorers), 1))
         timer.add("rollout", wall)
-        timer.add("idle_generate", self.generate_devices * wall - busy_generate)
-        timer.add("idle_reward", self.judge_devices * wall - busy_judge if scorers else 0.0)
+        timer.add("idle_generate", generate_devices * wall - busy_generate)
+        timer.add("idle_reward", len(scorers) * wall - busy_judge if scorers else 0.0)
         return [sample for start in sorted(by_chunk) for sample in by_chunk[start]]
 
     def shutdown(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,7 +16,7 @@ from gcore.rollout import RolloutJob
 from gcore.types import Sample
 
 if TYPE_CHECKING:
-    from gcore.engines.pool import PoolEngine, WorkerPool
+    from gcore.engines.pool import Job, PoolEngine, WorkerPool
 
 
 class StaticPlacement(PlacementPolicy):
@@ -73,17 +74,41 @@ class StaticPlacement(PlacementPolicy):
             seed=seed, release=self.release, job_timeout_s=self.worker_timeout_s, retries=self.retries)
         return policy
 
+    @property
+    def supports_overlap(self) -> bool:
+        return self.workers > 0
+
+    def allow_overlap(self) -> None:
+        if self.pool is not None:
+            self.pool.queue_syncs = True
+
     def rollout(self, job: RolloutJob) -> list[Sample]:
         if self.pool is None:
             return super().rollout(job)
-        from gcore.engines.pool import JUDGE, POLICY
+        return self.start_rollout(job)()
 
-        pool, everyone, timer = self.pool, list(range(self.pool.size)), job.timer
+    def start_rollout(self, job: RolloutJob) -> Callable[[], list[Sample]]:
+        """With workers: the generation requests go out now (one per worker); the rest of the rollout
+        (the judge swap and the scoring) runs when the result is asked for."""
+        if self.pool is None:
+            return super().start_rollout(job)
+        from gcore.engines.pool import POLICY
+
+        pool = self.pool
         pool.revive()
         pool.busy.clear()
+        started = time.perf_counter()
+        requests = pool.submit_generate(POLICY, [p.token_ids for p in job.prompts], job.sampling,
+                                        list(range(pool.size)))
+        return lambda: self._finish_rollout(job, requests, started)
+
+    def _finish_rollout(self, job: RolloutJob, requests: list[Job], started: float) -> list[Sample]:
+        from gcore.engines.pool import JUDGE, POLICY
+
+        assert self.pool is not None  # set by launch
+        pool, everyone, timer = self.pool, list(range(self.pool.size)), job.timer
         with timer("generate"):
-            started = time.perf_counter()
-            outputs = pool.generate(POLICY, [p.token_ids for p in job.prompts], job.sampling, everyone)
+            outputs = pool.collect_generate(requests)
             generate_s = time.perf_counter() - started
         samples = job.samples(outputs)
         if self.judge_engine is not None:

@@ -1,0 +1,90 @@
+"""``--trainer.max_staleness`` 0 vs 1 on the same workload, alternated in one script (CPU engine workers).
+
+    python benchmarks/async_overlap.py --rounds 2 --steps 20 -- --placement dynamic --placement.devices 1
+
+Runs ``gcore fit`` (this checkout first on ``PYTHONPATH``) with the same seed and options, K=0 then K=1,
+``--rounds`` times, and prints for each run the machine load (``/proc/loadavg``) before it, the
+samples per second over the steps after ``--warmup`` (samples generated / the sum of ``time/step``),
+the median step, train and rollout-wait times, the staleness the K=1 run logged, and then the reward
+per step of each K (the mean over the rounds) and over the last quarter of the steps, to see
+whether learning per step holds. Everything after ``--`` is passed on to ``gcore fit``. Record
+the output in BENCHMARKS.md with the command, the date and the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def run(k: int, args: argparse.Namespace, extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as root:
+        cmd = [sys.executable, "-m", "gcore.cli", "fit", "--trainer.max_steps", str(args.steps),
+               "--trainer.seed", str(args.seed), "--trainer.enable_progress_bar", "false",
+               "--trainer.save_final", "false", "--trainer.default_root_dir", root, "--trainer.max_staleness", str(k),
+               *extra]
+        before = load()
+        started = time.perf_counter()
+        done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
+        wall = time.perf_counter() - started
+        if done.returncode:
+            sys.exit(f"K={k} failed:\n{done.stderr[-3000:]}")
+        path = next(os.path.join(d, f) for d, _, files in os.walk(root) for f in files if f == "metrics.csv")
+        with open(path, newline="") as f:
+            rows = [r for r in csv.DictReader(f) if r.get("reward/mean")]
+    timed = rows[args.warmup:]
+    col = lambda name, rs=timed: [float(r[name]) for r in rs if r.get(name)]  # noqa: E731
+    return {
+        "k": k, "load": before, "wall": wall,
+        "samples_per_s": sum(col("samples/total")) / sum(col("time/step")),
+        "step": statistics.median(col("time/step")), "train": statistics.median(col("time/train")),
+        "wait": statistics.median(col("async/rollout_wait_s")) if k else float("nan"),
+        "staleness": max(col("async/staleness_max", rows), default=0.0),
+        "rewards": col("reward/mean", rows),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timings")
+    parser.add_argument("--seed", type=int, default=7)
+    args, extra = parser.parse_known_args()
+    extra = [a for a in extra if a != "--"]
+    print(f"gcore fit {' '.join(extra)} --trainer.max_steps {args.steps} --trainer.seed {args.seed}; "
+          f"{os.cpu_count()} cores", flush=True)
+    results = []
+    for round_ in range(args.rounds):
+        for k in (0, 1):
+            r = run(k, args, extra)
+            results.append(r)
+            print(f"round {round_} K={k}: load {r['load']}; {r['samples_per_s']:.2f} samples/s; median step "
+                  f"{r['step']:.2f}s, train {r['train']:.2f}s, rollout wait {r['wait']:.2f}s; staleness max "
+                  f"{r['staleness']:.0f}; run {r['wall']:.0f}s", flush=True)
+    for k in (0, 1):
+        mine = [r for r in results if r["k"] == k]
+        rates = [r["samples_per_s"] for r in mine]
+        curve = [statistics.mean(values) for values in zip(*(r["rewards"] for r in mine), strict=True)]
+        tail = curve[-max(1, len(curve) // 4):]
+        print(f"K={k}: samples/s {' '.join(f'{x:.2f}' for x in rates)} (mean {statistics.mean(rates):.2f}); "
+              f"reward of the last {len(tail)} steps {statistics.mean(tail):.3f}; reward per step "
+              + " ".join(f"{x:.3f}" for x in curve))
+    print(f"load after: {load()}")
+
+
+if __name__ == "__main__":
+    main()
