@@ -37,7 +37,7 @@ from gcore.data import CostBalancer, DataConfig, PromptSampler, load_eval_prompt
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError, GcoreError, Interrupted
 from gcore.liveness import ControllerWatch
-from gcore.model import ModelConfig, context_length, load_tokenizer, make_workdir, materialize
+from gcore.model import ModelConfig, ModelSource, load_tokenizer, make_workdir, materialize
 from gcore.placement.base import PlacementPolicy
 from gcore.rendezvous import loopback_store
 from gcore.rewards.base import RewardModel
@@ -264,14 +264,14 @@ class Trainer:
             # before the process group exists: transformers saves only on rank 0 once it does, and
             # every controller builds (and loads) its own copy of the embedded model
             tokenizer = load_tokenizer(self.model_config)
-            model_path = materialize(self.model_config, tokenizer, self.config.seed, workdir)
+            source = self.model_config.source(materialize(self.model_config, tokenizer, self.config.seed, workdir))
             store.enter_context(loopback_store(fabric, self.config.num_nodes, self.config.collective_timeout))
             fabric.launch()
             watch = None
             if fabric.world_size > 1:  # names a controller that dies, and stops this one if it is lost
                 watch = ControllerWatch.for_fabric(fabric, silence_limit=self.config.heartbeat_timeout)
             try:
-                result = self._fit(fabric, tokenizer, model_path)
+                result = self._fit(fabric, tokenizer, source)
                 if watch is not None:
                     watch.stop()
                     fabric.barrier()  # no controller exits (taking the store with it) while another still watches
@@ -290,24 +290,20 @@ class Trainer:
             self.placement.shutdown()
             self.engine.shutdown()
 
-    def _fit(self, fabric, tokenizer, model_path: str) -> FitResult:  # noqa: ANN001
+    def _fit(self, fabric, tokenizer, source: ModelSource) -> FitResult:  # noqa: ANN001
         c, rank = self.config, fabric.global_rank
-        trust = self.model_config.trust_remote_code
-        prompts = load_prompts(
-            self.data_config, tokenizer, self.sampling.max_new_tokens, context_length(model_path, trust)
-        )
+        prompts = load_prompts(self.data_config, tokenizer, self.sampling.max_new_tokens, source.context_length())
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.sampling.stop_token_ids:
             self.sampling.stop_token_ids = (*self.sampling.stop_token_ids, tokenizer.eos_token_id)
         fabric.seed_everything(c.seed + rank, verbose=False)  # different samples per controller
 
         central = self._single_controller(fabric.world_size)
-        self.backend.setup(fabric, model_path, self.model_config.torch_dtype, trust, self.algorithm,
-                           embedded=self.model_config.embedded)
+        self.backend.setup(fabric, source, self.algorithm, embedded=self.model_config.embedded)
         # the placement policy starts the engines where it places them (in this process by default)
         if rank == 0 and self.placement.describe():
             print(self.placement.describe(), flush=True)
-        self.rollout_engine = self.placement.launch(self.engine, self.reward, model_path, self.model_config.torch_dtype,
-                                                    trust, fabric.device, seed=c.seed + 1000 * rank)
+        self.rollout_engine = self.placement.launch(self.engine, self.reward, source, fabric.device,
+                                                    seed=c.seed + 1000 * rank)
         balancer = (CostBalancer(prompts, self.sampling.n, self.sampling.max_new_tokens)
                     if self.data_config.balance else None)
         # with one controller, rank 0 takes every step's whole batch and the other ranks take none
@@ -347,7 +343,7 @@ class Trainer:
                     logger.log_hyperparams(self.hyperparameters())
         history: list[dict[str, float]] = []
         evaluations: list[dict[str, float]] = []
-        eval_prompts = self._eval_prompts(tokenizer, model_path, central)
+        eval_prompts = self._eval_prompts(tokenizer, source, central)
 
         def run_eval(step: int) -> None:
             """Evaluate the policy after ``step`` updates; logged at once, on a row of its own."""
@@ -381,7 +377,7 @@ class Trainer:
                 # an interrupt here is held until the save is started and the step logged: a checkpoint
                 # of step N always comes with N's metrics row, and the save is then finished
                 with _SIGNALS.deferred():
-                    metrics.update(self._checkpoint_step(fabric, step, checkpoints, sampler, extra, model_path))
+                    metrics.update(self._checkpoint_step(fabric, step, checkpoints, sampler, extra, source.path))
                     fabric.log_dict(metrics, step=step)
                 history.append(metrics)
                 bar.set_description("step", refresh=False)
@@ -419,14 +415,13 @@ class Trainer:
             return FitResult(run_dir, final_dir, history, evaluations)
         return FitResult(None, None, history, evaluations)
 
-    def _eval_prompts(self, tokenizer, model_path: str, central: bool) -> list:  # noqa: ANN001
+    def _eval_prompts(self, tokenizer, source: ModelSource, central: bool) -> list:  # noqa: ANN001
         """The held-out prompts of ``--trainer.eval_every`` (none when it is 0)."""
         if not self.config.eval_every:
             return []
         if central:
             raise ConfigError("--trainer.eval_every runs with one controller per process (not --trainer.controllers 1)")
-        context = context_length(model_path, self.model_config.trust_remote_code)
-        return load_eval_prompts(self.data_config, tokenizer, self.sampling.max_new_tokens, context)
+        return load_eval_prompts(self.data_config, tokenizer, self.sampling.max_new_tokens, source.context_length())
 
     def _save_final(self, final_dir: str, tokenizer, checkpoint_root: str) -> str:  # noqa: ANN001
         """Write the trained policy to ``final_dir`` atomically (``final.tmp``, then renamed).

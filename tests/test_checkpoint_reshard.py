@@ -10,7 +10,7 @@ from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.checkpoint import CheckpointManager, latest_checkpoint
-from gcore.model import char_tokenizer, materialize
+from gcore.model import ModelSource, char_tokenizer, materialize
 from gcore.testing import make_batch
 
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 def _setup(fabric, model_dir):
     backend = TorchBackend(lr=1e-2)
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     group = dist.new_group(backend="gloo") if fabric.world_size > 1 else None
     manager = CheckpointManager(os.path.join(os.path.dirname(model_dir), "ckpt"), rank=fabric.global_rank,
                                 world_size=fabric.world_size, barrier=fabric.barrier, process_group=group)

@@ -13,7 +13,7 @@ from conftest import FAST, RECORDING_REWARD, spawn
 from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
-from gcore.model import char_tokenizer, materialize
+from gcore.model import ModelSource, char_tokenizer, materialize
 from gcore.testing import make_batch
 
 pytestmark = pytest.mark.slow
@@ -70,7 +70,7 @@ def _batch():
 
 def _train(fabric, model_dir, rows, out, loss_agg):
     backend = TorchBackend(lr=1e-2, micro_batch_size=2)
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     batch = _batch()
     metrics = backend.train(batch.select(torch.tensor(rows)), GRPO(kl_coef=0.0, loss_agg=loss_agg), max_new_tokens=6)
     weights = {k: v.clone() for k, v in backend.named_weights()}

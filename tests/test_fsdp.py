@@ -17,7 +17,7 @@ from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.errors import ConfigError
-from gcore.model import char_tokenizer, materialize
+from gcore.model import ModelSource, char_tokenizer, materialize
 from gcore.testing import make_batch
 
 
@@ -57,7 +57,7 @@ def _step(strategy, model_dir, accelerator="cuda"):
     backend = TorchBackend(lr=1e-3, micro_batch_size=2, strategy=strategy)
     fabric = Fabric(accelerator=accelerator, devices=1, strategy=backend.strategy(1, accelerator))
     fabric.launch()  # ModelParallelStrategy wants it, even for one process
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     batch = make_batch([1.0, 0.0, 0.3, 0.9], [0, 0, 1, 1], length=12)
     batch.input_ids = torch.randint(4, 100, batch.input_ids.shape, generator=torch.Generator().manual_seed(0))
     batch.advantages = GRPO(kl_coef=0.0).advantages(batch)

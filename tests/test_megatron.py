@@ -20,7 +20,7 @@ from gcore.backends.megatron.convert import (
     megatron_states_to_hf,
 )
 from gcore.errors import ConfigError
-from gcore.model import char_tokenizer, materialize
+from gcore.model import ModelSource, char_tokenizer, materialize
 from gcore.testing import make_batch
 
 LOGPROB_TOL = 1e-5
@@ -164,7 +164,7 @@ def test_logprobs_match_the_hf_model(tmp_path):
 
     model_dir = _model_dir(str(tmp_path))
     backend = backend_class()
-    backend.setup(Fabric(accelerator="cpu", devices=1), model_dir, torch.float32, False, GRPO(kl_coef=0.0),
+    backend.setup(Fabric(accelerator="cpu", devices=1), ModelSource(model_dir), GRPO(kl_coef=0.0),
                   embedded=True)
     hf = AutoModelForCausalLM.from_pretrained(model_dir)
     ids = torch.randint(4, 100, (3, 12), generator=torch.Generator().manual_seed(0))
@@ -196,7 +196,7 @@ def _rank_batch(rank):
 
 def _compare_with_torch(fabric, model_dir, tp, pp, out):
     torch_backend = TorchBackend(lr=1e-2, micro_batch_size=2)
-    torch_backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    torch_backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     batch = _rank_batch(fabric.global_rank)
     torch_logprobs = torch_backend.compute_logprobs(batch, "policy")
     torch_metrics = torch_backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=8)
@@ -205,7 +205,7 @@ def _compare_with_torch(fabric, model_dir, tp, pp, out):
     from gcore.backends.megatron import MegatronBackend
 
     backend = MegatronBackend(tensor_parallel_size=tp, pipeline_parallel_size=pp, lr=1e-2, micro_batch_size=3)
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     logprobs = backend.compute_logprobs(batch, "policy")
     metrics = backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=8)
     weights = dict(backend.named_weights())
@@ -255,7 +255,7 @@ def _compare_optimizers(fabric, model_dir, out):
     for name, distributed, resume_from in (("plain", False, None), ("distributed", True, None),
                                            ("resumed", True, "plain")):
         backend = MegatronBackend(lr=1e-2, micro_batch_size=3, warmup_steps=2, distributed_optimizer=distributed)
-        backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+        backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
         if resume_from:
             backend.load_state_dict(runs[resume_from]["state"])
             first = runs[resume_from]["first"]
@@ -370,7 +370,7 @@ def _save_at(fabric, model_dir, root, tp, pp):
     from gcore.backends.megatron import MegatronBackend
 
     backend = MegatronBackend(tensor_parallel_size=tp, pipeline_parallel_size=pp, lr=1e-2)
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     backend.train(_rank_batch(fabric.global_rank), GRPO(kl_coef=0.0), max_new_tokens=8)
     manager = _checkpoint_manager(fabric, root)
     manager.save(1, backend.state_dict(), {"step": 1}, {"rank": fabric.global_rank})
@@ -393,7 +393,7 @@ def test_checkpoint_saved_at_tp2_or_pp2_loads_at_tp1(tmp_path, tp, pp):
     spawn(2, _save_at, model_dir, root, tp, pp)
     fabric = Fabric(accelerator="cpu", devices=1)
     backend = backend_class(tensor_parallel_size=1, lr=1e-2)
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     state = backend.state_dict()
     trainer_state, _ = _checkpoint_manager(fabric, root).load(latest_checkpoint(root), state)
     backend.load_state_dict(state)
@@ -416,7 +416,7 @@ def _save_without_a_peer(fabric, model_dir, out):
     from gcore.errors import GcoreError
 
     backend = MegatronBackend(tensor_parallel_size=2)
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     if fabric.global_rank == 1:
         time.sleep(25)  # never joins the checkpoint's gathers
         return

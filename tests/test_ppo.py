@@ -7,7 +7,7 @@ from lightning.fabric import Fabric
 from gcore import GRPO, PPO, ModelConfig, TorchBackend, Trainer
 from gcore.backends.base import TrainingBackend
 from gcore.errors import ConfigError
-from gcore.model import char_tokenizer, materialize
+from gcore.model import ModelSource, char_tokenizer, materialize
 from gcore.types import Prompt, Sample, collate
 
 
@@ -16,7 +16,7 @@ def _setup(tmp_path, algorithm):
     path = materialize(ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64), tokenizer, 0,
                        str(tmp_path / "m"))
     backend = TorchBackend(lr=1e-2, micro_batch_size=2)
-    backend.setup(Fabric(accelerator="cpu", devices=1), path, torch.float32, False, algorithm, embedded=True)
+    backend.setup(Fabric(accelerator="cpu", devices=1), ModelSource(path), algorithm, embedded=True)
     return backend, tokenizer
 
 

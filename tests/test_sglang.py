@@ -13,6 +13,7 @@ from conftest import engine_logprob_gap
 from gcore import SamplingParams
 from gcore.engines.sglang import buckets, group_outputs, sampling_dict, to_generation
 from gcore.errors import GcoreError
+from gcore.model import ModelSource
 
 
 def _output(tokens, logprobs, reason):
@@ -146,9 +147,9 @@ def _engine_and_backend(tmp_path, device, **engine_args):
     path = materialize(ModelConfig(num_hidden_layers=2), tokenizer, 0, str(tmp_path / "model"))
     fabric = Fabric(accelerator=device, devices=1)
     backend = TorchBackend(lr=1e-2)
-    backend.setup(fabric, path, torch.float32, False, GRPO(), embedded=True)
+    backend.setup(fabric, ModelSource(path), GRPO(), embedded=True)
     engine = SGLangEngine(cpu_kv_cache_tokens=4096, timeout_s=300, **engine_args)
-    engine.setup(path, fabric.device, torch.float32, False)
+    engine.setup(ModelSource(path), fabric.device)
     return tokenizer, engine, backend
 
 

@@ -13,7 +13,7 @@ from lightning.fabric import Fabric
 
 from gcore import GRPO, PPO, ModelConfig, TorchBackend
 from gcore.engines.hf import HFEngine
-from gcore.model import char_tokenizer, materialize
+from gcore.model import ModelSource, char_tokenizer, materialize
 from gcore.placement.static import StaticPlacement
 from gcore.rewards.rule import TargetCharReward
 from gcore.rollout import StageTimer
@@ -88,7 +88,7 @@ def _one_controller(fabric, model_dir, out, name):
     tokenizer = char_tokenizer()
     algorithm = _algorithm(name)
     backend = TorchBackend(lr=1e-2, micro_batch_size=2)
-    backend.setup(fabric, model_dir, torch.float32, False, algorithm, embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), algorithm, embedded=True)
     sampling = SamplingParams(n=2, max_new_tokens=6)
     controller = SingleController(fabric, HFEngine(), TargetCharReward(), algorithm, backend, StaticPlacement(),
                                   tokenizer, sampling)
@@ -107,7 +107,7 @@ def test_one_controller_over_two_ranks_computes_the_update_of_one_process(tmp_pa
     fabric = Fabric(accelerator="cpu", devices=1)
     algorithm = _algorithm(name)
     backend = TorchBackend(lr=1e-2, micro_batch_size=2)
-    backend.setup(fabric, model_dir, torch.float32, False, algorithm, embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), algorithm, embedded=True)
     batch = collate(_samples(char_tokenizer()), char_tokenizer().pad_token_id, 1.0)
     batch.response_mask = algorithm.loss_mask(batch)
     if algorithm.needs_critic:

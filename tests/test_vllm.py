@@ -10,7 +10,7 @@ from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, SamplingParams, TorchBackend, Trainer, TrainerConfig
 from gcore.algorithms.base import group_normalize
-from gcore.model import char_tokenizer, materialize
+from gcore.model import ModelSource, char_tokenizer, materialize
 
 vllm = pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -25,9 +25,9 @@ def _engine_and_backend(tmp_path, device, **engine_args):
     path = materialize(ModelConfig(num_hidden_layers=2), tokenizer, 0, str(tmp_path / "model"))
     fabric = Fabric(accelerator=device, devices=1)
     backend = TorchBackend(lr=1e-2)
-    backend.setup(fabric, path, torch.float32, False, GRPO(), embedded=True)
+    backend.setup(fabric, ModelSource(path), GRPO(), embedded=True)
     engine = VLLMEngine(enforce_eager=True, max_model_len=256, **engine_args)
-    engine.setup(path, fabric.device, torch.float32, False)
+    engine.setup(ModelSource(path), fabric.device)
     return tokenizer, engine, backend
 
 

@@ -11,6 +11,7 @@ import torch
 
 from gcore.algorithms.base import Algorithm
 from gcore.errors import ConfigError
+from gcore.model import ModelSource
 from gcore.types import RolloutBatch
 
 
@@ -18,7 +19,7 @@ class TrainingBackend(ABC):
     """Holds the policy (and reference/critic when needed) and trains it.
 
     Lifecycle: ``strategy`` tells the launcher which Fabric strategy to use; ``setup`` loads the
-    model from an HF checkpoint directory; every step calls ``compute_logprobs`` (PREPARE),
+    model from an HF checkpoint directory (a ``ModelSource``); every step calls ``compute_logprobs`` (PREPARE),
     ``compute_values`` when the algorithm has a critic, ``train`` (TRAIN), then ``named_weights``
     to feed the engine (SYNC).
 
@@ -46,9 +47,8 @@ class TrainingBackend(ABC):
                               f"{type(self).__name__} does not provide (use --backend torch)")
 
     @abstractmethod
-    def setup(self, fabric, model_path: str, dtype: torch.dtype, trust_remote_code: bool,  # noqa: ANN001
-              algorithm: Algorithm, embedded: bool) -> None:
-        """Load the policy, the reference model if ``algorithm.needs_reference``, and the critic if
+    def setup(self, fabric, source: ModelSource, algorithm: Algorithm, embedded: bool) -> None:  # noqa: ANN001
+        """Load the policy from ``source``, the reference model if ``algorithm.needs_reference``, and the critic if
         ``algorithm.needs_critic``; nothing is built for a role the algorithm does not use."""
 
     @abstractmethod

@@ -15,6 +15,7 @@ from gcore.backends.common import OptimizerOptions, check_sequence_parallel_cont
 from gcore.backends.shared_prompts import distinct_prompts, shared_prompt_logits, to_batch_layout
 from gcore.balance import micro_batches_by_length, padding_fraction
 from gcore.errors import ConfigError
+from gcore.model import ModelSource
 from gcore.types import RolloutBatch
 
 
@@ -22,12 +23,13 @@ class ValueModel(torch.nn.Module):
     """The critic: the policy checkpoint's transformer trunk (``AutoModel``, no LM head) and a linear
     head from the last hidden state to one value per position, initialised to zero."""
 
-    def __init__(self, model_path: str, dtype: torch.dtype, trust_remote_code: bool) -> None:
+    def __init__(self, source: ModelSource) -> None:
         super().__init__()
         from transformers import AutoModel
 
-        self.trunk = AutoModel.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
-        self.head = torch.nn.Linear(self.trunk.config.hidden_size, 1, dtype=dtype)
+        self.trunk = AutoModel.from_pretrained(source.path, dtype=source.dtype,
+                                               trust_remote_code=source.trust_remote_code)
+        self.head = torch.nn.Linear(self.trunk.config.hidden_size, 1, dtype=source.dtype)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
@@ -157,13 +159,12 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         super().validate(algorithm, world_size, single_controller)
         check_sequence_parallel_controllers(self.sequence_parallel_size, single_controller)
 
-    def setup(self, fabric, model_path: str, dtype: torch.dtype, trust_remote_code: bool,  # noqa: ANN001
-              algorithm: Algorithm, embedded: bool) -> None:
+    def setup(self, fabric, source: ModelSource, algorithm: Algorithm, embedded: bool) -> None:  # noqa: ANN001
         from transformers import AutoModelForCausalLM
 
         self.fabric = fabric
-        load = dict(dtype=dtype, trust_remote_code=trust_remote_code)
-        self.hf_model = AutoModelForCausalLM.from_pretrained(model_path, **load)
+        load = dict(dtype=source.dtype, trust_remote_code=source.trust_remote_code)
+        self.hf_model = AutoModelForCausalLM.from_pretrained(source.path, **load)
         if self.gradient_checkpointing:
             self.hf_model.gradient_checkpointing_enable()
         self.hf_model.train()
@@ -173,12 +174,12 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: self.warmup_factor(step))
         if algorithm.needs_reference:
-            reference = AutoModelForCausalLM.from_pretrained(model_path, **load)
+            reference = AutoModelForCausalLM.from_pretrained(source.path, **load)
             reference.eval().requires_grad_(False)
             # under FSDP sharded like the policy (ModelParallelStrategy moves no unsharded module to the device)
             self.reference = fabric.setup_module(reference) if self.fsdp else fabric.to_device(reference)
         if algorithm.needs_critic:
-            critic = ValueModel(model_path, dtype, trust_remote_code)
+            critic = ValueModel(source)
             if self.gradient_checkpointing:
                 critic.trunk.gradient_checkpointing_enable()
             critic.train()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gcore.engines.base import Engine
+from gcore.model import ModelSource
 from gcore.rewards.base import RewardModel
 from gcore.rollout import RolloutJob
 from gcore.types import Sample
@@ -49,10 +50,11 @@ class PlacementPolicy(ABC):
         """One line on what this policy does on this machine, printed when a run starts ("": nothing)."""
         return ""
 
-    def launch(self, engine: Engine, reward: RewardModel, model_path: str, dtype: torch.dtype,
-               trust_remote_code: bool, device: torch.device, seed: int) -> Engine:
-        """Set up the engines and the reward; returns the rollout engine. Default: both in this process."""
-        engine.setup(model_path, device, dtype, trust_remote_code)
+    def launch(self, engine: Engine, reward: RewardModel, source: ModelSource, device: torch.device,
+               seed: int) -> Engine:
+        """Set up the engines (the policy's from ``source``) and the reward; returns the rollout engine.
+        Default: both in this process."""
+        engine.setup(source, device)
         reward.setup(device)
         return engine
 

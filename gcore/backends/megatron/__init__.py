@@ -38,6 +38,7 @@ from gcore.backends.megatron.optimizer import MegatronOptimizer
 from gcore.backends.megatron.parallel import ParallelGroups, agree_on_keys, init_parallel_state, to_device
 from gcore.backends.megatron.weights import HFWeights
 from gcore.errors import ConfigError, GcoreError
+from gcore.model import ModelSource
 from gcore.types import RolloutBatch
 
 if TYPE_CHECKING:
@@ -155,13 +156,13 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
 
     # SETUP -----------------------------------------------------------------------------------
 
-    def setup(self, fabric: Fabric, model_path: str, dtype: torch.dtype, trust_remote_code: bool,
-              algorithm: Algorithm, embedded: bool) -> None:
+    def setup(self, fabric: Fabric, source: ModelSource, algorithm: Algorithm, embedded: bool) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        dtype = source.dtype
         self.validate(algorithm, fabric.world_size, single_controller=False)
         tp, pp, cp = self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size
-        self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.hf_config = AutoConfig.from_pretrained(source.path, trust_remote_code=source.trust_remote_code)
         self.layout = layout_from_hf(self.hf_config, tp)
         if cp > 1 and self.sequence_parallel_mode == "ulysses" and (self.layout.num_heads // tp) % cp:
             raise ConfigError(
@@ -174,7 +175,7 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
         self.groups = init_parallel_state(fabric, tp, pp, cp, self.sequence_parallel_mode)
         self.weights = HFWeights(self.layout, self.groups)
         self.forward = ForwardPasses(fabric, self.groups, self.layout.vocab_size)
-        hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        hf = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, trust_remote_code=source.trust_remote_code)
         hf_state = hf.state_dict()
         # HF's nn.Embedding(padding_idx=pad): a pad token in the input gives the embedding no gradient
         padding_idx = getattr(hf.get_input_embeddings(), "padding_idx", None)
