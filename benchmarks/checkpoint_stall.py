@@ -20,7 +20,7 @@ from lightning.fabric import Fabric
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.checkpoint import CheckpointManager
 from gcore.model import ModelSource, char_tokenizer, materialize
-from gcore.testing import make_batch
+from gcore.testing import make_batch, set_up
 
 
 def main() -> None:
@@ -41,14 +41,14 @@ def main() -> None:
     batch.advantages = GRPO(kl_coef=0.0).advantages(batch)
     stalls: dict[bool, list[float]] = {True: [], False: []}
     steps: dict[bool, list[float]] = {True: [], False: []}
-    backend.train(batch, GRPO(kl_coef=0.0), 31)  # warm-up: optimizer state exists before the first save
+    backend.train(batch, set_up(GRPO(kl_coef=0.0), 31))  # warm-up: optimizer state exists before the first save
     step = 0
     for _ in range(args.repeats):
         for asynchronous in (True, False):
             start = time.perf_counter()
             stalls[asynchronous].append(manager.save(step, backend.state_dict(), {"step": step}, {},
                                                      asynchronous=asynchronous))
-            backend.train(batch, GRPO(kl_coef=0.0), 31)  # the next step runs while an async save writes
+            backend.train(batch, set_up(GRPO(kl_coef=0.0), 31))  # the next step runs while an async save writes
             manager.poll()
             steps[asynchronous].append(time.perf_counter() - start)
             manager.wait()

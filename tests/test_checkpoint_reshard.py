@@ -11,7 +11,7 @@ from lightning.fabric import Fabric
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.checkpoint import CheckpointManager, latest_checkpoint
 from gcore.model import ModelSource, char_tokenizer, materialize
-from gcore.testing import make_batch
+from gcore.testing import make_batch, set_up
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def _train_step(backend, rank):
     batch = make_batch([1.0, 0.0, 0.3, 0.9], [0, 0, 1, 1], length=6)
     batch.input_ids = torch.randint(4, 50, batch.input_ids.shape, generator=torch.Generator().manual_seed(rank))
     batch.advantages = GRPO(kl_coef=0.0).advantages(batch)
-    backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=5)
+    backend.train(batch, set_up(GRPO(kl_coef=0.0), 5))
 
 
 def _save_on_two(fabric, model_dir):

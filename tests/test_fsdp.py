@@ -18,7 +18,7 @@ from lightning.fabric import Fabric
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.errors import ConfigError
 from gcore.model import ModelSource, char_tokenizer, materialize
-from gcore.testing import make_batch
+from gcore.testing import make_batch, set_up
 
 
 def test_fsdp_is_model_parallel_strategy_on_cpu_and_ddp_the_default():
@@ -61,7 +61,7 @@ def _step(strategy, model_dir, accelerator="cuda"):
     batch = make_batch([1.0, 0.0, 0.3, 0.9], [0, 0, 1, 1], length=12)
     batch.input_ids = torch.randint(4, 100, batch.input_ids.shape, generator=torch.Generator().manual_seed(0))
     batch.advantages = GRPO(kl_coef=0.0).advantages(batch)
-    metrics = backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=8)
+    metrics = backend.train(batch, set_up(GRPO(kl_coef=0.0), 8))
     weights = {k: v.detach().cpu().clone() for k, v in backend.named_weights()}
     return backend, metrics, weights
 

@@ -23,7 +23,7 @@ from lightning.fabric import Fabric
 
 from gcore import GRPO, PPO, ModelConfig, TorchBackend
 from gcore.model import ModelSource, char_tokenizer, materialize
-from gcore.testing import make_batch
+from gcore.testing import make_batch, set_up
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def _run(strategy, model_dir, algorithm_name, out_dir, rank):
     batch.old_logprobs = result["logprobs"]
     if algorithm.needs_critic:
         result["values"] = backend.compute_values(batch)
-    result["metrics"] = backend.train(batch, algorithm, max_new_tokens=8)
+    result["metrics"] = backend.train(batch, set_up(algorithm, 8))
     engine = HFEngine()
     engine.setup(ModelSource(model_dir), torch.device("cpu"))
     engine.update_weights(backend.named_weights())  # what the controller does after each update
@@ -113,8 +113,8 @@ def _checkpoint_round_trip(backend, fabric, model_dir, algorithm, path, result):
     batch.old_logprobs = backend.compute_logprobs(batch, "policy")
     if algorithm.needs_reference:
         batch.ref_logprobs = backend.compute_logprobs(batch, "reference")
-    backend.train(batch, algorithm, max_new_tokens=8)
-    fresh.train(batch, algorithm, max_new_tokens=8)
+    backend.train(batch, set_up(algorithm, 8))
+    fresh.train(batch, set_up(algorithm, 8))
     result["second_step"] = {k: v.clone() for k, v in backend.named_weights()}
     result["second_step_resumed"] = {k: v.clone() for k, v in fresh.named_weights()}
 

@@ -21,7 +21,7 @@ from gcore.backends.megatron.convert import (
 )
 from gcore.errors import ConfigError
 from gcore.model import ModelSource, char_tokenizer, materialize
-from gcore.testing import make_batch
+from gcore.testing import make_batch, set_up
 
 LOGPROB_TOL = 1e-5
 LOSS_TOL = 1e-5
@@ -199,7 +199,7 @@ def _compare_with_torch(fabric, model_dir, tp, pp, out):
     torch_backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     batch = _rank_batch(fabric.global_rank)
     torch_logprobs = torch_backend.compute_logprobs(batch, "policy")
-    torch_metrics = torch_backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=8)
+    torch_metrics = torch_backend.train(batch, set_up(GRPO(kl_coef=0.0), 8))
     torch_weights = dict(torch_backend.named_weights())
 
     from gcore.backends.megatron import MegatronBackend
@@ -207,7 +207,7 @@ def _compare_with_torch(fabric, model_dir, tp, pp, out):
     backend = MegatronBackend(tensor_parallel_size=tp, pipeline_parallel_size=pp, lr=1e-2, micro_batch_size=3)
     backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     logprobs = backend.compute_logprobs(batch, "policy")
-    metrics = backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=8)
+    metrics = backend.train(batch, set_up(GRPO(kl_coef=0.0), 8))
     weights = dict(backend.named_weights())
     result = {
         "logprobs": float((logprobs - torch_logprobs).abs().max()),
@@ -260,9 +260,9 @@ def _compare_optimizers(fabric, model_dir, out):
             backend.load_state_dict(runs[resume_from]["state"])
             first = runs[resume_from]["first"]
         else:
-            first = backend.train(_rank_batch(rank), GRPO(kl_coef=0.0), max_new_tokens=8)
+            first = backend.train(_rank_batch(rank), set_up(GRPO(kl_coef=0.0), 8))
         state = backend.state_dict()
-        second = backend.train(_rank_batch(1 - rank), GRPO(kl_coef=0.0), max_new_tokens=8)
+        second = backend.train(_rank_batch(1 - rank), set_up(GRPO(kl_coef=0.0), 8))
         slots = backend.optimizer.adam_slots()
         held = sum(len(range(p.numel())[s]) if s is not None else p.numel() for p, _, s in slots.values())
         runs[name] = {"first": first, "second": second, "state": state, "weights": dict(backend.named_weights()),
@@ -371,7 +371,7 @@ def _save_at(fabric, model_dir, root, tp, pp):
 
     backend = MegatronBackend(tensor_parallel_size=tp, pipeline_parallel_size=pp, lr=1e-2)
     backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
-    backend.train(_rank_batch(fabric.global_rank), GRPO(kl_coef=0.0), max_new_tokens=8)
+    backend.train(_rank_batch(fabric.global_rank), set_up(GRPO(kl_coef=0.0), 8))
     manager = _checkpoint_manager(fabric, root)
     manager.save(1, backend.state_dict(), {"step": 1}, {"rank": fabric.global_rank})
     manager.wait()
@@ -406,7 +406,7 @@ def test_checkpoint_saved_at_tp2_or_pp2_loads_at_tp1(tmp_path, tp, pp):
         for name, tensor in expected["moments"][key].items():
             assert torch.equal(reloaded[key][name], tensor), (key, name)
     assert float(reloaded["step"]) == 1.0
-    backend.train(_rank_batch(0), GRPO(kl_coef=0.0), max_new_tokens=8)  # training goes on from there
+    backend.train(_rank_batch(0), set_up(GRPO(kl_coef=0.0), 8))  # training goes on from there
 
 
 def _save_without_a_peer(fabric, model_dir, out):

@@ -22,6 +22,7 @@ from lightning.fabric import Fabric
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.errors import ConfigError
 from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.testing import set_up
 
 LOGPROB_TOL = 1e-5
 WEIGHT_ATOL = {"torch": 2e-5, "megatron": 3e-5}
@@ -106,7 +107,7 @@ def _step(backend, fabric, model_dir, rows):
     backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     batch = _batch().select(torch.tensor(rows))
     logprobs = backend.compute_logprobs(batch, "policy")
-    metrics = backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=6)
+    metrics = backend.train(batch, set_up(GRPO(kl_coef=0.0), 6))
     weights = {k: v.clone() for k, v in backend.named_weights()}
     return {"logprobs": logprobs, "metrics": metrics, "weights": weights}
 

@@ -16,7 +16,7 @@ from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.model import ModelSource, char_tokenizer, materialize
-from gcore.testing import make_batch
+from gcore.testing import make_batch, set_up
 
 pytestmark = pytest.mark.gpu
 
@@ -66,12 +66,12 @@ def _compare(fabric, model_dir, tp, out, pp=1, distributed_optimizer=None):
     batch = _batch(fabric.global_rank)
     reference = TorchBackend(lr=1e-5)
     reference.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
-    ref_metrics = reference.train(batch, GRPO(kl_coef=0.0), max_new_tokens=23)
+    ref_metrics = reference.train(batch, set_up(GRPO(kl_coef=0.0), 23))
     ref_weights = {k: v.cpu() for k, v in reference.named_weights()}
     backend = MegatronBackend(tensor_parallel_size=tp, pipeline_parallel_size=pp, lr=1e-5,
                               distributed_optimizer=distributed_optimizer)
     backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
-    metrics = backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=23)
+    metrics = backend.train(batch, set_up(GRPO(kl_coef=0.0), 23))
     weights = {k: v.cpu() for k, v in backend.named_weights()}
     torch.save({"loss": abs(metrics["loss"] - ref_metrics["loss"]),
                 "weights": max(float((weights[k] - v).abs().max()) for k, v in ref_weights.items())},

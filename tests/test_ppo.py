@@ -8,6 +8,7 @@ from gcore import GRPO, PPO, ModelConfig, TorchBackend, Trainer
 from gcore.backends.base import TrainingBackend
 from gcore.errors import ConfigError
 from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.testing import set_up
 from gcore.types import Prompt, Sample, collate
 
 
@@ -50,7 +51,7 @@ def test_critic_values_and_training_move_values_towards_returns(tmp_path):
     batch.advantages = algorithm.advantages(batch)
     returns = batch.returns.clone()
     assert returns[batch.response_mask > 0].abs().sum() > 0
-    metrics = backend.train(batch, algorithm, max_new_tokens=8)
+    metrics = backend.train(batch, set_up(algorithm, 8))
     assert {"critic/value_loss", "critic/grad_norm", "critic/clip_frac", "clip_frac"} <= set(metrics)
     after = backend.compute_values(batch)
     mask = batch.response_mask > 0

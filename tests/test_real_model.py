@@ -16,6 +16,7 @@ import torch
 from conftest import engine_logprob_gap
 
 from gcore.model import ModelSource
+from gcore.testing import set_up
 
 # converting the GGUF and loading the 135M model (twice per run: trainer and engine) take most of the time;
 # the timeout leaves room for a loaded machine
@@ -162,7 +163,7 @@ def test_vllm_and_sglang_logprobs_agree_on_smollm2_before_and_after_a_sync(smoll
         assert gap < 1e-4
         batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
         batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
-        backend.train(batch, GRPO(kl_coef=0.0), params.max_new_tokens)
+        backend.train(batch, set_up(GRPO(kl_coef=0.0), params.max_new_tokens))
         stale, _ = engine_logprob_gap(engine, backend, tokenizer, params, prompts)
         assert stale > 1e-2
         engine.update_weights(backend.named_weights())

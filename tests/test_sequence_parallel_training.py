@@ -13,6 +13,7 @@ from lightning.fabric import Fabric
 
 from gcore import GRPO, PPO, ModelConfig, TorchBackend
 from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.testing import set_up
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +43,7 @@ def _train(fabric, model_dir, rows, out, algorithm_name, sp_size, mode, packing)
                            sequence_parallel_mode=mode, packing=packing)
     backend.setup(fabric, ModelSource(model_dir), algorithm, embedded=True)
     batch = _batch(algorithm).select(torch.tensor(rows))
-    metrics = backend.train(batch, algorithm, max_new_tokens=6)
+    metrics = backend.train(batch, set_up(algorithm, 6))
     weights = {k: v.clone() for k, v in backend.named_weights()}
     if backend.critic is not None:
         weights.update({f"critic.{k}": v.detach().clone() for k, v in backend.critic.module.state_dict().items()})

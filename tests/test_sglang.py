@@ -14,6 +14,7 @@ from gcore import SamplingParams
 from gcore.engines.sglang import buckets, group_outputs, sampling_dict, to_generation
 from gcore.errors import GcoreError
 from gcore.model import ModelSource
+from gcore.testing import set_up
 
 
 def _output(tokens, logprobs, reason):
@@ -162,7 +163,7 @@ def _train_step(engine, backend, tokenizer, params):
     _, batch = engine_logprob_gap(engine, backend, tokenizer, params)
     batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
     batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
-    backend.train(batch, GRPO(), params.max_new_tokens)
+    backend.train(batch, set_up(GRPO(), params.max_new_tokens))
     stale, _ = engine_logprob_gap(engine, backend, tokenizer, params)
     return stale
 

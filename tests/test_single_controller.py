@@ -18,6 +18,7 @@ from gcore.placement.static import StaticPlacement
 from gcore.rewards.rule import TargetCharReward
 from gcore.rollout import StageTimer
 from gcore.single_controller import SingleController, recv_tensors, send_tensors
+from gcore.testing import set_up
 from gcore.types import Prompt, Sample, SamplingParams, collate
 
 pytestmark = pytest.mark.slow
@@ -94,7 +95,7 @@ def _one_controller(fabric, model_dir, out, name):
                                   tokenizer, sampling)
     samples = _samples(tokenizer) if fabric.global_rank == 0 else []
     batch = controller.prepare(samples, samples, StageTimer())
-    metrics = backend.train(batch, algorithm, max_new_tokens=6)
+    metrics = backend.train(batch, set_up(algorithm, 6))
     torch.save({"metrics": metrics, "weights": {k: v.clone() for k, v in backend.named_weights()},
                 "features": batch.features}, out % fabric.global_rank)
 
@@ -117,7 +118,7 @@ def test_one_controller_over_two_ranks_computes_the_update_of_one_process(tmp_pa
     if algorithm.needs_reference:
         batch.ref_logprobs = backend.compute_logprobs(batch, "reference")
     batch.advantages = algorithm.advantages(batch)
-    single = backend.train(batch, algorithm, max_new_tokens=6)
+    single = backend.train(batch, set_up(algorithm, 6))
     single_weights = {k: v.clone() for k, v in backend.named_weights()}
 
     out = str(tmp_path / "rank%d.pt")

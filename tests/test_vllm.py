@@ -11,6 +11,7 @@ from lightning.fabric import Fabric
 from gcore import GRPO, ModelConfig, SamplingParams, TorchBackend, Trainer, TrainerConfig
 from gcore.algorithms.base import group_normalize
 from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.testing import set_up
 
 vllm = pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -43,7 +44,7 @@ def test_logprobs_match_the_trainer_before_and_after_a_weight_sync(tmp_path, dev
 
     batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
     batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
-    backend.train(batch, GRPO(), params.max_new_tokens)
+    backend.train(batch, set_up(GRPO(), params.max_new_tokens))
     stale, _ = engine_logprob_gap(engine, backend, tokenizer, params)
     assert stale > 10 * PARITY  # the engine does not see the update until the sync
 
@@ -58,7 +59,7 @@ def _train_step(engine, backend, tokenizer, params):
     _, batch = engine_logprob_gap(engine, backend, tokenizer, params)
     batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
     batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
-    backend.train(batch, GRPO(), params.max_new_tokens)
+    backend.train(batch, set_up(GRPO(), params.max_new_tokens))
     stale, _ = engine_logprob_gap(engine, backend, tokenizer, params)
     return stale
 

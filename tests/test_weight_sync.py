@@ -7,6 +7,7 @@ from lightning.fabric import Fabric
 from gcore import GRPO, HFEngine, ModelConfig, Prompt, Sample, SamplingParams, TorchBackend
 from gcore.algorithms.base import group_normalize
 from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.testing import set_up
 from gcore.types import collate
 
 
@@ -42,7 +43,7 @@ def test_engine_matches_trainer_after_sync(tmp_path, device):
 
     batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
     batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
-    backend.train(batch, algorithm, params.max_new_tokens)
+    backend.train(batch, set_up(algorithm, params.max_new_tokens))
 
     stale, _ = max_gap(_samples(engine, tokenizer, prompts, params))
     assert stale > 1e-3  # the trainer moved; the engine has not been told yet

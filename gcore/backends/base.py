@@ -59,7 +59,7 @@ class TrainingBackend(ABC):
         """The critic's value ``[B, L-1]`` of the state before each next token (0 off-response)."""
         raise ConfigError(f"backend {type(self).__name__} has no critic; the algorithm needs one (use --backend torch)")
 
-    def train(self, batch: RolloutBatch, algorithm: Algorithm, max_new_tokens: int) -> dict[str, float]:
+    def train(self, batch: RolloutBatch, algorithm: Algorithm) -> dict[str, float]:
         """Run the algorithm's updates on this step's batch; return metrics (global over ranks).
 
         ``algorithm.epochs`` passes over the batch (in a seeded random order after the first), each
@@ -74,7 +74,7 @@ class TrainingBackend(ABC):
         for epoch in range(algorithm.epochs):
             order = torch.randperm(len(batch), generator=generator) if epoch > 0 else torch.arange(len(batch))
             for rows in torch.tensor_split(order, algorithm.mini_batches):
-                stats = self.train_mini_batch(batch, rows, algorithm, max_new_tokens)
+                stats = self.train_mini_batch(batch, rows, algorithm)
                 # the loss is already summed over ranks, so every rank takes the same decision
                 grad_norm, stepped = self.optimizer_step(stats, loss_finite=math.isfinite(stats["loss"]))
                 skipped += 0 if stepped else 1  # a non-finite loss or gradient skips the update
@@ -87,10 +87,9 @@ class TrainingBackend(ABC):
         metrics["lr"] = self.learning_rate()
         return metrics
 
-    def train_mini_batch(self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm,
-                         max_new_tokens: int) -> dict[str, float]:
+    def train_mini_batch(self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm) -> dict[str, float]:
         """Accumulate the gradients of the mini-batch ``rows`` of ``batch``; return its global metrics
-        (``loss`` among them)."""
+        (``loss`` among them). The loss's denominators are ``algorithm.loss_scale(tokens, sequences)``."""
         raise NotImplementedError(f"{type(self).__name__} implements neither train nor train_mini_batch")
 
     def optimizer_step(self, stats: dict[str, float], loss_finite: bool) -> tuple[float, bool]:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import torch
 
-from gcore.algorithms.base import Algorithm, LossScale
+from gcore.algorithms.base import Algorithm
 from gcore.backends import sequence_parallel as seqpar
 from gcore.backends.base import TrainingBackend
 from gcore.backends.common import OptimizerOptions, check_sequence_parallel_controllers
@@ -292,10 +292,10 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             return int(value)
         return int(self.fabric.all_reduce(torch.tensor(float(value)), reduce_op="max"))
 
-    def train(self, batch: RolloutBatch, algorithm: Algorithm, max_new_tokens: int) -> dict[str, float]:
+    def train(self, batch: RolloutBatch, algorithm: Algorithm) -> dict[str, float]:
         if self.sp is not None:  # the group trains on the union of its members' batches
             batch, _, _ = seqpar.gather_group_batch(batch, self.sp)
-        return super().train(batch, algorithm, max_new_tokens)
+        return super().train(batch, algorithm)
 
     def optimizer_step(self, stats: dict[str, float], loss_finite: bool) -> tuple[float, bool]:
         grad_norm = _norm_value(self.fabric.clip_gradients(
@@ -328,9 +328,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         self.critic_optimizer.zero_grad(set_to_none=True)
         return {"critic/grad_norm": grad_norm, "critic/skipped_updates": skipped}
 
-    def train_mini_batch(
-        self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm, max_new_tokens: int
-    ) -> dict[str, float]:
+    def train_mini_batch(self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm) -> dict[str, float]:
         """Accumulate the gradients of one mini-batch over micro-batches; returns its global metrics."""
         fabric, world = self.fabric, self.fabric.world_size
         replicas = self.sp.size if self.sp is not None else 1  # each group holds its rows K times
@@ -339,7 +337,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         totals = self._global_sums([batch.response_mask[rows].sum().item(), len(rows),
                                     batch.response_mask[trained].sum().item(), len(trained)])
         tokens, sequences, trained_tokens, trained_rows = (total / replicas for total in totals)
-        scale = LossScale(tokens=tokens, sequences=sequences, max_length=float(max_new_tokens))
+        scale = algorithm.loss_scale(tokens, sequences)
         rows = trained
         lengths = batch.attention_mask[rows].sum(-1).tolist()
         # similar lengths in a micro-batch: less padding

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
-from gcore.algorithms.base import Algorithm, LossScale
+from gcore.algorithms.base import Algorithm
 from gcore.backends.base import TrainingBackend
 from gcore.backends.common import OptimizerOptions, check_sequence_parallel_controllers
 from gcore.backends.megatron.convert import Layout, layout_from_hf
@@ -224,14 +224,13 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
 
     # TRAIN -----------------------------------------------------------------------------------
 
-    def train_mini_batch(self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm,
-                         max_new_tokens: int) -> dict[str, float]:
+    def train_mini_batch(self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm) -> dict[str, float]:
         """Accumulate this mini-batch's gradients (local to the rank); returns its global metrics."""
         g = self.groups
         own = batch.select(rows) if len(rows) else None
         counts = g.all_reduce(torch.tensor([
             float(batch.response_mask[rows].sum()), float(len(rows))], dtype=torch.float64))
-        scale = LossScale(tokens=float(counts[0]), sequences=float(counts[1]), max_length=float(max_new_tokens))
+        scale = algorithm.loss_scale(float(counts[0]), float(counts[1]))
         union = g.union_of_rows(own)
 
         def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, micro: RolloutBatch
