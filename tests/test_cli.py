@@ -75,6 +75,8 @@ def test_help_shows_plugin_options():
         (["--data.path", "missing.jsonl"], "--data.path missing.jsonl: no such file"),
         (["--trainer.devices", "2", "--trainer.controllers", "1", "--placement", "dynamic"],  # before any launch
          "--trainer.controllers 1 runs with --placement static and no --placement.workers"),
+        (["--trainer.devices", "2", "--trainer.controllers", "1", "--placement.workers", "2"],  # StaticPlacement
+         "--trainer.controllers 1 runs with --placement static and no --placement.workers"),
         (["--trainer.devices", "2", "--trainer.controllers", "1", "--backend.sequence_parallel_size", "2"],
          "--trainer.controllers 1 does not support --backend.sequence_parallel_size > 1"),  # TorchBackend.validate
         (["--sampling.n", "0"], "--sampling.n must be >= 1"),

@@ -10,6 +10,7 @@ Tolerance: weights within 1e-5 after one AdamW step at lr 1e-3 (TF32 off on GPU)
 """
 
 import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -22,10 +23,14 @@ from gcore.testing import make_batch, set_up
 
 
 def test_fsdp_is_model_parallel_strategy_on_cpu_and_ddp_the_default():
-    from lightning.fabric.strategies import ModelParallelStrategy
+    from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 
-    assert isinstance(TorchBackend(strategy="fsdp").strategy(2, "cpu"), ModelParallelStrategy)
-    assert TorchBackend().strategy(2, "cpu") == "ddp"  # DDP stays the default
+    timeout = timedelta(seconds=7)  # --trainer.collective_timeout, given to the strategy the backend builds
+    fsdp = TorchBackend(strategy="fsdp").strategy(2, "cpu", timeout)
+    ddp = TorchBackend().strategy(2, "cpu", timeout)  # DDP stays the default
+    assert isinstance(fsdp, ModelParallelStrategy) and isinstance(ddp, DDPStrategy)
+    assert fsdp._timeout == ddp._timeout == timeout  # Fabric keeps the constructor's timeout there
+    assert TorchBackend().strategy(1, "cpu") == "auto"
 
 
 def test_unknown_strategy_names_the_choices():

@@ -5,14 +5,19 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Literal
+from datetime import timedelta
+from typing import TYPE_CHECKING, Literal
 
 import torch
+from torch.distributed.constants import default_pg_timeout
 
 from gcore.algorithms.base import Algorithm
 from gcore.errors import ConfigError
 from gcore.model import ModelSource
 from gcore.types import RolloutBatch
+
+if TYPE_CHECKING:
+    from lightning.fabric.strategies import Strategy
 
 
 class TrainingBackend(ABC):
@@ -31,9 +36,14 @@ class TrainingBackend(ABC):
     #: whether this backend builds and trains a critic for algorithms that need one (PPO)
     supports_critic: bool = False
 
-    def strategy(self, world_size: int, device_type: str) -> str:
-        """The Lightning Fabric strategy this backend trains under."""
-        return "ddp" if world_size > 1 else "auto"
+    def strategy(self, world_size: int, device_type: str, timeout: timedelta = default_pg_timeout) -> str | Strategy:
+        """The Lightning Fabric strategy this backend trains under; a collective waits at most ``timeout``
+        for the other ranks (the trainer passes ``--trainer.collective_timeout``). Default: DDP."""
+        if world_size == 1:
+            return "auto"
+        from lightning.fabric.strategies import DDPStrategy
+
+        return DDPStrategy(timeout=timeout)
 
     def validate(self, algorithm: Algorithm, world_size: int, single_controller: bool) -> None:
         """Raise a one-line ``ConfigError`` (naming the flag and what works) when this backend cannot

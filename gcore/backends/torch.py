@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any, Literal
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from torch.distributed.constants import default_pg_timeout
 
 from gcore.algorithms.base import Algorithm
 from gcore.backends import sequence_parallel as seqpar
@@ -17,6 +19,9 @@ from gcore.balance import micro_batches_by_length, padding_fraction
 from gcore.errors import ConfigError
 from gcore.model import ModelSource
 from gcore.types import RolloutBatch
+
+if TYPE_CHECKING:
+    from lightning.fabric.strategies import Strategy
 
 
 class ValueModel(torch.nn.Module):
@@ -145,15 +150,15 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         self.optimizer = None
         self.scheduler = None
 
-    def strategy(self, world_size: int, device_type: str):  # noqa: ANN201
+    def strategy(self, world_size: int, device_type: str, timeout: timedelta = default_pg_timeout) -> str | Strategy:
         if not self.fsdp:
-            return super().strategy(world_size, device_type)
+            return super().strategy(world_size, device_type, timeout)
         from lightning.fabric.strategies import ModelParallelStrategy
 
         # FSDP2 over one data-parallel mesh dimension of all the ranks (no tensor parallelism); unlike
         # Fabric's FSDPStrategy (FSDP1), ModelParallelStrategy runs on the CPU accelerator too (gloo)
         return ModelParallelStrategy(parallelize_fn=shard_per_layer, data_parallel_size=world_size,
-                                     tensor_parallel_size=1)
+                                     tensor_parallel_size=1, timeout=timeout)
 
     def validate(self, algorithm: Algorithm, world_size: int, single_controller: bool) -> None:
         super().validate(algorithm, world_size, single_controller)

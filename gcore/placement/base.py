@@ -46,6 +46,15 @@ class PlacementPolicy(ABC):
         The trainer calls it before it launches any controller process or engine.
         """
 
+    def validate(self, world_size: int, single_controller: bool) -> None:
+        """Raise a one-line ``ConfigError`` (naming the flag and what works) when this policy cannot run
+        with the trainer's controllers; the trainer calls it before anything is launched.
+
+        ``single_controller``: one controller drives all ``world_size`` processes
+        (``--trainer.controllers 1``). Default: every policy that keeps its engines in the
+        controller's process runs either way.
+        """
+
     def describe(self) -> str:
         """One line on what this policy does on this machine, printed when a run starts ("": nothing)."""
         return ""

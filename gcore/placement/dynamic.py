@@ -107,6 +107,11 @@ class DynamicPlacement(PlacementPolicy):
     def min_devices(self) -> int:
         return max(1, math.ceil(self.min_fraction * self.total))
 
+    def validate(self, world_size: int, single_controller: bool) -> None:
+        if single_controller:
+            raise ConfigError("--trainer.controllers 1 runs with --placement static and no --placement.workers "
+                              "(the engine worker pools are per controller)")
+
     def setup(self, world_size: int, device_type: str, reward: RewardModel | None = None) -> None:
         """``reward`` ``None`` (``gcore simulate``) or one with a generative judge: a judge partition."""
         from gcore.engines.pool import JUDGE, REWARD

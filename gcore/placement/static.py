@@ -57,6 +57,11 @@ class StaticPlacement(PlacementPolicy):
     def telemetry_keys(self) -> tuple[str, ...]:  # type: ignore[override]
         return ("rollout", "idle_generate", "idle_reward") if self.workers else ()
 
+    def validate(self, world_size: int, single_controller: bool) -> None:
+        if single_controller and self.workers:
+            raise ConfigError("--trainer.controllers 1 runs with --placement static and no --placement.workers "
+                              "(the engine worker pools are per controller)")
+
     def setup(self, world_size: int, device_type: str, reward: RewardModel | None = None) -> None:
         self._offload = self.offload if self.offload is not None else device_type == "cuda"
 

@@ -130,9 +130,8 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
         self.optimizer: MegatronOptimizer
         self._synced: tuple[int, dict[str, torch.Tensor]] | None = None  # (updates, weights) of the last sync
 
-    def strategy(self, world_size: int, device_type: str) -> str:
-        # Fabric only launches the processes and the process group; megatron does the parallelism
-        return "ddp" if world_size > 1 else "auto"
+    # strategy: the base class's DDP; Fabric only launches the processes and the process group, megatron
+    # does the parallelism
 
     def validate(self, algorithm: Algorithm, world_size: int, single_controller: bool) -> None:
         super().validate(algorithm, world_size, single_controller)
