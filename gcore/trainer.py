@@ -231,6 +231,8 @@ class Trainer:
         if c.controllers not in (None, 1, world):
             raise ConfigError(f"--trainer.controllers {c.controllers}: valid choices are 1 (one controller drives "
                               f"every process) or {world} (one per process, the default)")
+        if c.eval_every and self._single_controller():
+            raise ConfigError("--trainer.eval_every runs with one controller per process (not --trainer.controllers 1)")
         self.backend.validate(self.algorithm, world, single_controller=self._single_controller())
         self.placement.validate(world, single_controller=self._single_controller())
 
@@ -352,7 +354,7 @@ class Trainer:
         start_step = self._resume(fabric, checkpoints, sampler, extra)
         run_dir = self._open_run_dir(fabric, start_step) if rank == 0 else None
         return _Run(tokenizer, source, controller, sampler, extra, take, balancer, checkpoints, start_step,
-                    run_dir, self._eval_prompts(tokenizer, source, central), central)
+                    run_dir, self._eval_prompts(tokenizer, source), central)
 
     def _open_run_dir(self, fabric, start_step: int) -> str | None:  # noqa: ANN001
         """On rank 0: create the loggers' run folder (a resumed run continues its ``metrics.csv``) and
@@ -371,6 +373,12 @@ class Trainer:
             if not isinstance(logger, CSVLogger):  # Fabric's CSV logger takes no hyperparameters
                 logger.log_hyperparams(self.hyperparameters())
         return run_dir
+
+    def _eval_prompts(self, tokenizer, source: ModelSource) -> list:  # noqa: ANN001
+        """The held-out prompts of ``--trainer.eval_every`` (none when it is 0)."""
+        if not self.config.eval_every:
+            return []
+        return load_eval_prompts(self.data_config, tokenizer, self.sampling.max_new_tokens, source.context_length())
 
     # THE LOOP: steps, evaluations, the final save ------------------------------------------------
 
@@ -454,14 +462,6 @@ class Trainer:
             bar.write(f"step {step}: held-out accuracy greedy {metrics['eval/accuracy_greedy']:.3f}, "
                       f"sampled {metrics['eval/accuracy_sampled']:.3f} ({metrics['eval/prompts']:.0f} prompts)")
         return metrics
-
-    def _eval_prompts(self, tokenizer, source: ModelSource, central: bool) -> list:  # noqa: ANN001
-        """The held-out prompts of ``--trainer.eval_every`` (none when it is 0)."""
-        if not self.config.eval_every:
-            return []
-        if central:
-            raise ConfigError("--trainer.eval_every runs with one controller per process (not --trainer.controllers 1)")
-        return load_eval_prompts(self.data_config, tokenizer, self.sampling.max_new_tokens, source.context_length())
 
     def _save_final(self, final_dir: str, tokenizer, checkpoint_root: str) -> str:  # noqa: ANN001
         """Write the trained policy to ``final_dir`` atomically (``final.tmp``, then renamed).
