@@ -19,8 +19,8 @@ from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.checkpoint import CheckpointManager
-from gcore.model import char_tokenizer, materialize
-from gcore.testing import make_batch
+from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.testing import make_batch, set_up
 
 
 def main() -> None:
@@ -34,21 +34,21 @@ def main() -> None:
                          num_key_value_heads=max(1, args.hidden // 256), intermediate_size=4 * args.hidden)
     path = materialize(config, char_tokenizer(), 0, f"{root}/model")
     backend = TorchBackend(lr=1e-4)
-    backend.setup(Fabric(accelerator="cpu", devices=1), path, torch.float32, False, GRPO(kl_coef=0.0), embedded=False)
+    backend.setup(Fabric(accelerator="cpu", devices=1), ModelSource(path), GRPO(kl_coef=0.0), embedded=False)
     manager = CheckpointManager(f"{root}/ckpt", keep_last=2)
     batch = make_batch([1.0, 0.0, 0.5, 0.25], [0, 0, 1, 1], length=32)
     batch.input_ids = torch.randint(4, 90, batch.input_ids.shape)
     batch.advantages = GRPO(kl_coef=0.0).advantages(batch)
     stalls: dict[bool, list[float]] = {True: [], False: []}
     steps: dict[bool, list[float]] = {True: [], False: []}
-    backend.train(batch, GRPO(kl_coef=0.0), 31)  # warm-up: optimizer state exists before the first save
+    backend.train(batch, set_up(GRPO(kl_coef=0.0), 31))  # warm-up: optimizer state exists before the first save
     step = 0
     for _ in range(args.repeats):
         for asynchronous in (True, False):
             start = time.perf_counter()
             stalls[asynchronous].append(manager.save(step, backend.state_dict(), {"step": step}, {},
                                                      asynchronous=asynchronous))
-            backend.train(batch, GRPO(kl_coef=0.0), 31)  # the next step runs while an async save writes
+            backend.train(batch, set_up(GRPO(kl_coef=0.0), 31))  # the next step runs while an async save writes
             manager.poll()
             steps[asynchronous].append(time.perf_counter() - start)
             manager.wait()

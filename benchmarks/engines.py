@@ -36,7 +36,7 @@ import torch
 from gcore import HFEngine, ModelConfig, SamplingParams
 from gcore.data import DataConfig, load_prompts
 from gcore.engines.base import Engine
-from gcore.model import char_tokenizer, materialize
+from gcore.model import ModelSource, char_tokenizer, materialize
 
 
 def make_engine(name: str, device: torch.device, threads: int | None, max_len: int) -> Engine:
@@ -93,7 +93,7 @@ def main() -> None:
     for name in args.engines:
         engine = make_engine(name, device, args.threads, 1024)
         start = time.perf_counter()
-        engine.setup(path, device, torch.float32, False)
+        engine.setup(ModelSource(path), device)
         engines[name] = engine
         results[name] = {"startup_s": [time.perf_counter() - start], "tokens_per_s": [], "sync_s": [],
                          "mean_len": []}

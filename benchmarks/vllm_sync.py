@@ -17,7 +17,7 @@ import time
 import torch
 
 from gcore import ModelConfig
-from gcore.model import char_tokenizer, materialize
+from gcore.model import ModelSource, char_tokenizer, materialize
 
 SIZES = {  # hidden, layers, heads, kv heads, intermediate
     "tiny": (128, 4, 4, 2, 512),  # the embedded default policy
@@ -52,7 +52,7 @@ def main() -> None:
                                            sync_bucket_mb=args.bucket_mb),
         }
         for engine in engines.values():
-            engine.setup(path, device, torch.float32, False)
+            engine.setup(ModelSource(path), device)
         seconds: dict[str, list[float]] = {name: [] for name in engines}
         for _name, engine in engines.items():  # warm-up
             engine.update_weights(weights.items())

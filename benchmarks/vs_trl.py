@@ -147,7 +147,7 @@ def heldout_accuracy(model_dir: str, args: argparse.Namespace) -> dict:
     from gcore.data import DataConfig, load_eval_prompts
     from gcore.engines.hf import HFEngine
     from gcore.evaluation import evaluate
-    from gcore.model import ModelConfig, load_tokenizer
+    from gcore.model import ModelConfig, ModelSource, load_tokenizer
     from gcore.rewards.math import MathReward
     from gcore.types import SamplingParams
 
@@ -159,7 +159,7 @@ def heldout_accuracy(model_dir: str, args: argparse.Namespace) -> dict:
                               stop_token_ids=(tokenizer.eos_token_id,))
     torch.manual_seed(args.seed)
     engine = HFEngine()
-    engine.setup(model_dir, torch.device("cpu"), torch.float32, False)
+    engine.setup(ModelSource(model_dir), torch.device("cpu"))
     reward = MathReward()
     reward.setup(torch.device("cpu"))
     try:

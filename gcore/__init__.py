@@ -10,7 +10,7 @@ from gcore.backends import TorchBackend, TrainingBackend
 from gcore.data import DataConfig
 from gcore.engines import Engine, HFEngine
 from gcore.errors import ConfigError, DataError, GcoreError, PluginError, RewardError
-from gcore.model import ModelConfig
+from gcore.model import ModelConfig, ModelSource
 from gcore.placement import DynamicPlacement, PlacementPolicy, StaticPlacement, Telemetry
 from gcore.rewards import CallableReward, Judge, RegexReward, RewardModel, RuleReward, TargetCharReward
 from gcore.rollout import RolloutJob
@@ -38,6 +38,7 @@ __all__ = [
     "Judge",
     "LossScale",
     "ModelConfig",
+    "ModelSource",
     "PlacementPolicy",
     "PluginError",
     "Prompt",

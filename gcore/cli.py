@@ -251,7 +251,7 @@ def eval_main(argv: Sequence[str]) -> int:
 
     from gcore.data import load_eval_prompts
     from gcore.evaluation import evaluate
-    from gcore.model import context_length, load_tokenizer, materialize
+    from gcore.model import load_tokenizer, materialize
 
     argv = list(argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -269,13 +269,13 @@ def eval_main(argv: Sequence[str]) -> int:
     workdir = tempfile.mkdtemp(prefix="gcore-eval-")
     try:
         tokenizer = load_tokenizer(model_config)
-        model_path = materialize(model_config, tokenizer, init["trainer"].seed, workdir)
+        source = model_config.source(materialize(model_config, tokenizer, init["trainer"].seed, workdir))
         prompts = load_eval_prompts(data, tokenizer, sampling.max_new_tokens,
-                                    context_length(model_path, model_config.trust_remote_code))
+                                    source.context_length())
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in sampling.stop_token_ids:
             sampling.stop_token_ids = (*sampling.stop_token_ids, tokenizer.eos_token_id)
         torch.manual_seed(init["trainer"].seed)
-        engine.setup(model_path, device, model_config.torch_dtype, model_config.trust_remote_code)
+        engine.setup(source, device)
         reward.setup(device)
         metrics = evaluate(engine, reward, tokenizer, prompts, sampling)
     finally:

@@ -153,7 +153,7 @@ class Controller:
     def train(self, batch: RolloutBatch, timer: StageTimer) -> dict[str, float]:
         """TRAIN: the algorithm's loss, gradients all-reduced over every rank."""
         with timer("train"):
-            return self.backend.train(batch, self.algorithm, self.sampling.max_new_tokens)
+            return self.backend.train(batch, self.algorithm)
 
     def sync(self, timer: StageTimer) -> int:
         """SYNC: the new weights go to the rollout engine; returns the bytes it received."""

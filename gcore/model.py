@@ -24,6 +24,29 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "voc
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model is loaded from: what an ``Engine``, a ``TrainingBackend`` and a placement policy's
+    ``launch`` are given (``ModelConfig.source`` makes the policy's once its checkpoint is on disk).
+
+    Args:
+        path: an HF checkpoint directory.
+        dtype: the parameter dtype to load it in.
+        trust_remote_code: allow the checkpoint's own Python code to run.
+    """
+
+    path: str
+    dtype: torch.dtype = torch.float32
+    trust_remote_code: bool = False
+
+    def context_length(self) -> int | None:
+        """The model's maximum sequence length, read from its config."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
+        return getattr(config, "max_position_embeddings", None)
+
+
 @dataclass
 class ModelConfig:
     """The policy model.
@@ -60,6 +83,11 @@ class ModelConfig:
     @property
     def embedded(self) -> bool:
         return self.path is None
+
+    def source(self, path: str) -> ModelSource:
+        """The policy's ``ModelSource``: ``path`` is the checkpoint directory ``materialize`` returned
+        (the embedded model's or a converted GGUF file's folder, else ``self.path``)."""
+        return ModelSource(path, self.torch_dtype, self.trust_remote_code)
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
@@ -289,10 +317,3 @@ def import_main(argv) -> int:  # noqa: ANN001
     print(f"HF checkpoint: {args.out_dir}")
     return 0
 
-
-def context_length(model_path: str, trust_remote_code: bool) -> int | None:
-    """The model's maximum sequence length, read from its config."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    return getattr(config, "max_position_embeddings", None)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from gcore.controller import Controller, StageTimer
 from gcore.engines.base import Engine
+from gcore.model import ModelSource
 from gcore.types import Generation, Prompt, RolloutBatch, Sample, SamplingParams
 
 _DTYPES = (torch.int64, torch.float32, torch.float64, torch.bool, torch.int32, torch.uint8, torch.float16,
@@ -138,8 +139,8 @@ class RemoteEngines(Engine):
         self.features: torch.Tensor | None = None  # of the prompts of the next ``generate`` call
         self.sent_bytes = 0
 
-    def setup(self, model_path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool) -> None:
-        self.local.setup(model_path, device, dtype, trust_remote_code)
+    def setup(self, source: ModelSource, device: torch.device) -> None:
+        self.local.setup(source, device)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
         parts = torch.arange(len(prompts)).tensor_split(self.world_size)

@@ -1,20 +1,31 @@
 """Helpers for testing gcore plugins: hand-made samples and batches, and a tiny end-to-end run.
 
 A plugin author can check a reward on a ``make_sample``, an algorithm's formulas on a
-``make_batch``, and that the plugin trains inside the real loop with ``tiny_fit``.
+``make_batch`` (``set_up`` before handing it to ``TrainingBackend.train``), and that the plugin
+trains inside the real loop with ``tiny_fit``.
 """
 
 from __future__ import annotations
 
 import tempfile
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from gcore.algorithms.base import Algorithm
 from gcore.data import DataConfig
 from gcore.model import ModelConfig
 from gcore.trainer import FitResult, Trainer, TrainerConfig
 from gcore.types import Prompt, RolloutBatch, Sample, SamplingParams
+
+A = TypeVar("A", bound=Algorithm)
+
+
+def set_up(algorithm: A, max_new_tokens: int) -> A:
+    """``algorithm`` after ``setup(max_new_tokens)`` (what the controller does before training), for
+    a test that calls ``TrainingBackend.train`` itself."""
+    algorithm.setup(max_new_tokens)
+    return algorithm
 
 
 def make_sample(prompt: str, response: str, answer: str | None = None, group: int = 0) -> Sample:

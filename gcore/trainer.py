@@ -38,11 +38,11 @@ from gcore.data import CostBalancer, DataConfig, PromptSampler, load_eval_prompt
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError, GcoreError, Interrupted
 from gcore.liveness import ControllerWatch
-from gcore.model import ModelConfig, context_length, load_tokenizer, make_workdir, materialize
+from gcore.model import ModelConfig, ModelSource, load_tokenizer, make_workdir, materialize
 from gcore.placement.base import PlacementPolicy
 from gcore.rendezvous import loopback_store
 from gcore.rewards.base import RewardModel
-from gcore.types import SamplingParams
+from gcore.types import Prompt, SamplingParams
 
 LoggerName = Literal["csv", "tensorboard", "wandb", "mlflow"]
 
@@ -154,6 +154,26 @@ class FitResult:
     evaluations: list[dict[str, float]] = field(default_factory=list)
 
 
+@dataclass
+class _Run:
+    """What ``Trainer._setup`` wires for ``Trainer._loop``, on one controller process."""
+
+    tokenizer: Any
+    source: ModelSource  # the policy checkpoint this run loaded (its files go into every checkpoint)
+    controller: Controller
+    sampler: PromptSampler  # the global prompt stream; each step's share of this controller
+    extra: PromptSampler  # this controller's own stream, for dynamic sampling's extra prompts
+    take: Callable[[list[int]], list[Prompt]]  # prompt indices -> prompts
+    balancer: CostBalancer | None  # learns response lengths, with --data.balance
+    checkpoints: CheckpointManager
+    start_step: int  # 0, or the step after the checkpoint resumed from
+    run_dir: str | None  # the loggers' folder (rank 0)
+    eval_prompts: list[Prompt]  # held-out prompts of --trainer.eval_every (none when 0)
+    central: bool  # one controller drives every process (--trainer.controllers 1)
+    #: (shard, its predicted imbalance) of this step and the next ``max_staleness``, drawn that many steps early
+    ahead: list[tuple[list[int], float]] = field(default_factory=list)
+
+
 class Trainer:
     """Trains a policy with RL: ``Trainer(algorithm=GRPO(), ...).fit()``.
 
@@ -194,6 +214,7 @@ class Trainer:
         self._validate()
 
     def _validate(self) -> None:
+        """Every check that needs no process: the trainer's own flags, then the plugins' (``validate``)."""
         c, s = self.config, self.sampling
         checks = [
             (c.max_steps >= 1, f"--trainer.max_steps must be >= 1, got {c.max_steps}"),
@@ -222,10 +243,25 @@ class Trainer:
                               f"while the controller trains: --placement dynamic, or --placement static with "
                               f"--placement.workers N; {type(self.placement).__name__} here runs its engine in the "
                               "controller's process")
-        world = c.devices * c.num_nodes
-        self.backend.validate(self.algorithm, world, single_controller=c.controllers == 1 and world > 1)
+        world = self._world_size()
+        if c.controllers not in (None, 1, world):
+            raise ConfigError(f"--trainer.controllers {c.controllers}: valid choices are 1 (one controller drives "
+                              f"every process) or {world} (one per process, the default)")
+        if c.eval_every and self._single_controller():
+            raise ConfigError("--trainer.eval_every runs with one controller per process (not --trainer.controllers 1)")
+        self.backend.validate(self.algorithm, world, single_controller=self._single_controller())
+        self.placement.validate(world, single_controller=self._single_controller())
+
+    def _world_size(self) -> int:
+        return self.config.devices * self.config.num_nodes
+
+    def _single_controller(self) -> bool:
+        """Whether one controller drives every process (``--trainer.controllers 1`` with several)."""
+        return self.config.controllers == 1 and self._world_size() > 1
 
     def _fabric(self):  # noqa: ANN202
+        from datetime import timedelta
+
         from lightning.fabric import Fabric
 
         c = self.config
@@ -235,22 +271,10 @@ class Trainer:
 
             accelerator = "cuda" if torch.cuda.is_available() else "cpu"
         device_type = "cuda" if accelerator in ("cuda", "gpu") else "cpu"
-        world = c.devices * c.num_nodes
         names = [c.logger] if isinstance(c.logger, str) else list(c.logger)
         version = self._resumed_log_version()
         loggers = [make_logger(name, c.default_root_dir, c.name, version) for name in names]
-        strategy = self.backend.strategy(world, device_type)
-        if strategy == "ddp":
-            from datetime import timedelta
-
-            from lightning.fabric.strategies import DDPStrategy
-
-            strategy = DDPStrategy(timeout=timedelta(seconds=c.collective_timeout))
-        elif type(strategy).__name__ == "ModelParallelStrategy":  # the torch backend's fsdp
-            from datetime import timedelta
-
-            # the constructor's ``timeout``: the backend builds the strategy without the trainer's config
-            strategy._timeout = timedelta(seconds=c.collective_timeout)
+        strategy = self.backend.strategy(self._world_size(), device_type, timedelta(seconds=c.collective_timeout))
         return Fabric(
             accelerator=accelerator,
             devices=c.devices,
@@ -268,10 +292,9 @@ class Trainer:
         self._resume_from = self._pick_resume()
         self._check_resume_steps(self._resume_from[0])  # before anything is built: nothing to do fails at once
         fabric, device_type = self._fabric()
-        # invalid combinations fail here, once, before any controller process or engine is launched
-        world = self.config.devices * self.config.num_nodes
-        self._single_controller(world)
-        self.placement.setup(world, device_type, self.reward)
+        # invalid combinations failed in __init__ (``_validate``); the placement's fit to the devices fails
+        # here, once, before any controller process or engine is launched
+        self.placement.setup(self._world_size(), device_type, self.reward)
         workdir = make_workdir()
         restore_signals = _SIGNALS.install()
         store = contextlib.ExitStack()  # the single-node rendezvous store lives as long as the run
@@ -279,14 +302,14 @@ class Trainer:
             # before the process group exists: transformers saves only on rank 0 once it does, and
             # every controller builds (and loads) its own copy of the embedded model
             tokenizer = load_tokenizer(self.model_config)
-            model_path = materialize(self.model_config, tokenizer, self.config.seed, workdir)
+            source = self.model_config.source(materialize(self.model_config, tokenizer, self.config.seed, workdir))
             store.enter_context(loopback_store(fabric, self.config.num_nodes, self.config.collective_timeout))
             fabric.launch()
             watch = None
             if fabric.world_size > 1:  # names a controller that dies, and stops this one if it is lost
                 watch = ControllerWatch.for_fabric(fabric, silence_limit=self.config.heartbeat_timeout)
             try:
-                result = self._fit(fabric, tokenizer, model_path)
+                result = self._loop(fabric, self._setup(fabric, tokenizer, source))
                 if watch is not None:
                     watch.stop()
                     fabric.barrier()  # no controller exits (taking the store with it) while another still watches
@@ -305,24 +328,24 @@ class Trainer:
             self.placement.shutdown()
             self.engine.shutdown()
 
-    def _fit(self, fabric, tokenizer, model_path: str) -> FitResult:  # noqa: ANN001
+    # WIRING: what the loop runs on, built once per controller process ---------------------------
+
+    def _setup(self, fabric, tokenizer, source: ModelSource) -> _Run:  # noqa: ANN001
+        """Load the prompts, set up the backend, let the placement policy start the engines, then build
+        the prompt streams, the controller and the checkpoint manager, resume, and open the run folder."""
         c, rank = self.config, fabric.global_rank
-        trust = self.model_config.trust_remote_code
-        prompts = load_prompts(
-            self.data_config, tokenizer, self.sampling.max_new_tokens, context_length(model_path, trust)
-        )
+        prompts = load_prompts(self.data_config, tokenizer, self.sampling.max_new_tokens, source.context_length())
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.sampling.stop_token_ids:
             self.sampling.stop_token_ids = (*self.sampling.stop_token_ids, tokenizer.eos_token_id)
         fabric.seed_everything(c.seed + rank, verbose=False)  # different samples per controller
 
-        central = self._single_controller(fabric.world_size)
-        self.backend.setup(fabric, model_path, self.model_config.torch_dtype, trust, self.algorithm,
-                           embedded=self.model_config.embedded)
+        central = self._single_controller()
+        self.backend.setup(fabric, source, self.algorithm, embedded=self.model_config.embedded)
         # the placement policy starts the engines where it places them (in this process by default)
         if rank == 0 and self.placement.describe():
             print(self.placement.describe(), flush=True)
-        self.rollout_engine = self.placement.launch(self.engine, self.reward, model_path, self.model_config.torch_dtype,
-                                                    trust, fabric.device, seed=c.seed + 1000 * rank)
+        self.rollout_engine = self.placement.launch(self.engine, self.reward, source, fabric.device,
+                                                    seed=c.seed + 1000 * rank)
         balancer = (CostBalancer(prompts, self.sampling.n, self.sampling.max_new_tokens)
                     if self.data_config.balance else None)
         # with one controller, rank 0 takes every step's whole batch and the other ranks take none
@@ -347,78 +370,68 @@ class Trainer:
                                       max_staleness=c.max_staleness)
         checkpoints = self._checkpoint_manager(fabric)
         start_step = self._resume(fabric, checkpoints, sampler, extra)
+        run_dir = self._open_run_dir(fabric, start_step) if rank == 0 else None
+        return _Run(tokenizer, source, controller, sampler, extra, take, balancer, checkpoints, start_step,
+                    run_dir, self._eval_prompts(tokenizer, source), central)
 
-        run_dir = None
-        if rank == 0 and fabric.loggers:
-            for logger in fabric.loggers:
-                if isinstance(logger, CSVLogger):  # a resumed run continues its own metrics.csv
-                    _continue_metrics(logger, start_step)
-            _ = fabric.loggers[0].experiment  # creates the run folder before we write into it
-            run_dir = fabric.loggers[0].log_dir
-            self._log_version = _version_number(fabric.loggers[0].version)
-            with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-                yaml.safe_dump(self.hyperparameters(), f, sort_keys=False)
-            for logger in fabric.loggers:
-                if not isinstance(logger, CSVLogger):  # Fabric's CSV logger takes no hyperparameters
-                    logger.log_hyperparams(self.hyperparameters())
+    def _open_run_dir(self, fabric, start_step: int) -> str | None:  # noqa: ANN001
+        """On rank 0: create the loggers' run folder (a resumed run continues its ``metrics.csv``) and
+        write ``config.yaml`` there; returns the folder (``None`` without loggers)."""
+        if not fabric.loggers:
+            return None
+        for logger in fabric.loggers:
+            if isinstance(logger, CSVLogger):  # a resumed run continues its own metrics.csv
+                _continue_metrics(logger, start_step)
+        _ = fabric.loggers[0].experiment  # creates the run folder before we write into it
+        run_dir = fabric.loggers[0].log_dir
+        self._log_version = _version_number(fabric.loggers[0].version)
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            yaml.safe_dump(self.hyperparameters(), f, sort_keys=False)
+        for logger in fabric.loggers:
+            if not isinstance(logger, CSVLogger):  # Fabric's CSV logger takes no hyperparameters
+                logger.log_hyperparams(self.hyperparameters())
+        return run_dir
+
+    def _eval_prompts(self, tokenizer, source: ModelSource) -> list:  # noqa: ANN001
+        """The held-out prompts of ``--trainer.eval_every`` (none when it is 0)."""
+        if not self.config.eval_every:
+            return []
+        return load_eval_prompts(self.data_config, tokenizer, self.sampling.max_new_tokens, source.context_length())
+
+    # THE LOOP: steps, evaluations, the final save ------------------------------------------------
+
+    def _loop(self, fabric, run: _Run) -> FitResult:  # noqa: ANN001
+        """Run the steps from ``run.start_step`` to ``max_steps`` (evaluating every ``eval_every``), then
+        save the final policy; Ctrl-C or SIGTERM finishes the checkpoint in flight and says where to go on."""
+        c, rank = self.config, fabric.global_rank
         history: list[dict[str, float]] = []
         evaluations: list[dict[str, float]] = []
-        eval_prompts = self._eval_prompts(tokenizer, model_path, central)
-
-        def run_eval(step: int) -> None:
-            """Evaluate the policy after ``step`` updates; logged at once, on a row of its own."""
-            from gcore.evaluation import evaluate
-
-            bar.set_description("eval", refresh=False)
-            metrics = {"step": float(step),
-                       **evaluate(self.rollout_engine, self.reward, tokenizer, eval_prompts, self.sampling, fabric)}
-            fabric.log_dict(metrics, step=step)
-            evaluations.append(metrics)
-            if rank == 0 and c.enable_progress_bar:
-                bar.write(f"step {step}: held-out accuracy greedy {metrics['eval/accuracy_greedy']:.3f}, "
-                          f"sampled {metrics['eval/accuracy_sampled']:.3f} ({metrics['eval/prompts']:.0f} prompts)")
-
         bar = _progress(c.max_steps, enabled=c.enable_progress_bar and rank == 0)
-        bar.update(start_step)
-        step = start_step
+        bar.update(run.start_step)
+        step = run.start_step
         skipping = 0  # consecutive steps that skipped an update (non-finite loss or gradient)
-        ahead: list[tuple[list[int], float]] = []  # (shard, its predicted imbalance) of this and the next steps
         try:
-            for step in range(start_step, c.max_steps):
-                if eval_prompts and step % c.eval_every == 0:
-                    run_eval(step)
-                while len(ahead) <= c.max_staleness and step + len(ahead) < c.max_steps:  # drawn max_staleness early
-                    ahead.append((sampler.shard(sampler.next_global()), sampler.last_imbalance))
-                (shard, imbalance), upcoming = ahead.pop(0), [take(s) for s, _ in ahead]
-                shard = take(shard) if not central or rank == 0 else []
-                metrics = controller.step(step, shard, upcoming=upcoming,
-                                          on_stage=lambda stage: bar.set_description(stage, refresh=False))
-                metrics["step"] = float(step)
-                metrics["balance/predicted_imbalance"] = imbalance
-                if balancer is not None:
-                    _learn_lengths(fabric, balancer, controller.last_samples, self.data_config.prompts_per_step)
-                # an interrupt here is held until the save is started and the step logged: a checkpoint
-                # of step N always comes with N's metrics row, and the save is then finished
-                with _SIGNALS.deferred():
-                    metrics.update(self._checkpoint_step(fabric, step, checkpoints, sampler, extra, model_path))
-                    fabric.log_dict(metrics, step=step)
+            for step in range(run.start_step, c.max_steps):
+                if run.eval_prompts and step % c.eval_every == 0:
+                    evaluations.append(self._evaluate(fabric, run, step, bar))
+                metrics = self._step(fabric, run, step, bar)
                 history.append(metrics)
                 bar.set_description("step", refresh=False)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s=f"{metrics['time/step']:.2f}")
                 bar.update(1)
                 skipping = skipping + 1 if metrics.get("skipped_updates", 0.0) > 0 else 0
                 if c.max_skipped_updates and skipping >= c.max_skipped_updates:
-                    checkpoints.wait()
+                    run.checkpoints.wait()
                     raise GcoreError(
                         f"step {step}: {skipping} steps in a row skipped their update because the loss or the "
                         f"gradient was NaN or infinite (loss {metrics.get('loss', float('nan')):g}, grad_norm "
                         f"{metrics.get('grad_norm', float('nan')):g}); stopping (see --trainer.max_skipped_updates)")
-            if eval_prompts and start_step < c.max_steps:  # the trained policy
-                run_eval(c.max_steps)
-            checkpoints.wait()
+            if run.eval_prompts and run.start_step < c.max_steps:  # the trained policy
+                evaluations.append(self._evaluate(fabric, run, c.max_steps, bar))
+            run.checkpoints.wait()
         except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (``Interrupted``)
             bar.close()
-            last = checkpoints.finish_for_exit()
+            last = run.checkpoints.finish_for_exit()
             if rank == 0:
                 name = signal.Signals(getattr(interrupt, "signum", signal.SIGINT)).name
                 where = (f"continue it from {last} with --trainer.resume auto" if last else
@@ -431,21 +444,45 @@ class Trainer:
             logger.finalize("success")
 
         final_dir = None
-        if c.save_final and rank == 0 and run_dir is not None:
-            final_dir = self._save_final(os.path.join(run_dir, "final"), tokenizer, checkpoints.root)
+        if c.save_final and rank == 0 and run.run_dir is not None:
+            final_dir = self._save_final(os.path.join(run.run_dir, "final"), run.tokenizer, run.checkpoints.root)
         fabric.barrier()
         if rank == 0:
-            return FitResult(run_dir, final_dir, history, evaluations)
+            return FitResult(run.run_dir, final_dir, history, evaluations)
         return FitResult(None, None, history, evaluations)
 
-    def _eval_prompts(self, tokenizer, model_path: str, central: bool) -> list:  # noqa: ANN001
-        """The held-out prompts of ``--trainer.eval_every`` (none when it is 0)."""
-        if not self.config.eval_every:
-            return []
-        if central:
-            raise ConfigError("--trainer.eval_every runs with one controller per process (not --trainer.controllers 1)")
-        context = context_length(model_path, self.model_config.trust_remote_code)
-        return load_eval_prompts(self.data_config, tokenizer, self.sampling.max_new_tokens, context)
+    def _step(self, fabric, run: _Run, step: int, bar) -> dict[str, float]:  # noqa: ANN001
+        """One training step on this controller's share of the step's prompts; returns its logged metrics."""
+        while len(run.ahead) <= self.config.max_staleness and step + len(run.ahead) < self.config.max_steps:
+            run.ahead.append((run.sampler.shard(run.sampler.next_global()), run.sampler.last_imbalance))
+        (shard, imbalance), upcoming = run.ahead.pop(0), [run.take(s) for s, _ in run.ahead]
+        prompts = run.take(shard) if not run.central or fabric.global_rank == 0 else []
+        metrics = run.controller.step(step, prompts, upcoming=upcoming,
+                                      on_stage=lambda stage: bar.set_description(stage, refresh=False))
+        metrics["step"] = float(step)
+        metrics["balance/predicted_imbalance"] = imbalance
+        if run.balancer is not None:
+            _learn_lengths(fabric, run.balancer, run.controller.last_samples, self.data_config.prompts_per_step)
+        # an interrupt here is held until the save is started and the step logged: a checkpoint
+        # of step N always comes with N's metrics row, and the save is then finished
+        with _SIGNALS.deferred():
+            metrics.update(self._checkpoint_step(fabric, step, run.checkpoints, run.sampler, run.extra,
+                                                 run.source.path))
+            fabric.log_dict(metrics, step=step)
+        return metrics
+
+    def _evaluate(self, fabric, run: _Run, step: int, bar) -> dict[str, float]:  # noqa: ANN001
+        """Evaluate the policy after ``step`` updates; logged at once, on a row of its own."""
+        from gcore.evaluation import evaluate
+
+        bar.set_description("eval", refresh=False)
+        metrics = {"step": float(step), **evaluate(self.rollout_engine, self.reward, run.tokenizer, run.eval_prompts,
+                                                   self.sampling, fabric)}
+        fabric.log_dict(metrics, step=step)
+        if fabric.global_rank == 0 and self.config.enable_progress_bar:
+            bar.write(f"step {step}: held-out accuracy greedy {metrics['eval/accuracy_greedy']:.3f}, "
+                      f"sampled {metrics['eval/accuracy_sampled']:.3f} ({metrics['eval/prompts']:.0f} prompts)")
+        return metrics
 
     def _save_final(self, final_dir: str, tokenizer, checkpoint_root: str) -> str:  # noqa: ANN001
         """Write the trained policy to ``final_dir`` atomically (``final.tmp``, then renamed).
@@ -500,20 +537,6 @@ class Trainer:
         if start > c.max_steps:
             raise ConfigError(f"--trainer.max_steps {c.max_steps} is below the {start} steps already trained in "
                               f"the checkpoint {path}: nothing to train; pass a larger --trainer.max_steps to go on")
-
-    def _single_controller(self, world_size: int) -> bool:
-        """Whether one controller drives every process (``--trainer.controllers 1`` with several)."""
-        controllers = self.config.controllers
-        if controllers not in (None, 1, world_size):
-            raise ConfigError(f"--trainer.controllers {controllers}: valid choices are 1 (one controller drives "
-                              f"every process) or {world_size} (one per process, the default)")
-        central = controllers == 1 and world_size > 1
-        from gcore.placement.dynamic import DynamicPlacement
-
-        if central and (isinstance(self.placement, DynamicPlacement) or getattr(self.placement, "workers", 0)):
-            raise ConfigError("--trainer.controllers 1 runs with --placement static and no --placement.workers "
-                              "(the engine worker pools are per controller)")
-        return central
 
     def _checkpoint_manager(self, fabric) -> CheckpointManager:  # noqa: ANN001
         c = self.config

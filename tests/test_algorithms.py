@@ -343,3 +343,11 @@ def test_cli_choice_of_algorithm_gets_its_own_defaults():
         config = parser.parse_args(cli.with_default_plugins(cli.resolve_argv(argv)))
         init = parser.instantiate_classes(config)["algorithm"]
         assert (type(init).__name__, init.kl_coef, init.epochs) == expected, argv
+
+
+def test_the_generation_budget_reaches_the_loss_through_setup_only():
+    algo = GRPO(loss_agg="seq_mean_token_sum_norm")
+    with pytest.raises(RuntimeError, match=r"GRPO.setup\(max_new_tokens\) must be called"):
+        algo.loss_scale(tokens=6, sequences=2)
+    algo.setup(max_new_tokens=7)
+    assert algo.loss_scale(tokens=6, sequences=2) == LossScale(tokens=6, sequences=2, max_length=7.0)

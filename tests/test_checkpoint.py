@@ -9,8 +9,8 @@ from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.checkpoint import CheckpointError, CheckpointManager, latest_checkpoint, resolve_resume, verify
-from gcore.model import char_tokenizer, materialize
-from gcore.testing import make_batch
+from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.testing import make_batch, set_up
 
 
 def _backend(tmp_path, seed=0):
@@ -21,7 +21,7 @@ def _backend_and_path(tmp_path, seed=0):
     path = materialize(ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64), char_tokenizer(),
                        seed, str(tmp_path / f"model{seed}"))
     backend = TorchBackend(lr=1e-2, warmup_steps=3)
-    backend.setup(Fabric(accelerator="cpu", devices=1), path, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    backend.setup(Fabric(accelerator="cpu", devices=1), ModelSource(path), GRPO(kl_coef=0.0), embedded=True)
     return backend, path
 
 
@@ -29,7 +29,7 @@ def _train_once(backend):
     batch = make_batch([1.0, 0.0, 0.5, 0.2], [0, 0, 1, 1], length=6)
     batch.input_ids = torch.randint(4, 50, batch.input_ids.shape, generator=torch.Generator().manual_seed(1))
     batch.advantages = GRPO(kl_coef=0.0).advantages(batch)
-    backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=5)
+    backend.train(batch, set_up(GRPO(kl_coef=0.0), 5))
 
 
 @pytest.mark.parametrize("asynchronous", [True, False])

@@ -10,15 +10,15 @@ from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.checkpoint import CheckpointManager, latest_checkpoint
-from gcore.model import char_tokenizer, materialize
-from gcore.testing import make_batch
+from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.testing import make_batch, set_up
 
 pytestmark = pytest.mark.slow
 
 
 def _setup(fabric, model_dir):
     backend = TorchBackend(lr=1e-2)
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     group = dist.new_group(backend="gloo") if fabric.world_size > 1 else None
     manager = CheckpointManager(os.path.join(os.path.dirname(model_dir), "ckpt"), rank=fabric.global_rank,
                                 world_size=fabric.world_size, barrier=fabric.barrier, process_group=group)
@@ -29,7 +29,7 @@ def _train_step(backend, rank):
     batch = make_batch([1.0, 0.0, 0.3, 0.9], [0, 0, 1, 1], length=6)
     batch.input_ids = torch.randint(4, 50, batch.input_ids.shape, generator=torch.Generator().manual_seed(rank))
     batch.advantages = GRPO(kl_coef=0.0).advantages(batch)
-    backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=5)
+    backend.train(batch, set_up(GRPO(kl_coef=0.0), 5))
 
 
 def _save_on_two(fabric, model_dir):

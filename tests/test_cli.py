@@ -6,6 +6,11 @@ import json
 import pytest
 from conftest import run_gcore
 
+from gcore import registry
+
+# the installed plugins, as the CLI lists them: adding an algorithm or an engine changes no test here
+ALGORITHMS, ENGINES = ", ".join(registry.names("algorithm")), ", ".join(registry.names("engine"))
+
 
 def _metrics(tmp_path):
     (path,) = (tmp_path / "runs").glob("gcore/version_*/metrics.csv")
@@ -63,17 +68,20 @@ def test_help_shows_plugin_options():
     result = run_gcore("fit", "--algorithm.help", "grpo")
     assert result.returncode == 0 and "--algorithm.clip_eps" in result.stdout
     result = run_gcore("fit", "--help")
-    assert result.returncode == 0 and "--algorithm: dapo, grpo, ppo, rloo (default grpo)" in result.stdout
+    assert {"dapo", "grpo", "ppo", "rloo"} <= set(registry.names("algorithm"))
+    assert result.returncode == 0 and f"--algorithm: {ALGORITHMS} (default grpo)" in result.stdout
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--algorithm", "nope"], "unknown algorithm 'nope'; valid choices: dapo, grpo, ppo, rloo"),
-        (["--engine=nope"], "unknown engine 'nope'; valid choices: hf"),
+        (["--algorithm", "nope"], f"unknown algorithm 'nope'; valid choices: {ALGORITHMS}"),
+        (["--engine=nope"], f"unknown engine 'nope'; valid choices: {ENGINES}"),
         (["--model.path", "/does/not/exist"], "--model.path '/does/not/exist' is not a directory"),
         (["--data.path", "missing.jsonl"], "--data.path missing.jsonl: no such file"),
         (["--trainer.devices", "2", "--trainer.controllers", "1", "--placement", "dynamic"],  # before any launch
+         "--trainer.controllers 1 runs with --placement static and no --placement.workers"),
+        (["--trainer.devices", "2", "--trainer.controllers", "1", "--placement.workers", "2"],  # StaticPlacement
          "--trainer.controllers 1 runs with --placement static and no --placement.workers"),
         (["--trainer.devices", "2", "--trainer.controllers", "1", "--backend.sequence_parallel_size", "2"],
          "--trainer.controllers 1 does not support --backend.sequence_parallel_size > 1"),  # TorchBackend.validate

@@ -13,8 +13,8 @@ from conftest import FAST, RECORDING_REWARD, spawn
 from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
-from gcore.model import char_tokenizer, materialize
-from gcore.testing import make_batch
+from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.testing import make_batch, set_up
 
 pytestmark = pytest.mark.slow
 
@@ -70,9 +70,9 @@ def _batch():
 
 def _train(fabric, model_dir, rows, out, loss_agg):
     backend = TorchBackend(lr=1e-2, micro_batch_size=2)
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     batch = _batch()
-    metrics = backend.train(batch.select(torch.tensor(rows)), GRPO(kl_coef=0.0, loss_agg=loss_agg), max_new_tokens=6)
+    metrics = backend.train(batch.select(torch.tensor(rows)), set_up(GRPO(kl_coef=0.0, loss_agg=loss_agg), 6))
     weights = {k: v.clone() for k, v in backend.named_weights()}
     torch.save({"metrics": metrics, "weights": weights}, out % fabric.global_rank)
 

@@ -21,9 +21,9 @@ class RecordingBackend(TorchBackend):
         super().__init__(**kwargs)
         self.batches = []
 
-    def train(self, batch, algorithm, max_new_tokens):
+    def train(self, batch, algorithm):
         self.batches.append(batch)
-        return super().train(batch, algorithm, max_new_tokens)
+        return super().train(batch, algorithm)
 
 
 def _fit(tmp_path, algorithm, steps=3):

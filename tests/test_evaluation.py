@@ -13,6 +13,7 @@ from gcore.evaluation import evaluate
 from gcore.model import ModelConfig, char_tokenizer, load_tokenizer
 from gcore.rewards.math import MathReward, final_answer
 from gcore.tasks import ANSWER_FORMAT, arithmetic_rows, held_out
+from gcore.trainer import Trainer, TrainerConfig
 from gcore.types import Generation, SamplingParams
 
 
@@ -163,3 +164,10 @@ def test_gguf_paths_are_checked(tmp_path):
         load_tokenizer(ModelConfig(path=str(tmp_path / "missing.gguf")))
     result = run_gcore("import", str(tmp_path / "model.bin"), str(tmp_path / "out"))
     assert result.returncode == 2 and "expected a .gguf file" in result.stderr
+
+
+def test_evaluation_under_one_controller_is_refused_when_the_trainer_is_built():
+    # one line, before any process or engine is launched
+    with pytest.raises(ConfigError, match=r"--trainer.eval_every runs with one controller per process"):
+        Trainer(trainer=TrainerConfig(devices=2, controllers=1, eval_every=1))
+

@@ -22,7 +22,7 @@ from lightning.fabric import Fabric
 from gcore import GRPO, PPO, DataConfig, ModelConfig, SamplingParams, TorchBackend, Trainer, TrainerConfig
 from gcore.checkpoint import CheckpointError, CheckpointManager, latest_checkpoint, pick_checkpoint, rng_state, verify
 from gcore.errors import ConfigError, GcoreError
-from gcore.model import char_tokenizer, check_weights, make_workdir, materialize
+from gcore.model import ModelSource, char_tokenizer, check_weights, make_workdir, materialize
 
 TINY = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64}
 
@@ -30,7 +30,7 @@ TINY = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64}
 def _backend(tmp_path, seed=0):
     path = materialize(ModelConfig(**TINY), char_tokenizer(), seed, str(tmp_path / f"model{seed}"))
     backend = TorchBackend(lr=1e-2)
-    backend.setup(Fabric(accelerator="cpu", devices=1), path, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    backend.setup(Fabric(accelerator="cpu", devices=1), ModelSource(path), GRPO(kl_coef=0.0), embedded=True)
     return backend
 
 

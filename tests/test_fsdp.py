@@ -10,6 +10,7 @@ Tolerance: weights within 1e-5 after one AdamW step at lr 1e-3 (TF32 off on GPU)
 """
 
 import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -17,15 +18,19 @@ from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.errors import ConfigError
-from gcore.model import char_tokenizer, materialize
-from gcore.testing import make_batch
+from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.testing import make_batch, set_up
 
 
 def test_fsdp_is_model_parallel_strategy_on_cpu_and_ddp_the_default():
-    from lightning.fabric.strategies import ModelParallelStrategy
+    from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 
-    assert isinstance(TorchBackend(strategy="fsdp").strategy(2, "cpu"), ModelParallelStrategy)
-    assert TorchBackend().strategy(2, "cpu") == "ddp"  # DDP stays the default
+    timeout = timedelta(seconds=7)  # --trainer.collective_timeout, given to the strategy the backend builds
+    fsdp = TorchBackend(strategy="fsdp").strategy(2, "cpu", timeout)
+    ddp = TorchBackend().strategy(2, "cpu", timeout)  # DDP stays the default
+    assert isinstance(fsdp, ModelParallelStrategy) and isinstance(ddp, DDPStrategy)
+    assert fsdp._timeout == ddp._timeout == timeout  # Fabric keeps the constructor's timeout there
+    assert TorchBackend().strategy(1, "cpu") == "auto"
 
 
 def test_unknown_strategy_names_the_choices():
@@ -57,11 +62,11 @@ def _step(strategy, model_dir, accelerator="cuda"):
     backend = TorchBackend(lr=1e-3, micro_batch_size=2, strategy=strategy)
     fabric = Fabric(accelerator=accelerator, devices=1, strategy=backend.strategy(1, accelerator))
     fabric.launch()  # ModelParallelStrategy wants it, even for one process
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     batch = make_batch([1.0, 0.0, 0.3, 0.9], [0, 0, 1, 1], length=12)
     batch.input_ids = torch.randint(4, 100, batch.input_ids.shape, generator=torch.Generator().manual_seed(0))
     batch.advantages = GRPO(kl_coef=0.0).advantages(batch)
-    metrics = backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=8)
+    metrics = backend.train(batch, set_up(GRPO(kl_coef=0.0), 8))
     weights = {k: v.detach().cpu().clone() for k, v in backend.named_weights()}
     return backend, metrics, weights
 

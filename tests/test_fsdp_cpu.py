@@ -22,8 +22,8 @@ import torch.multiprocessing as mp
 from lightning.fabric import Fabric
 
 from gcore import GRPO, PPO, ModelConfig, TorchBackend
-from gcore.model import char_tokenizer, materialize
-from gcore.testing import make_batch
+from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.testing import make_batch, set_up
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,7 @@ def _run(strategy, model_dir, algorithm_name, out_dir, rank):
     backend = TorchBackend(lr=1e-2, micro_batch_size=3, strategy=strategy, share_prompts=shared)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=backend.strategy(2, "cpu"))
     fabric.launch()
-    backend.setup(fabric, model_dir, torch.float32, False, algorithm, embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), algorithm, embedded=True)
     batch = _batch(algorithm, rank, shared)
     result = {"logprobs": backend.compute_logprobs(batch, "policy")}
     if algorithm.needs_reference:
@@ -76,9 +76,9 @@ def _run(strategy, model_dir, algorithm_name, out_dir, rank):
     batch.old_logprobs = result["logprobs"]
     if algorithm.needs_critic:
         result["values"] = backend.compute_values(batch)
-    result["metrics"] = backend.train(batch, algorithm, max_new_tokens=8)
+    result["metrics"] = backend.train(batch, set_up(algorithm, 8))
     engine = HFEngine()
-    engine.setup(model_dir, torch.device("cpu"), torch.float32, False)
+    engine.setup(ModelSource(model_dir), torch.device("cpu"))
     engine.update_weights(backend.named_weights())  # what the controller does after each update
     result["weights"] = {k: v.detach().clone() for k, v in backend.named_weights()}
     result["engine"] = {k: v.clone() for k, v in engine.model.state_dict().items()}
@@ -104,7 +104,7 @@ def _checkpoint_round_trip(backend, fabric, model_dir, algorithm, path, result):
 
     dcp.save(backend.state_dict(), checkpoint_id=path)
     fresh = TorchBackend(lr=1e-2, micro_batch_size=3, strategy="fsdp", share_prompts=False)
-    fresh.setup(fabric, model_dir, torch.float32, False, algorithm, embedded=True)
+    fresh.setup(fabric, ModelSource(model_dir), algorithm, embedded=True)
     state = fresh.state_dict()
     dcp.load(state, checkpoint_id=path)
     fresh.load_state_dict(state)
@@ -113,8 +113,8 @@ def _checkpoint_round_trip(backend, fabric, model_dir, algorithm, path, result):
     batch.old_logprobs = backend.compute_logprobs(batch, "policy")
     if algorithm.needs_reference:
         batch.ref_logprobs = backend.compute_logprobs(batch, "reference")
-    backend.train(batch, algorithm, max_new_tokens=8)
-    fresh.train(batch, algorithm, max_new_tokens=8)
+    backend.train(batch, set_up(algorithm, 8))
+    fresh.train(batch, set_up(algorithm, 8))
     result["second_step"] = {k: v.clone() for k, v in backend.named_weights()}
     result["second_step_resumed"] = {k: v.clone() for k, v in fresh.named_weights()}
 

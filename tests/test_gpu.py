@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gcore import DataConfig, HFEngine, ModelConfig, SamplingParams, StaticPlacement, Trainer, TrainerConfig
-from gcore.model import char_tokenizer, materialize
+from gcore.model import ModelSource, char_tokenizer, materialize
 
 pytestmark = pytest.mark.gpu
 
@@ -13,7 +13,7 @@ def test_sleep_releases_and_wake_up_retakes_device_memory(tmp_path):
     config = ModelConfig(num_hidden_layers=8, hidden_size=1024, intermediate_size=4096)
     path = materialize(config, char_tokenizer(), seed=0, workdir=str(tmp_path / "m"))
     engine = HFEngine()
-    engine.setup(path, torch.device("cuda"), torch.float32, False)
+    engine.setup(ModelSource(path), torch.device("cuda"))
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     torch.cuda.synchronize()
     free_awake, _ = torch.cuda.mem_get_info()

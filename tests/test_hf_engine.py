@@ -6,6 +6,7 @@ import torch
 from gcore import HFEngine, SamplingParams
 from gcore.backends import token_logprobs
 from gcore.engines.hf import StaticCacheDecoder
+from gcore.model import ModelSource
 
 
 def _checkpoint(tmp_path, model_type: str) -> str:
@@ -28,7 +29,7 @@ def _checkpoint(tmp_path, model_type: str) -> str:
 
 def _engine(path: str, static_cache: bool) -> HFEngine:
     engine = HFEngine(static_cache=static_cache)
-    engine.setup(path, torch.device("cpu"), torch.float32, False)
+    engine.setup(ModelSource(path), torch.device("cpu"))
     return engine
 
 
@@ -114,7 +115,7 @@ def test_pad_and_bos_are_never_sampled_inside_a_response(tmp_path, use_generate)
     megatron's would): the engine never samples pad (0) or bos (1); eos (2) still ends responses.
     With a flat distribution (temperature 5, 40 tokens) about 1 in 40 draws would be each of them."""
     engine = HFEngine(use_generate=use_generate)
-    engine.setup(_checkpoint(tmp_path, "qwen2"), torch.device("cpu"), torch.float32, False)
+    engine.setup(ModelSource(_checkpoint(tmp_path, "qwen2")), torch.device("cpu"))
     torch.manual_seed(0)
     outputs = engine.generate(PROMPTS, SamplingParams(n=16, max_new_tokens=12, temperature=5.0))
     tokens = [t for generations in outputs for g in generations for t in g.token_ids]

@@ -20,8 +20,8 @@ from gcore.backends.megatron.convert import (
     megatron_states_to_hf,
 )
 from gcore.errors import ConfigError
-from gcore.model import char_tokenizer, materialize
-from gcore.testing import make_batch
+from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.testing import make_batch, set_up
 
 LOGPROB_TOL = 1e-5
 LOSS_TOL = 1e-5
@@ -164,7 +164,7 @@ def test_logprobs_match_the_hf_model(tmp_path):
 
     model_dir = _model_dir(str(tmp_path))
     backend = backend_class()
-    backend.setup(Fabric(accelerator="cpu", devices=1), model_dir, torch.float32, False, GRPO(kl_coef=0.0),
+    backend.setup(Fabric(accelerator="cpu", devices=1), ModelSource(model_dir), GRPO(kl_coef=0.0),
                   embedded=True)
     hf = AutoModelForCausalLM.from_pretrained(model_dir)
     ids = torch.randint(4, 100, (3, 12), generator=torch.Generator().manual_seed(0))
@@ -196,18 +196,18 @@ def _rank_batch(rank):
 
 def _compare_with_torch(fabric, model_dir, tp, pp, out):
     torch_backend = TorchBackend(lr=1e-2, micro_batch_size=2)
-    torch_backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    torch_backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     batch = _rank_batch(fabric.global_rank)
     torch_logprobs = torch_backend.compute_logprobs(batch, "policy")
-    torch_metrics = torch_backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=8)
+    torch_metrics = torch_backend.train(batch, set_up(GRPO(kl_coef=0.0), 8))
     torch_weights = dict(torch_backend.named_weights())
 
     from gcore.backends.megatron import MegatronBackend
 
     backend = MegatronBackend(tensor_parallel_size=tp, pipeline_parallel_size=pp, lr=1e-2, micro_batch_size=3)
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     logprobs = backend.compute_logprobs(batch, "policy")
-    metrics = backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=8)
+    metrics = backend.train(batch, set_up(GRPO(kl_coef=0.0), 8))
     weights = dict(backend.named_weights())
     result = {
         "logprobs": float((logprobs - torch_logprobs).abs().max()),
@@ -255,14 +255,14 @@ def _compare_optimizers(fabric, model_dir, out):
     for name, distributed, resume_from in (("plain", False, None), ("distributed", True, None),
                                            ("resumed", True, "plain")):
         backend = MegatronBackend(lr=1e-2, micro_batch_size=3, warmup_steps=2, distributed_optimizer=distributed)
-        backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+        backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
         if resume_from:
             backend.load_state_dict(runs[resume_from]["state"])
             first = runs[resume_from]["first"]
         else:
-            first = backend.train(_rank_batch(rank), GRPO(kl_coef=0.0), max_new_tokens=8)
+            first = backend.train(_rank_batch(rank), set_up(GRPO(kl_coef=0.0), 8))
         state = backend.state_dict()
-        second = backend.train(_rank_batch(1 - rank), GRPO(kl_coef=0.0), max_new_tokens=8)
+        second = backend.train(_rank_batch(1 - rank), set_up(GRPO(kl_coef=0.0), 8))
         slots = backend.optimizer.adam_slots()
         held = sum(len(range(p.numel())[s]) if s is not None else p.numel() for p, _, s in slots.values())
         runs[name] = {"first": first, "second": second, "state": state, "weights": dict(backend.named_weights()),
@@ -370,8 +370,8 @@ def _save_at(fabric, model_dir, root, tp, pp):
     from gcore.backends.megatron import MegatronBackend
 
     backend = MegatronBackend(tensor_parallel_size=tp, pipeline_parallel_size=pp, lr=1e-2)
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
-    backend.train(_rank_batch(fabric.global_rank), GRPO(kl_coef=0.0), max_new_tokens=8)
+    backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
+    backend.train(_rank_batch(fabric.global_rank), set_up(GRPO(kl_coef=0.0), 8))
     manager = _checkpoint_manager(fabric, root)
     manager.save(1, backend.state_dict(), {"step": 1}, {"rank": fabric.global_rank})
     manager.wait()
@@ -393,7 +393,7 @@ def test_checkpoint_saved_at_tp2_or_pp2_loads_at_tp1(tmp_path, tp, pp):
     spawn(2, _save_at, model_dir, root, tp, pp)
     fabric = Fabric(accelerator="cpu", devices=1)
     backend = backend_class(tensor_parallel_size=1, lr=1e-2)
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     state = backend.state_dict()
     trainer_state, _ = _checkpoint_manager(fabric, root).load(latest_checkpoint(root), state)
     backend.load_state_dict(state)
@@ -406,7 +406,7 @@ def test_checkpoint_saved_at_tp2_or_pp2_loads_at_tp1(tmp_path, tp, pp):
         for name, tensor in expected["moments"][key].items():
             assert torch.equal(reloaded[key][name], tensor), (key, name)
     assert float(reloaded["step"]) == 1.0
-    backend.train(_rank_batch(0), GRPO(kl_coef=0.0), max_new_tokens=8)  # training goes on from there
+    backend.train(_rank_batch(0), set_up(GRPO(kl_coef=0.0), 8))  # training goes on from there
 
 
 def _save_without_a_peer(fabric, model_dir, out):
@@ -416,7 +416,7 @@ def _save_without_a_peer(fabric, model_dir, out):
     from gcore.errors import GcoreError
 
     backend = MegatronBackend(tensor_parallel_size=2)
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     if fabric.global_rank == 1:
         time.sleep(25)  # never joins the checkpoint's gathers
         return

@@ -21,7 +21,8 @@ from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.errors import ConfigError
-from gcore.model import char_tokenizer, materialize
+from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.testing import set_up
 
 LOGPROB_TOL = 1e-5
 WEIGHT_ATOL = {"torch": 2e-5, "megatron": 3e-5}
@@ -65,7 +66,7 @@ def test_sizes_that_do_not_divide_the_ranks_are_refused(tmp_path):
     backend = backend_class(sequence_parallel_size=2)
     with pytest.raises(ConfigError, match="sequence_parallel_size 2 times --backend.tensor_parallel_size 1 does not "
                                           r"divide the number of ranks \(1\)"):
-        backend.setup(Fabric(accelerator="cpu", devices=1), model_dir, torch.float32, False, GRPO(kl_coef=0.0),
+        backend.setup(Fabric(accelerator="cpu", devices=1), ModelSource(model_dir), GRPO(kl_coef=0.0),
                       embedded=True)
 
 
@@ -103,10 +104,10 @@ def _batch():
 
 
 def _step(backend, fabric, model_dir, rows):
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     batch = _batch().select(torch.tensor(rows))
     logprobs = backend.compute_logprobs(batch, "policy")
-    metrics = backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=6)
+    metrics = backend.train(batch, set_up(GRPO(kl_coef=0.0), 6))
     weights = {k: v.clone() for k, v in backend.named_weights()}
     return {"logprobs": logprobs, "metrics": metrics, "weights": weights}
 

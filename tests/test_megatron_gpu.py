@@ -15,8 +15,8 @@ from conftest import spawn
 from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
-from gcore.model import char_tokenizer, materialize
-from gcore.testing import make_batch
+from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.testing import make_batch, set_up
 
 pytestmark = pytest.mark.gpu
 
@@ -47,7 +47,7 @@ def test_logprobs_match_hf_on_gpu(tmp_path, transformer_engine):
     torch.backends.cuda.matmul.allow_tf32 = False
     model_dir = _model_dir(tmp_path, **QWEN25_05B)
     backend = MegatronBackend(transformer_engine=transformer_engine)
-    backend.setup(Fabric(accelerator="cuda", devices=1), model_dir, torch.float32, False, GRPO(kl_coef=0.0),
+    backend.setup(Fabric(accelerator="cuda", devices=1), ModelSource(model_dir), GRPO(kl_coef=0.0),
                   embedded=True)
     hf = AutoModelForCausalLM.from_pretrained(model_dir).cuda()
     ids = torch.randint(4, 100, (4, 64), generator=torch.Generator().manual_seed(0)).cuda()
@@ -65,13 +65,13 @@ def _compare(fabric, model_dir, tp, out, pp=1, distributed_optimizer=None):
     torch.backends.cuda.matmul.allow_tf32 = False
     batch = _batch(fabric.global_rank)
     reference = TorchBackend(lr=1e-5)
-    reference.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
-    ref_metrics = reference.train(batch, GRPO(kl_coef=0.0), max_new_tokens=23)
+    reference.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
+    ref_metrics = reference.train(batch, set_up(GRPO(kl_coef=0.0), 23))
     ref_weights = {k: v.cpu() for k, v in reference.named_weights()}
     backend = MegatronBackend(tensor_parallel_size=tp, pipeline_parallel_size=pp, lr=1e-5,
                               distributed_optimizer=distributed_optimizer)
-    backend.setup(fabric, model_dir, torch.float32, False, GRPO(kl_coef=0.0), embedded=True)
-    metrics = backend.train(batch, GRPO(kl_coef=0.0), max_new_tokens=23)
+    backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
+    metrics = backend.train(batch, set_up(GRPO(kl_coef=0.0), 23))
     weights = {k: v.cpu() for k, v in backend.named_weights()}
     torch.save({"loss": abs(metrics["loss"] - ref_metrics["loss"]),
                 "weights": max(float((weights[k] - v).abs().max()) for k, v in ref_weights.items())},

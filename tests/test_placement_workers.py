@@ -11,7 +11,7 @@ import torch
 from gcore.engines.hf import HFEngine
 from gcore.engines.pool import JUDGE, POLICY, PoolEngine, RoleSpec, WorkerPool
 from gcore.errors import ConfigError, GcoreError, RewardError
-from gcore.model import ModelConfig, char_tokenizer, materialize
+from gcore.model import ModelConfig, ModelSource, char_tokenizer, materialize
 from gcore.placement.base import Telemetry
 from gcore.placement.dynamic import DynamicPlacement
 from gcore.placement.static import StaticPlacement
@@ -35,7 +35,7 @@ def models(tmp_path_factory):
 
 def local_engine(path: str) -> HFEngine:
     engine = HFEngine()
-    engine.setup(path, torch.device("cpu"), torch.float32, False)
+    engine.setup(ModelSource(path), torch.device("cpu"))
     return engine
 
 
@@ -114,8 +114,9 @@ def test_dynamic_moves_a_worker_to_a_rule_reward_and_back_from_recorded_stage_ti
 def test_pool_syncs_weights_and_survives_dead_and_hung_workers(models):
     policy_path, judge_path = models
     prompts = [[5, 6, 7], [8, 9]]
-    pool = WorkerPool(3, {POLICY: RoleSpec(HFEngine(), policy_path), JUDGE: RoleSpec(HFEngine(), judge_path)},
-                      [POLICY, JUDGE, JUDGE], retries=1)
+    specs = {POLICY: RoleSpec(HFEngine(), ModelSource(policy_path)),
+             JUDGE: RoleSpec(HFEngine(), ModelSource(judge_path))}
+    pool = WorkerPool(3, specs, [POLICY, JUDGE, JUDGE], retries=1)
     try:
         # weight sync through shared memory: the worker samples exactly as an engine holding the new weights
         reference = local_engine(policy_path)

@@ -7,7 +7,8 @@ from lightning.fabric import Fabric
 from gcore import GRPO, PPO, ModelConfig, TorchBackend, Trainer
 from gcore.backends.base import TrainingBackend
 from gcore.errors import ConfigError
-from gcore.model import char_tokenizer, materialize
+from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.testing import set_up
 from gcore.types import Prompt, Sample, collate
 
 
@@ -16,7 +17,7 @@ def _setup(tmp_path, algorithm):
     path = materialize(ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64), tokenizer, 0,
                        str(tmp_path / "m"))
     backend = TorchBackend(lr=1e-2, micro_batch_size=2)
-    backend.setup(Fabric(accelerator="cpu", devices=1), path, torch.float32, False, algorithm, embedded=True)
+    backend.setup(Fabric(accelerator="cpu", devices=1), ModelSource(path), algorithm, embedded=True)
     return backend, tokenizer
 
 
@@ -50,7 +51,7 @@ def test_critic_values_and_training_move_values_towards_returns(tmp_path):
     batch.advantages = algorithm.advantages(batch)
     returns = batch.returns.clone()
     assert returns[batch.response_mask > 0].abs().sum() > 0
-    metrics = backend.train(batch, algorithm, max_new_tokens=8)
+    metrics = backend.train(batch, set_up(algorithm, 8))
     assert {"critic/value_loss", "critic/grad_norm", "critic/clip_frac", "clip_frac"} <= set(metrics)
     after = backend.compute_values(batch)
     mask = batch.response_mask > 0

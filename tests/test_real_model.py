@@ -15,6 +15,9 @@ import pytest
 import torch
 from conftest import engine_logprob_gap
 
+from gcore.model import ModelSource
+from gcore.testing import set_up
+
 # converting the GGUF and loading the 135M model (twice per run: trainer and engine) take most of the time;
 # the timeout leaves room for a loaded machine
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(1200)]
@@ -71,7 +74,7 @@ def _trainer_side(path: str, lr: float = 1e-5):
     params = SamplingParams(n=2, max_new_tokens=12, temperature=0.8, stop_token_ids=(tokenizer.eos_token_id,))
     fabric = Fabric(accelerator="cpu", devices=1)
     backend = TorchBackend(lr=lr)
-    backend.setup(fabric, path, torch.float32, False, GRPO(kl_coef=0.0), embedded=False)
+    backend.setup(fabric, ModelSource(path), GRPO(kl_coef=0.0), embedded=False)
     return fabric, backend, tokenizer, params, prompts
 
 
@@ -84,7 +87,7 @@ def test_engine_and_trainer_logprobs_agree_on_smollm2(smollm2):
     path, _ = smollm2
     fabric, backend, tokenizer, params, prompts = _trainer_side(path)
     engine = HFEngine()
-    engine.setup(path, fabric.device, torch.float32, False)
+    engine.setup(ModelSource(path), fabric.device)
     gap, _ = engine_logprob_gap(engine, backend, tokenizer, params, prompts)
     print(f"engine vs trainer max |logprob gap| on SmolLM2-135M: {float(gap):.2e}")
     assert float(gap) < 1e-4
@@ -154,13 +157,13 @@ def test_vllm_and_sglang_logprobs_agree_on_smollm2_before_and_after_a_sync(smoll
         from gcore.engines.sglang import SGLangEngine
 
         engine = SGLangEngine(context_length=1024, cpu_threads=1, timeout_s=900)
-    engine.setup(path, fabric.device, torch.float32, False)
+    engine.setup(ModelSource(path), fabric.device)
     try:
         gap, batch = engine_logprob_gap(engine, backend, tokenizer, params, prompts)
         assert gap < 1e-4
         batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
         batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
-        backend.train(batch, GRPO(kl_coef=0.0), params.max_new_tokens)
+        backend.train(batch, set_up(GRPO(kl_coef=0.0), params.max_new_tokens))
         stale, _ = engine_logprob_gap(engine, backend, tokenizer, params, prompts)
         assert stale > 1e-2
         engine.update_weights(backend.named_weights())

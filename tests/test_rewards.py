@@ -7,7 +7,7 @@ import torch
 
 from gcore.engines.hf import HFEngine
 from gcore.errors import ConfigError, RewardError
-from gcore.model import ModelConfig, char_tokenizer, materialize
+from gcore.model import ModelConfig, ModelSource, char_tokenizer, materialize
 from gcore.rewards.base import RuleReward, as_reward
 from gcore.rewards.classifier import ClassifierReward
 from gcore.rewards.combined import CombinedReward
@@ -65,7 +65,7 @@ def test_a_reward_names_its_generative_judge_and_placement_can_point_it_elsewher
     judge = GenerativeReward(str(tmp_path / "judge"), trust_remote_code=True)
     assert rule.judges() == []
     (found,) = CombinedReward([rule, judge]).judges()  # a combined reward returns its parts' judges
-    assert found.path == str(tmp_path / "judge") and found.trust_remote_code
+    assert found.source == ModelSource(str(tmp_path / "judge"), torch.float32, trust_remote_code=True)
     assert found.engine is judge.engine  # configured, not set up: what a worker builds a copy of
     elsewhere = HFEngine()
     found.use(elsewhere)

@@ -14,7 +14,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gcore.backends import sequence_parallel as seqpar
+from gcore.backends.common import concat_batches
 from gcore.errors import ConfigError
+from gcore.testing import make_batch
 
 ATOL, RTOL = 2e-5, 1e-4
 GRAD_ATOL, GRAD_RTOL = 1e-5, 1e-3
@@ -239,3 +241,17 @@ def _ulysses_bad_heads(rank):
 def test_ulysses_with_indivisible_heads_is_a_config_error():
     messages = run_ranks(_ulysses_bad_heads)
     assert all("divisible" in m for m in messages)
+
+
+def test_a_group_union_pads_each_part_to_the_longest_and_refuses_mixed_fields():
+    # what gather_group_batch (sequence parallelism) and megatron's data-parallel union both stack
+    short, long = make_batch([1.0, 0.0], [0, 0], length=3), make_batch([0.5], [1], length=5)
+    short.ref_logprobs, long.ref_logprobs = torch.ones(2, 2), torch.ones(1, 4)
+    union = concat_batches([short, long])
+    assert union.input_ids.shape == (3, 5) and union.response_mask.shape == (3, 4)  # [B, L] and [B, L-1]
+    assert union.ref_logprobs.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]  # right-padded with 0
+    assert union.rewards.tolist() == [1.0, 0.0, 0.5] and union.old_logprobs is None  # None everywhere: None
+    long.ref_logprobs = None
+    with pytest.raises(ValueError, match="only some have ref_logprobs"):
+        concat_batches([short, long])
+

@@ -12,7 +12,8 @@ from conftest import padded_batch, spawn
 from lightning.fabric import Fabric
 
 from gcore import GRPO, PPO, ModelConfig, TorchBackend
-from gcore.model import char_tokenizer, materialize
+from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.testing import set_up
 
 pytestmark = pytest.mark.slow
 
@@ -40,9 +41,9 @@ def _train(fabric, model_dir, rows, out, algorithm_name, sp_size, mode, packing)
     algorithm = _algorithm(algorithm_name)
     backend = TorchBackend(lr=1e-2, micro_batch_size=3, sequence_parallel_size=sp_size,
                            sequence_parallel_mode=mode, packing=packing)
-    backend.setup(fabric, model_dir, torch.float32, False, algorithm, embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), algorithm, embedded=True)
     batch = _batch(algorithm).select(torch.tensor(rows))
-    metrics = backend.train(batch, algorithm, max_new_tokens=6)
+    metrics = backend.train(batch, set_up(algorithm, 6))
     weights = {k: v.clone() for k, v in backend.named_weights()}
     if backend.critic is not None:
         weights.update({f"critic.{k}": v.detach().clone() for k, v in backend.critic.module.state_dict().items()})

@@ -13,6 +13,8 @@ from conftest import engine_logprob_gap
 from gcore import SamplingParams
 from gcore.engines.sglang import buckets, group_outputs, sampling_dict, to_generation
 from gcore.errors import GcoreError
+from gcore.model import ModelSource
+from gcore.testing import set_up
 
 
 def _output(tokens, logprobs, reason):
@@ -146,9 +148,9 @@ def _engine_and_backend(tmp_path, device, **engine_args):
     path = materialize(ModelConfig(num_hidden_layers=2), tokenizer, 0, str(tmp_path / "model"))
     fabric = Fabric(accelerator=device, devices=1)
     backend = TorchBackend(lr=1e-2)
-    backend.setup(fabric, path, torch.float32, False, GRPO(), embedded=True)
+    backend.setup(fabric, ModelSource(path), GRPO(), embedded=True)
     engine = SGLangEngine(cpu_kv_cache_tokens=4096, timeout_s=300, **engine_args)
-    engine.setup(path, fabric.device, torch.float32, False)
+    engine.setup(ModelSource(path), fabric.device)
     return tokenizer, engine, backend
 
 
@@ -161,7 +163,7 @@ def _train_step(engine, backend, tokenizer, params):
     _, batch = engine_logprob_gap(engine, backend, tokenizer, params)
     batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
     batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
-    backend.train(batch, GRPO(), params.max_new_tokens)
+    backend.train(batch, set_up(GRPO(), params.max_new_tokens))
     stale, _ = engine_logprob_gap(engine, backend, tokenizer, params)
     return stale
 

@@ -13,11 +13,12 @@ from lightning.fabric import Fabric
 
 from gcore import GRPO, PPO, ModelConfig, TorchBackend
 from gcore.engines.hf import HFEngine
-from gcore.model import char_tokenizer, materialize
+from gcore.model import ModelSource, char_tokenizer, materialize
 from gcore.placement.static import StaticPlacement
 from gcore.rewards.rule import TargetCharReward
 from gcore.rollout import StageTimer
 from gcore.single_controller import SingleController, recv_tensors, send_tensors
+from gcore.testing import set_up
 from gcore.types import Prompt, Sample, SamplingParams, collate
 
 pytestmark = pytest.mark.slow
@@ -88,13 +89,13 @@ def _one_controller(fabric, model_dir, out, name):
     tokenizer = char_tokenizer()
     algorithm = _algorithm(name)
     backend = TorchBackend(lr=1e-2, micro_batch_size=2)
-    backend.setup(fabric, model_dir, torch.float32, False, algorithm, embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), algorithm, embedded=True)
     sampling = SamplingParams(n=2, max_new_tokens=6)
     controller = SingleController(fabric, HFEngine(), TargetCharReward(), algorithm, backend, StaticPlacement(),
                                   tokenizer, sampling)
     samples = _samples(tokenizer) if fabric.global_rank == 0 else []
     batch = controller.prepare(samples, samples, StageTimer())
-    metrics = backend.train(batch, algorithm, max_new_tokens=6)
+    metrics = backend.train(batch, set_up(algorithm, 6))
     torch.save({"metrics": metrics, "weights": {k: v.clone() for k, v in backend.named_weights()},
                 "features": batch.features}, out % fabric.global_rank)
 
@@ -107,7 +108,7 @@ def test_one_controller_over_two_ranks_computes_the_update_of_one_process(tmp_pa
     fabric = Fabric(accelerator="cpu", devices=1)
     algorithm = _algorithm(name)
     backend = TorchBackend(lr=1e-2, micro_batch_size=2)
-    backend.setup(fabric, model_dir, torch.float32, False, algorithm, embedded=True)
+    backend.setup(fabric, ModelSource(model_dir), algorithm, embedded=True)
     batch = collate(_samples(char_tokenizer()), char_tokenizer().pad_token_id, 1.0)
     batch.response_mask = algorithm.loss_mask(batch)
     if algorithm.needs_critic:
@@ -117,7 +118,7 @@ def test_one_controller_over_two_ranks_computes_the_update_of_one_process(tmp_pa
     if algorithm.needs_reference:
         batch.ref_logprobs = backend.compute_logprobs(batch, "reference")
     batch.advantages = algorithm.advantages(batch)
-    single = backend.train(batch, algorithm, max_new_tokens=6)
+    single = backend.train(batch, set_up(algorithm, 6))
     single_weights = {k: v.clone() for k, v in backend.named_weights()}
 
     out = str(tmp_path / "rank%d.pt")

@@ -10,7 +10,8 @@ from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, SamplingParams, TorchBackend, Trainer, TrainerConfig
 from gcore.algorithms.base import group_normalize
-from gcore.model import char_tokenizer, materialize
+from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.testing import set_up
 
 vllm = pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -25,9 +26,9 @@ def _engine_and_backend(tmp_path, device, **engine_args):
     path = materialize(ModelConfig(num_hidden_layers=2), tokenizer, 0, str(tmp_path / "model"))
     fabric = Fabric(accelerator=device, devices=1)
     backend = TorchBackend(lr=1e-2)
-    backend.setup(fabric, path, torch.float32, False, GRPO(), embedded=True)
+    backend.setup(fabric, ModelSource(path), GRPO(), embedded=True)
     engine = VLLMEngine(enforce_eager=True, max_model_len=256, **engine_args)
-    engine.setup(path, fabric.device, torch.float32, False)
+    engine.setup(ModelSource(path), fabric.device)
     return tokenizer, engine, backend
 
 
@@ -43,7 +44,7 @@ def test_logprobs_match_the_trainer_before_and_after_a_weight_sync(tmp_path, dev
 
     batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
     batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
-    backend.train(batch, GRPO(), params.max_new_tokens)
+    backend.train(batch, set_up(GRPO(), params.max_new_tokens))
     stale, _ = engine_logprob_gap(engine, backend, tokenizer, params)
     assert stale > 10 * PARITY  # the engine does not see the update until the sync
 
@@ -58,7 +59,7 @@ def _train_step(engine, backend, tokenizer, params):
     _, batch = engine_logprob_gap(engine, backend, tokenizer, params)
     batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
     batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
-    backend.train(batch, GRPO(), params.max_new_tokens)
+    backend.train(batch, set_up(GRPO(), params.max_new_tokens))
     stale, _ = engine_logprob_gap(engine, backend, tokenizer, params)
     return stale
 

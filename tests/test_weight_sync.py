@@ -6,7 +6,8 @@ from lightning.fabric import Fabric
 
 from gcore import GRPO, HFEngine, ModelConfig, Prompt, Sample, SamplingParams, TorchBackend
 from gcore.algorithms.base import group_normalize
-from gcore.model import char_tokenizer, materialize
+from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.testing import set_up
 from gcore.types import collate
 
 
@@ -27,8 +28,8 @@ def test_engine_matches_trainer_after_sync(tmp_path, device):
     path = materialize(config, tokenizer, seed=0, workdir=str(tmp_path / "model"))
     fabric = Fabric(accelerator=device, devices=1)
     backend, engine, algorithm = TorchBackend(lr=1e-2), HFEngine(), GRPO(kl_coef=0.0)  # no reference model here
-    backend.setup(fabric, path, torch.float32, False, algorithm, embedded=True)
-    engine.setup(path, fabric.device, torch.float32, False)
+    backend.setup(fabric, ModelSource(path), algorithm, embedded=True)
+    engine.setup(ModelSource(path), fabric.device)
     params = SamplingParams(n=4, max_new_tokens=8, temperature=0.9, stop_token_ids=(tokenizer.eos_token_id,))
     prompts = [Prompt(i, f"{i}=", tokenizer(f"{i}=")["input_ids"]) for i in range(3)]
 
@@ -42,7 +43,7 @@ def test_engine_matches_trainer_after_sync(tmp_path, device):
 
     batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
     batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
-    backend.train(batch, algorithm, params.max_new_tokens)
+    backend.train(batch, set_up(algorithm, params.max_new_tokens))
 
     stale, _ = max_gap(_samples(engine, tokenizer, prompts, params))
     assert stale > 1e-3  # the trainer moved; the engine has not been told yet
@@ -58,7 +59,7 @@ def test_sync_rejects_unknown_or_misshapen_weights(tmp_path):
     path = materialize(ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64), tokenizer, 0,
                        str(tmp_path / "m"))
     engine = HFEngine()
-    engine.setup(path, torch.device("cpu"), torch.float32, False)
+    engine.setup(ModelSource(path), torch.device("cpu"))
     from gcore.errors import ConfigError
 
     with pytest.raises(ConfigError, match="no parameter named 'nope'"):

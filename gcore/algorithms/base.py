@@ -220,8 +220,16 @@ class Algorithm(ABC):
         self.max_new_tokens: int | None = None
 
     def setup(self, max_new_tokens: int) -> None:
-        """Called once before training with the generation budget (for length-aware shaping)."""
+        """Called once before training with the generation budget (for length-aware shaping and the
+        ``seq_mean_token_sum_norm`` loss: ``loss_scale``); the only route by which it reaches the algorithm."""
         self.max_new_tokens = max_new_tokens
+
+    def loss_scale(self, tokens: float, sequences: float) -> LossScale:
+        """The denominators of one mini-batch: its response tokens and sequences, counted by the backend
+        over every micro-batch and rank, with the generation budget given to ``setup``."""
+        if self.max_new_tokens is None:
+            raise RuntimeError(f"{type(self).__name__}.setup(max_new_tokens) must be called before training")
+        return LossScale(tokens=tokens, sequences=sequences, max_length=float(self.max_new_tokens))
 
     def state_dict(self) -> dict:
         """State that changes during training (e.g. an adaptive KL coefficient), saved in every

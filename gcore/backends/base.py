@@ -5,20 +5,26 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Literal
+from datetime import timedelta
+from typing import TYPE_CHECKING, Literal
 
 import torch
+from torch.distributed.constants import default_pg_timeout
 
 from gcore.algorithms.base import Algorithm
 from gcore.errors import ConfigError
+from gcore.model import ModelSource
 from gcore.types import RolloutBatch
+
+if TYPE_CHECKING:
+    from lightning.fabric.strategies import Strategy
 
 
 class TrainingBackend(ABC):
     """Holds the policy (and reference/critic when needed) and trains it.
 
     Lifecycle: ``strategy`` tells the launcher which Fabric strategy to use; ``setup`` loads the
-    model from an HF checkpoint directory; every step calls ``compute_logprobs`` (PREPARE),
+    model from an HF checkpoint directory (a ``ModelSource``); every step calls ``compute_logprobs`` (PREPARE),
     ``compute_values`` when the algorithm has a critic, ``train`` (TRAIN), then ``named_weights``
     to feed the engine (SYNC).
 
@@ -30,9 +36,14 @@ class TrainingBackend(ABC):
     #: whether this backend builds and trains a critic for algorithms that need one (PPO)
     supports_critic: bool = False
 
-    def strategy(self, world_size: int, device_type: str) -> str:
-        """The Lightning Fabric strategy this backend trains under."""
-        return "ddp" if world_size > 1 else "auto"
+    def strategy(self, world_size: int, device_type: str, timeout: timedelta = default_pg_timeout) -> str | Strategy:
+        """The Lightning Fabric strategy this backend trains under; a collective waits at most ``timeout``
+        for the other ranks (the trainer passes ``--trainer.collective_timeout``). Default: DDP."""
+        if world_size == 1:
+            return "auto"
+        from lightning.fabric.strategies import DDPStrategy
+
+        return DDPStrategy(timeout=timeout)
 
     def validate(self, algorithm: Algorithm, world_size: int, single_controller: bool) -> None:
         """Raise a one-line ``ConfigError`` (naming the flag and what works) when this backend cannot
@@ -46,9 +57,8 @@ class TrainingBackend(ABC):
                               f"{type(self).__name__} does not provide (use --backend torch)")
 
     @abstractmethod
-    def setup(self, fabric, model_path: str, dtype: torch.dtype, trust_remote_code: bool,  # noqa: ANN001
-              algorithm: Algorithm, embedded: bool) -> None:
-        """Load the policy, the reference model if ``algorithm.needs_reference``, and the critic if
+    def setup(self, fabric, source: ModelSource, algorithm: Algorithm, embedded: bool) -> None:  # noqa: ANN001
+        """Load the policy from ``source``, the reference model if ``algorithm.needs_reference``, and the critic if
         ``algorithm.needs_critic``; nothing is built for a role the algorithm does not use."""
 
     @abstractmethod
@@ -59,7 +69,7 @@ class TrainingBackend(ABC):
         """The critic's value ``[B, L-1]`` of the state before each next token (0 off-response)."""
         raise ConfigError(f"backend {type(self).__name__} has no critic; the algorithm needs one (use --backend torch)")
 
-    def train(self, batch: RolloutBatch, algorithm: Algorithm, max_new_tokens: int) -> dict[str, float]:
+    def train(self, batch: RolloutBatch, algorithm: Algorithm) -> dict[str, float]:
         """Run the algorithm's updates on this step's batch; return metrics (global over ranks).
 
         ``algorithm.epochs`` passes over the batch (in a seeded random order after the first), each
@@ -74,7 +84,7 @@ class TrainingBackend(ABC):
         for epoch in range(algorithm.epochs):
             order = torch.randperm(len(batch), generator=generator) if epoch > 0 else torch.arange(len(batch))
             for rows in torch.tensor_split(order, algorithm.mini_batches):
-                stats = self.train_mini_batch(batch, rows, algorithm, max_new_tokens)
+                stats = self.train_mini_batch(batch, rows, algorithm)
                 # the loss is already summed over ranks, so every rank takes the same decision
                 grad_norm, stepped = self.optimizer_step(stats, loss_finite=math.isfinite(stats["loss"]))
                 skipped += 0 if stepped else 1  # a non-finite loss or gradient skips the update
@@ -87,10 +97,9 @@ class TrainingBackend(ABC):
         metrics["lr"] = self.learning_rate()
         return metrics
 
-    def train_mini_batch(self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm,
-                         max_new_tokens: int) -> dict[str, float]:
+    def train_mini_batch(self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm) -> dict[str, float]:
         """Accumulate the gradients of the mini-batch ``rows`` of ``batch``; return its global metrics
-        (``loss`` among them)."""
+        (``loss`` among them). The loss's denominators are ``algorithm.loss_scale(tokens, sequences)``."""
         raise NotImplementedError(f"{type(self).__name__} implements neither train nor train_mini_batch")
 
     def optimizer_step(self, stats: dict[str, float], loss_finite: bool) -> tuple[float, bool]:

@@ -1,10 +1,14 @@
-"""What the training backends share: the optimizer options and the per-token log-probabilities."""
+"""What the training backends share: the optimizer options, the per-token log-probabilities, and
+the concatenation of several ranks' batches."""
 
 from __future__ import annotations
+
+from dataclasses import fields
 
 import torch
 
 from gcore.errors import ConfigError
+from gcore.types import RolloutBatch
 
 
 class OptimizerOptions:
@@ -74,3 +78,31 @@ def token_logprobs(
     chosen = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1)
     return chosen, entropy
+
+
+def concat_batches(parts: list[RolloutBatch]) -> RolloutBatch:
+    """Stack batches of different lengths, in order, right-padding every ``[B, L]`` and ``[B, L-1]``
+    tensor with zeros to the longest; a field that is ``None`` in every part stays ``None``, one that
+    is ``None`` in only some parts, or has different dimensions in different parts, is an error
+    (the sequence-parallel group's union and megatron's data-parallel union both use it)."""
+    if len(parts) == 1:
+        return parts[0]
+    length = max(p.input_ids.shape[1] for p in parts)
+    out = {}
+    for f in fields(RolloutBatch):
+        values = [getattr(p, f.name) for p in parts]
+        if not isinstance(values[0], torch.Tensor):
+            out[f.name] = values[0]
+            continue
+        if any(v is None for v in values):
+            raise ValueError(f"cannot stack batches where only some have {f.name}")
+        padded = []
+        for p, v in zip(parts, values, strict=False):
+            if v.dim() == 2:
+                width = length if v.shape[1] == p.input_ids.shape[1] else length - 1
+                v = torch.nn.functional.pad(v, (0, width - v.shape[1]))
+            padded.append(v)
+        if len({v.dim() for v in padded}) > 1:  # advantages: [B] on some ranks, [B, L-1] on others
+            raise ValueError(f"cannot stack batches whose {f.name} have different ranks")
+        out[f.name] = torch.cat(padded)
+    return RolloutBatch(**out)

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from gcore.backends.common import concat_batches
 from gcore.errors import ConfigError
 
 ATTENTION_NAME = "gcore_sp"
@@ -463,29 +464,11 @@ def sequence_parallel_values(critic, input_ids: torch.Tensor, attention_mask: to
 
 
 def gather_group_batch(batch, sp: SequenceParallelGroup):  # noqa: ANN001, ANN201
-    """Every rank of the group gets the union of the group's batches (rank order); returns
-    ``(union, row offset of this rank's rows, their count)``."""
-    from dataclasses import fields
-
-    from gcore.types import RolloutBatch
-
+    """Every rank of the group gets the union of the group's batches (rank order, ``concat_batches``);
+    returns ``(union, row offset of this rank's rows, their count)``."""
     if sp.size == 1:
         return batch, 0, len(batch)
     parts: list = [None] * sp.size
     dist.all_gather_object(parts, batch, group=sp.group)
-    length = max(p.input_ids.shape[1] for p in parts)
-    merged = {}
-    for f in fields(RolloutBatch):
-        values = [getattr(p, f.name) for p in parts]
-        if not isinstance(values[0], torch.Tensor):
-            merged[f.name] = values[0]
-            continue
-        if any(v is None for v in values):
-            merged[f.name] = None
-            continue
-        if values[0].dim() == 2:
-            target = length if values[0].shape[1] == parts[0].input_ids.shape[1] else length - 1
-            values = [torch.nn.functional.pad(v, (0, target - v.shape[1])) for v in values]
-        merged[f.name] = torch.cat(values)
     offset = sum(len(p) for p in parts[: sp.rank])
-    return RolloutBatch(**merged), offset, len(batch)
+    return concat_batches(parts), offset, len(batch)

@@ -4,30 +4,37 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any, Literal
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from torch.distributed.constants import default_pg_timeout
 
-from gcore.algorithms.base import Algorithm, LossScale
+from gcore.algorithms.base import Algorithm
 from gcore.backends import sequence_parallel as seqpar
 from gcore.backends.base import TrainingBackend
 from gcore.backends.common import OptimizerOptions, check_sequence_parallel_controllers
 from gcore.backends.shared_prompts import distinct_prompts, shared_prompt_logits, to_batch_layout
 from gcore.balance import micro_batches_by_length, padding_fraction
 from gcore.errors import ConfigError
+from gcore.model import ModelSource
 from gcore.types import RolloutBatch
+
+if TYPE_CHECKING:
+    from lightning.fabric.strategies import Strategy
 
 
 class ValueModel(torch.nn.Module):
     """The critic: the policy checkpoint's transformer trunk (``AutoModel``, no LM head) and a linear
     head from the last hidden state to one value per position, initialised to zero."""
 
-    def __init__(self, model_path: str, dtype: torch.dtype, trust_remote_code: bool) -> None:
+    def __init__(self, source: ModelSource) -> None:
         super().__init__()
         from transformers import AutoModel
 
-        self.trunk = AutoModel.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
-        self.head = torch.nn.Linear(self.trunk.config.hidden_size, 1, dtype=dtype)
+        self.trunk = AutoModel.from_pretrained(source.path, dtype=source.dtype,
+                                               trust_remote_code=source.trust_remote_code)
+        self.head = torch.nn.Linear(self.trunk.config.hidden_size, 1, dtype=source.dtype)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
@@ -143,27 +150,26 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         self.optimizer = None
         self.scheduler = None
 
-    def strategy(self, world_size: int, device_type: str):  # noqa: ANN201
+    def strategy(self, world_size: int, device_type: str, timeout: timedelta = default_pg_timeout) -> str | Strategy:
         if not self.fsdp:
-            return super().strategy(world_size, device_type)
+            return super().strategy(world_size, device_type, timeout)
         from lightning.fabric.strategies import ModelParallelStrategy
 
         # FSDP2 over one data-parallel mesh dimension of all the ranks (no tensor parallelism); unlike
         # Fabric's FSDPStrategy (FSDP1), ModelParallelStrategy runs on the CPU accelerator too (gloo)
         return ModelParallelStrategy(parallelize_fn=shard_per_layer, data_parallel_size=world_size,
-                                     tensor_parallel_size=1)
+                                     tensor_parallel_size=1, timeout=timeout)
 
     def validate(self, algorithm: Algorithm, world_size: int, single_controller: bool) -> None:
         super().validate(algorithm, world_size, single_controller)
         check_sequence_parallel_controllers(self.sequence_parallel_size, single_controller)
 
-    def setup(self, fabric, model_path: str, dtype: torch.dtype, trust_remote_code: bool,  # noqa: ANN001
-              algorithm: Algorithm, embedded: bool) -> None:
+    def setup(self, fabric, source: ModelSource, algorithm: Algorithm, embedded: bool) -> None:  # noqa: ANN001
         from transformers import AutoModelForCausalLM
 
         self.fabric = fabric
-        load = dict(dtype=dtype, trust_remote_code=trust_remote_code)
-        self.hf_model = AutoModelForCausalLM.from_pretrained(model_path, **load)
+        load = dict(dtype=source.dtype, trust_remote_code=source.trust_remote_code)
+        self.hf_model = AutoModelForCausalLM.from_pretrained(source.path, **load)
         if self.gradient_checkpointing:
             self.hf_model.gradient_checkpointing_enable()
         self.hf_model.train()
@@ -173,12 +179,12 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: self.warmup_factor(step))
         if algorithm.needs_reference:
-            reference = AutoModelForCausalLM.from_pretrained(model_path, **load)
+            reference = AutoModelForCausalLM.from_pretrained(source.path, **load)
             reference.eval().requires_grad_(False)
             # under FSDP sharded like the policy (ModelParallelStrategy moves no unsharded module to the device)
             self.reference = fabric.setup_module(reference) if self.fsdp else fabric.to_device(reference)
         if algorithm.needs_critic:
-            critic = ValueModel(model_path, dtype, trust_remote_code)
+            critic = ValueModel(source)
             if self.gradient_checkpointing:
                 critic.trunk.gradient_checkpointing_enable()
             critic.train()
@@ -291,10 +297,10 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             return int(value)
         return int(self.fabric.all_reduce(torch.tensor(float(value)), reduce_op="max"))
 
-    def train(self, batch: RolloutBatch, algorithm: Algorithm, max_new_tokens: int) -> dict[str, float]:
+    def train(self, batch: RolloutBatch, algorithm: Algorithm) -> dict[str, float]:
         if self.sp is not None:  # the group trains on the union of its members' batches
             batch, _, _ = seqpar.gather_group_batch(batch, self.sp)
-        return super().train(batch, algorithm, max_new_tokens)
+        return super().train(batch, algorithm)
 
     def optimizer_step(self, stats: dict[str, float], loss_finite: bool) -> tuple[float, bool]:
         grad_norm = _norm_value(self.fabric.clip_gradients(
@@ -327,9 +333,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         self.critic_optimizer.zero_grad(set_to_none=True)
         return {"critic/grad_norm": grad_norm, "critic/skipped_updates": skipped}
 
-    def train_mini_batch(
-        self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm, max_new_tokens: int
-    ) -> dict[str, float]:
+    def train_mini_batch(self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm) -> dict[str, float]:
         """Accumulate the gradients of one mini-batch over micro-batches; returns its global metrics."""
         fabric, world = self.fabric, self.fabric.world_size
         replicas = self.sp.size if self.sp is not None else 1  # each group holds its rows K times
@@ -338,7 +342,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         totals = self._global_sums([batch.response_mask[rows].sum().item(), len(rows),
                                     batch.response_mask[trained].sum().item(), len(trained)])
         tokens, sequences, trained_tokens, trained_rows = (total / replicas for total in totals)
-        scale = LossScale(tokens=tokens, sequences=sequences, max_length=float(max_new_tokens))
+        scale = algorithm.loss_scale(tokens, sequences)
         rows = trained
         lengths = batch.attention_mask[rows].sum(-1).tolist()
         # similar lengths in a micro-batch: less padding

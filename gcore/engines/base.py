@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from gcore.model import ModelSource
 from gcore.types import Generation, SamplingParams
 
 
@@ -19,8 +20,8 @@ class Engine(ABC):
     """
 
     @abstractmethod
-    def setup(self, model_path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool) -> None:
-        """Load the model from ``model_path`` onto ``device``."""
+    def setup(self, source: ModelSource, device: torch.device) -> None:
+        """Load the model ``source`` names onto ``device``."""
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:

@@ -15,6 +15,7 @@ import torch
 
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError
+from gcore.model import ModelSource
 from gcore.types import Generation, SamplingParams
 
 if TYPE_CHECKING:
@@ -57,13 +58,13 @@ class HFEngine(Engine):
         self.bos_id: int | None = None
         self.asleep = False
 
-    def setup(self, model_path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool) -> None:
+    def setup(self, source: ModelSource, device: torch.device) -> None:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         self.device = device
         self._decoder = None
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=dtype, trust_remote_code=trust_remote_code
+            source.path, dtype=source.dtype, trust_remote_code=source.trust_remote_code
         ).to(device)
         self.model.eval()
         self.model.requires_grad_(False)

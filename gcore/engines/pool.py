@@ -42,6 +42,7 @@ import torch
 
 from gcore.engines.base import Engine
 from gcore.errors import GcoreError
+from gcore.model import ModelSource
 from gcore.threads import spawning, worker_threads
 from gcore.types import Generation, Sample, SamplingParams
 
@@ -65,9 +66,7 @@ class RoleSpec:
     """How a worker builds the engine of one role (or, with ``reward``, the reward it scores with)."""
 
     engine: Engine | None  # configured but not set up: it is pickled into every worker
-    path: str
-    dtype: torch.dtype = torch.float32
-    trust_remote_code: bool = False
+    source: ModelSource | None = None  # what the engine loads
     reward: Scorer | None = None  # a rule-based reward: the role scores samples instead of generating
 
 
@@ -166,7 +165,8 @@ class _WorkerRuntime:
             reward.setup(torch.device("cpu"))
             return reward
         engine = pickle.loads(pickle.dumps(spec.engine))  # a fresh copy of the configured engine
-        engine.setup(spec.path, torch.device("cpu"), spec.dtype, spec.trust_remote_code)
+        assert spec.source is not None, f"the {role} role has an engine but no ModelSource"
+        engine.setup(spec.source, torch.device("cpu"))
         if role == POLICY and weights is not None:
             engine.update_weights(SharedWeights(*weights).views())
         return engine
@@ -567,7 +567,7 @@ class PoolEngine(Engine):
         self.pool, self.role, self.workers = pool, role, list(workers)
         self.last_sync: dict[str, float] = {}
 
-    def setup(self, model_path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool) -> None:
+    def setup(self, source: ModelSource, device: torch.device) -> None:
         """The workers loaded the engine already."""
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:

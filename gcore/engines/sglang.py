@@ -27,6 +27,7 @@ import torch
 
 from gcore.engines.base import Engine, buckets
 from gcore.errors import ConfigError, GcoreError
+from gcore.model import ModelSource
 from gcore.types import Generation, SamplingParams
 
 if TYPE_CHECKING:
@@ -182,21 +183,21 @@ class SGLangEngine(Engine):
                     raise GcoreError(f"SGLang {what} did not finish within {self.timeout_s} s "
                                      "(--engine.timeout_s)") from None
 
-    def setup(self, model_path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool) -> None:
+    def setup(self, source: ModelSource, device: torch.device) -> None:
         if device.type not in ("cuda", "cpu"):
             raise ConfigError(f"--engine sglang runs on CUDA GPUs or CPUs, not {device.type}")
         self.device = device
         rank = int(os.environ.get("RANK", "0"))
         kwargs: dict[str, Any] = {
-            "model_path": model_path,
-            "dtype": DTYPE_NAMES.get(dtype, "auto"),
-            "trust_remote_code": trust_remote_code,
+            "model_path": source.path,
+            "dtype": DTYPE_NAMES.get(source.dtype, "auto"),
+            "trust_remote_code": source.trust_remote_code,
             "context_length": self.context_length,
             "random_seed": self.seed + rank,
             "skip_tokenizer_init": True,
             "log_level": "error",
         }
-        override = _architecture_override(model_path)
+        override = _architecture_override(source.path)
         if override is not None:
             kwargs["json_model_override_args"] = override
         if device.type == "cuda":

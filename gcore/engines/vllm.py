@@ -26,6 +26,7 @@ import torch
 
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError, GcoreError
+from gcore.model import ModelSource
 from gcore.types import Generation, SamplingParams
 
 if TYPE_CHECKING:
@@ -105,7 +106,7 @@ class VLLMEngine(Engine):
         self.asleep = False
         self.last_sync_seconds = 0.0
 
-    def setup(self, model_path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool) -> None:
+    def setup(self, source: ModelSource, device: torch.device) -> None:
         # the engine core in this process (in-memory sync) or in a child process (broadcast sync)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.separate_process else "0"
         if device.type == "cpu":
@@ -118,9 +119,9 @@ class VLLMEngine(Engine):
         self.device = device
         rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
         kwargs = dict(
-            model=model_path,
-            dtype=DTYPE_NAMES.get(dtype, "auto"),
-            trust_remote_code=trust_remote_code,
+            model=source.path,
+            dtype=DTYPE_NAMES.get(source.dtype, "auto"),
+            trust_remote_code=source.trust_remote_code,
             seed=self.seed + rank,
             enforce_eager=self.enforce_eager,
             logprobs_mode="processed_logprobs",  # after temperature: what the trainer recomputes
@@ -136,7 +137,7 @@ class VLLMEngine(Engine):
         try:
             self.llm = vllm.LLM(**kwargs)
         except Exception as err:
-            raise GcoreError(f"vLLM could not load {model_path}: {type(err).__name__}: {err}") from err
+            raise GcoreError(f"vLLM could not load {source.path}: {type(err).__name__}: {err}") from err
         if self.separate_process:
             from gcore.engines.vllm_sync import BroadcastSender
 

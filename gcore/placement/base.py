@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gcore.engines.base import Engine
+from gcore.model import ModelSource
 from gcore.rewards.base import RewardModel
 from gcore.rollout import RolloutJob
 from gcore.types import Sample
@@ -52,14 +53,24 @@ class PlacementPolicy(ABC):
         The trainer calls it before it launches any controller process or engine.
         """
 
+    def validate(self, world_size: int, single_controller: bool) -> None:
+        """Raise a one-line ``ConfigError`` (naming the flag and what works) when this policy cannot run
+        with the trainer's controllers; the trainer calls it before anything is launched.
+
+        ``single_controller``: one controller drives all ``world_size`` processes
+        (``--trainer.controllers 1``). Default: every policy that keeps its engines in the
+        controller's process runs either way.
+        """
+
     def describe(self) -> str:
         """One line on what this policy does on this machine, printed when a run starts ("": nothing)."""
         return ""
 
-    def launch(self, engine: Engine, reward: RewardModel, model_path: str, dtype: torch.dtype,
-               trust_remote_code: bool, device: torch.device, seed: int) -> Engine:
-        """Set up the engines and the reward; returns the rollout engine. Default: both in this process."""
-        engine.setup(model_path, device, dtype, trust_remote_code)
+    def launch(self, engine: Engine, reward: RewardModel, source: ModelSource, device: torch.device,
+               seed: int) -> Engine:
+        """Set up the engines (the policy's from ``source``) and the reward; returns the rollout engine.
+        Default: both in this process."""
+        engine.setup(source, device)
         reward.setup(device)
         return engine
 

@@ -12,6 +12,7 @@ import torch
 
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError
+from gcore.model import ModelSource
 from gcore.placement.base import PlacementPolicy, Telemetry
 from gcore.rewards.base import RewardModel
 from gcore.rollout import RolloutJob
@@ -108,6 +109,11 @@ class DynamicPlacement(PlacementPolicy):
     def min_devices(self) -> int:
         return max(1, math.ceil(self.min_fraction * self.total))
 
+    def validate(self, world_size: int, single_controller: bool) -> None:
+        if single_controller:
+            raise ConfigError("--trainer.controllers 1 runs with --placement static and no --placement.workers "
+                              "(the engine worker pools are per controller)")
+
     def setup(self, world_size: int, device_type: str, reward: RewardModel | None = None) -> None:
         """``reward`` ``None`` (``gcore simulate``) or one with a generative judge: a judge partition."""
         from gcore.engines.pool import JUDGE, REWARD
@@ -152,8 +158,8 @@ class DynamicPlacement(PlacementPolicy):
                 f"reward scores {where}; training uses the controller's cores between rollouts; {moves} "
                 "(placement/* in metrics.csv)")
 
-    def launch(self, engine: Engine, reward: RewardModel, model_path: str, dtype: torch.dtype,
-               trust_remote_code: bool, device: torch.device, seed: int) -> Engine:
+    def launch(self, engine: Engine, reward: RewardModel, source: ModelSource, device: torch.device,
+               seed: int) -> Engine:
         """Start ``devices`` engine workers: the first ``generate_devices`` hold the policy, the rest the judge."""
         from gcore.engines.pool import REWARD
         from gcore.placement.launch import PoolReward, launch_workers
@@ -161,9 +167,8 @@ class DynamicPlacement(PlacementPolicy):
         if self.total == 0:
             raise RuntimeError("DynamicPlacement.launch called before setup")
         self.pool, self.policy_engine, self.judge_engine = launch_workers(
-            "--placement dynamic", engine, reward, model_path=model_path, dtype=dtype,
-            trust_remote_code=trust_remote_code, device=device, roles=self._roles(), threads=self.threads, seed=seed,
-            release=True, job_timeout_s=self.worker_timeout_s, retries=self.retries,
+            "--placement dynamic", engine, reward, source=source, device=device, roles=self._roles(),
+            threads=self.threads, seed=seed, release=True, job_timeout_s=self.worker_timeout_s, retries=self.retries,
             reward_workers=self.reward_role == REWARD and self.max_reward_devices > 0)
         if self.reward_role == REWARD:
             self.reward_pool = PoolReward(self.pool, [])

@@ -18,6 +18,7 @@ import torch
 from gcore.engines.base import Engine
 from gcore.engines.pool import JUDGE, POLICY, REWARD, PoolEngine, RoleSpec, WorkerPool
 from gcore.errors import ConfigError
+from gcore.model import ModelSource
 from gcore.rewards.base import RewardModel
 from gcore.threads import usable_cores
 from gcore.types import Sample
@@ -48,9 +49,7 @@ def launch_workers(
     engine: Engine,
     reward: RewardModel,
     *,
-    model_path: str,
-    dtype: torch.dtype,
-    trust_remote_code: bool,
+    source: ModelSource,
     device: torch.device,
     roles: Sequence[str],
     threads: int,
@@ -67,7 +66,7 @@ def launch_workers(
         engine: the policy engine, configured but not set up (it is pickled into every worker).
         reward: the run's reward; its judge (``RewardModel.judges``) is built on the ``judge`` workers
             and the reward is pointed at them (``Judge.use``); then the reward is set up here.
-        model_path, dtype, trust_remote_code: the policy checkpoint the workers load.
+        source: the policy checkpoint the workers load.
         device: must be the CPU.
         roles: the starting role of each worker (``policy``, ``judge`` or ``reward``).
         threads, seed, release, job_timeout_s, retries: as ``WorkerPool``'s.
@@ -82,14 +81,14 @@ def launch_workers(
     judges = reward.judges()
     if len(judges) > 1:
         raise ConfigError(f"{option}: engine workers hold one generative judge, the reward has {len(judges)}")
-    specs = {POLICY: RoleSpec(engine, model_path, dtype, trust_remote_code)}
+    specs = {POLICY: RoleSpec(engine, source)}
     if judges:
-        specs[JUDGE] = RoleSpec(judges[0].engine, judges[0].path, torch.float32, judges[0].trust_remote_code)
+        specs[JUDGE] = RoleSpec(judges[0].engine, judges[0].source)
     elif JUDGE in roles:
         raise ConfigError(f"{option}: a judge partition needs a generative judge (--reward generative, or "
                           "--reward combined with one)")
     elif reward_workers:
-        specs[REWARD] = RoleSpec(None, "", reward=reward)
+        specs[REWARD] = RoleSpec(None, reward=reward)
     for role, spec in specs.items():
         try:
             pickle.dumps(spec.reward if spec.reward is not None else spec.engine)

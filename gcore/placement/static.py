@@ -10,6 +10,7 @@ import torch
 
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError
+from gcore.model import ModelSource
 from gcore.placement.base import PlacementPolicy
 from gcore.rewards.base import RewardModel
 from gcore.rollout import RolloutJob
@@ -58,20 +59,25 @@ class StaticPlacement(PlacementPolicy):
     def telemetry_keys(self) -> tuple[str, ...]:  # type: ignore[override]
         return ("rollout", "idle_generate", "idle_reward") if self.workers else ()
 
+    def validate(self, world_size: int, single_controller: bool) -> None:
+        if single_controller and self.workers:
+            raise ConfigError("--trainer.controllers 1 runs with --placement static and no --placement.workers "
+                              "(the engine worker pools are per controller)")
+
     def setup(self, world_size: int, device_type: str, reward: RewardModel | None = None) -> None:
         self._offload = self.offload if self.offload is not None else device_type == "cuda"
 
-    def launch(self, engine: Engine, reward: RewardModel, model_path: str, dtype: torch.dtype,
-               trust_remote_code: bool, device: torch.device, seed: int) -> Engine:
+    def launch(self, engine: Engine, reward: RewardModel, source: ModelSource, device: torch.device,
+               seed: int) -> Engine:
         if not self.workers:
-            return super().launch(engine, reward, model_path, dtype, trust_remote_code, device, seed)
+            return super().launch(engine, reward, source, device, seed)
         from gcore.engines.pool import POLICY
         from gcore.placement.launch import launch_workers
 
         self.pool, policy, self.judge_engine = launch_workers(
-            "--placement.workers", engine, reward, model_path=model_path, dtype=dtype,
-            trust_remote_code=trust_remote_code, device=device, roles=[POLICY] * self.workers, threads=self.threads,
-            seed=seed, release=self.release, job_timeout_s=self.worker_timeout_s, retries=self.retries)
+            "--placement.workers", engine, reward, source=source, device=device, roles=[POLICY] * self.workers,
+            threads=self.threads, seed=seed, release=self.release, job_timeout_s=self.worker_timeout_s,
+            retries=self.retries)
         return policy
 
     @property

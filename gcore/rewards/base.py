@@ -11,6 +11,7 @@ from typing import Any, Literal, cast
 
 from gcore.engines.base import Engine
 from gcore.errors import RewardError
+from gcore.model import ModelSource
 from gcore.types import Sample
 
 
@@ -51,13 +52,12 @@ class Judge:
     """A judge LLM inside a reward (``RewardModel.judges``): how to build its engine elsewhere.
 
     A placement policy that runs the judge in engine processes of its own builds a copy of
-    ``engine`` (configured, not set up) there from ``path``, and calls ``use`` with the engine that
+    ``engine`` (configured, not set up) there from ``source``, and calls ``use`` with the engine that
     reaches those processes, before the reward's ``setup``: the reward then asks that one.
     """
 
     engine: Engine
-    path: str
-    trust_remote_code: bool
+    source: ModelSource
     use: Callable[[Engine], None]
 
 

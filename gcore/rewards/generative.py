@@ -12,6 +12,7 @@ import torch
 
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError, RewardError
+from gcore.model import ModelSource
 from gcore.rewards.base import Judge, RewardModel
 from gcore.types import Sample, SamplingParams
 
@@ -86,16 +87,21 @@ class GenerativeReward(RewardModel):
         self.last_unparsable = 0
         self.last_judge_tokens = 0
 
+    @property
+    def source(self) -> ModelSource:
+        """The judge checkpoint (loaded in float32)."""
+        return ModelSource(self.path, torch.float32, self.trust_remote_code)
+
     def setup(self, device) -> None:  # noqa: ANN001
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
         device = torch.device(device) if device is not None else torch.device("cpu")
-        self.engine.setup(self.path, device, torch.float32, self.trust_remote_code)
+        self.engine.setup(self.source, device)
 
     def judges(self) -> list[Judge]:
         """This reward's judge: a placement policy may run it on engine workers of its own."""
-        return [Judge(self.engine, self.path, self.trust_remote_code, self._use_engine)]
+        return [Judge(self.engine, self.source, self._use_engine)]
 
     def _use_engine(self, engine: Engine) -> None:
         self.engine = engine

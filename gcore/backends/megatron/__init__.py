@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
-from gcore.algorithms.base import Algorithm, LossScale
+from gcore.algorithms.base import Algorithm
 from gcore.backends.base import TrainingBackend
 from gcore.backends.common import OptimizerOptions, check_sequence_parallel_controllers
 from gcore.backends.megatron.convert import Layout, layout_from_hf
@@ -38,6 +38,7 @@ from gcore.backends.megatron.optimizer import MegatronOptimizer
 from gcore.backends.megatron.parallel import ParallelGroups, agree_on_keys, init_parallel_state, to_device
 from gcore.backends.megatron.weights import HFWeights
 from gcore.errors import ConfigError, GcoreError
+from gcore.model import ModelSource
 from gcore.types import RolloutBatch
 
 if TYPE_CHECKING:
@@ -129,9 +130,8 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
         self.optimizer: MegatronOptimizer
         self._synced: tuple[int, dict[str, torch.Tensor]] | None = None  # (updates, weights) of the last sync
 
-    def strategy(self, world_size: int, device_type: str) -> str:
-        # Fabric only launches the processes and the process group; megatron does the parallelism
-        return "ddp" if world_size > 1 else "auto"
+    # strategy: the base class's DDP; Fabric only launches the processes and the process group, megatron
+    # does the parallelism
 
     def validate(self, algorithm: Algorithm, world_size: int, single_controller: bool) -> None:
         super().validate(algorithm, world_size, single_controller)
@@ -155,13 +155,13 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
 
     # SETUP -----------------------------------------------------------------------------------
 
-    def setup(self, fabric: Fabric, model_path: str, dtype: torch.dtype, trust_remote_code: bool,
-              algorithm: Algorithm, embedded: bool) -> None:
+    def setup(self, fabric: Fabric, source: ModelSource, algorithm: Algorithm, embedded: bool) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        dtype = source.dtype
         self.validate(algorithm, fabric.world_size, single_controller=False)
         tp, pp, cp = self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size
-        self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.hf_config = AutoConfig.from_pretrained(source.path, trust_remote_code=source.trust_remote_code)
         self.layout = layout_from_hf(self.hf_config, tp)
         if cp > 1 and self.sequence_parallel_mode == "ulysses" and (self.layout.num_heads // tp) % cp:
             raise ConfigError(
@@ -174,7 +174,7 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
         self.groups = init_parallel_state(fabric, tp, pp, cp, self.sequence_parallel_mode)
         self.weights = HFWeights(self.layout, self.groups)
         self.forward = ForwardPasses(fabric, self.groups, self.layout.vocab_size)
-        hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        hf = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, trust_remote_code=source.trust_remote_code)
         hf_state = hf.state_dict()
         # HF's nn.Embedding(padding_idx=pad): a pad token in the input gives the embedding no gradient
         padding_idx = getattr(hf.get_input_embeddings(), "padding_idx", None)
@@ -223,14 +223,13 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
 
     # TRAIN -----------------------------------------------------------------------------------
 
-    def train_mini_batch(self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm,
-                         max_new_tokens: int) -> dict[str, float]:
+    def train_mini_batch(self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm) -> dict[str, float]:
         """Accumulate this mini-batch's gradients (local to the rank); returns its global metrics."""
         g = self.groups
         own = batch.select(rows) if len(rows) else None
         counts = g.all_reduce(torch.tensor([
             float(batch.response_mask[rows].sum()), float(len(rows))], dtype=torch.float64))
-        scale = LossScale(tokens=float(counts[0]), sequences=float(counts[1]), max_length=float(max_new_tokens))
+        scale = algorithm.loss_scale(float(counts[0]), float(counts[1]))
         union = g.union_of_rows(own)
 
         def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, micro: RolloutBatch

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from gcore.backends.common import concat_batches
 from gcore.types import RolloutBatch
 
 if TYPE_CHECKING:
@@ -191,28 +192,3 @@ def to_cpu(batch: RolloutBatch) -> RolloutBatch:
 def to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
     """The batch with its tensors on ``device``."""
     return _map_tensors(batch, lambda t: t.to(device))
-
-
-def concat_batches(parts: list[RolloutBatch]) -> RolloutBatch:
-    """Stack batches of different lengths (right-padded with zeros to the longest)."""
-    if len(parts) == 1:
-        return parts[0]
-    length = max(p.input_ids.shape[1] for p in parts)
-    out = {}
-    for f in fields(RolloutBatch):
-        values = [getattr(p, f.name) for p in parts]
-        if not isinstance(values[0], torch.Tensor):
-            out[f.name] = values[0]
-            continue
-        if any(v is None for v in values):
-            raise ValueError(f"cannot stack batches where only some have {f.name}")
-        padded = []
-        for p, v in zip(parts, values, strict=False):
-            if v.dim() == 2:
-                width = length if v.shape[1] == p.input_ids.shape[1] else length - 1
-                v = torch.nn.functional.pad(v, (0, width - v.shape[1]))
-            padded.append(v)
-        if len({v.dim() for v in padded}) > 1:  # advantages: [B] on some ranks, [B, L-1] on others
-            raise ValueError(f"cannot stack batches whose {f.name} have different ranks")
-        out[f.name] = torch.cat(padded)
-    return RolloutBatch(**out)
