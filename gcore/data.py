@@ -22,10 +22,12 @@ class DataConfig:
     Args:
         path: a ``.jsonl`` or ``.parquet`` file, or a folder saved with ``datasets``'
             ``save_to_disk``. Unset: the embedded task named by ``task``.
-        task: the embedded task when ``path`` is unset: ``target_char`` (for the embedded tiny model)
-            or ``arithmetic`` (addition/subtraction word problems, for the ``math`` reward).
-        task_digits: the ``arithmetic`` task's operand sizes in digits, ``[fewest, most]``: ``[2, 3]``
-            draws 10-999; ``[1, 2]`` (1-99) is a level a 135M-parameter instruct model sometimes solves.
+        task: the embedded task when ``path`` is unset: ``target_char`` (for the embedded tiny model),
+            ``arithmetic`` (addition/subtraction word problems, for the ``math`` reward) or ``compare``
+            (which of two numbers is larger or smaller, for the ``math`` reward).
+        task_digits: the ``arithmetic`` and ``compare`` tasks' number sizes in digits, ``[fewest, most]``:
+            ``[2, 3]`` draws 10-999; ``[1, 2]`` (1-99) is an arithmetic level a 135M-parameter instruct model
+            sometimes solves.
         prompt_key: the column holding the prompt text.
         answer_key: the column holding the reference answer (optional per row).
         prompt_template: a format string applied to each prompt, e.g. ``"Q: {prompt}\\nA:"``.
@@ -46,7 +48,7 @@ class DataConfig:
     """
 
     path: str | None = None
-    task: Literal["target_char", "arithmetic"] = "target_char"
+    task: Literal["target_char", "arithmetic", "compare"] = "target_char"
     task_digits: tuple[int, int] = (2, 3)
     prompt_key: str = "prompt"
     answer_key: str = "answer"

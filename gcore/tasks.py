@@ -1,5 +1,7 @@
 """The embedded tasks, generated (no downloads): ``target_char``, the default, which a randomly
-initialised model can learn; ``arithmetic``, word problems for a small pretrained instruct model."""
+initialised model can learn; ``arithmetic``, word problems for a small pretrained instruct model;
+``compare``, which of two numbers is larger, a level a 135M-parameter instruct model answers about half
+the time (BENCHMARKS.md), so GRPO's groups hold both right and wrong answers from the first step."""
 
 from __future__ import annotations
 
@@ -82,6 +84,43 @@ def arithmetic_rows(num_prompts: int, seed: int = 0, split: Literal["train", "te
     return rows
 
 
+def compare_rows(num_prompts: int, seed: int = 0, split: Literal["train", "test"] = "train",
+                 digits: tuple[int, int] = (2, 3)) -> list[dict[str, str]]:
+    """"Which number is larger, A or B?" (or smaller); the answer is that number.
+
+    ``digits`` is the numbers' size in digits, ``(fewest, most)``, as in ``arithmetic_rows``. The two
+    numbers differ; which one comes first and whether the larger or the smaller is asked for are drawn
+    at random, so answering with the first (or last) number, or always the larger, scores about half.
+    ``split="test"`` draws only held-out pairs and ``"train"`` never does (``held_out`` on the pair and
+    the question, whatever their order). Score with the ``math`` reward: the prompt asks for a final
+    "The answer is N.".
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    fewest, most = digits
+    if not 1 <= fewest <= most <= 9:
+        raise ValueError(f"digits must be (fewest, most) with 1 <= fewest <= most <= 9, got {digits!r}")
+    low, high = 10 ** (fewest - 1), 10**most
+    rng = random.Random(f"compare-{split}-{seed}-{fewest}-{most}")
+    rows: list[dict[str, str]] = []
+    seen: set[tuple[int, int, str]] = set()
+    draws = 0
+    while len(rows) < num_prompts:
+        draws += 1
+        if draws > 1000 * (num_prompts + 100):
+            raise ValueError(f"the {split} split of {fewest}-{most} digit pairs has fewer than {num_prompts} "
+                             "distinct questions; use more digits or fewer prompts")
+        a, b = rng.randrange(low, high), rng.randrange(low, high)
+        which = rng.choice(["larger", "smaller"])
+        key = (min(a, b), max(a, b), which)
+        if a == b or held_out(key[0], key[1], which) != (split == "test") or (a, b, which) in seen:
+            continue
+        seen.add((a, b, which))
+        answer = max(a, b) if which == "larger" else min(a, b)
+        rows.append({"prompt": f"Which number is {which}, {a} or {b}? {ANSWER_FORMAT}", "answer": str(answer)})
+    return rows
+
+
 #: the embedded tasks by name: ``(num_prompts, seed, split, digits) -> rows`` (``target_char`` ignores ``digits``)
 TASKS = {"target_char": lambda n, seed, split, digits: target_char_rows(n, seed + (split == "test") * 10_000),
-         "arithmetic": arithmetic_rows}
+         "arithmetic": arithmetic_rows, "compare": compare_rows}

@@ -1,4 +1,4 @@
-"""The arithmetic task, held-out evaluation (``--trainer.eval_every``, ``gcore eval``) and GGUF errors."""
+"""The arithmetic and compare tasks, held-out evaluation (``--trainer.eval_every``, ``gcore eval``) and GGUF errors."""
 
 import csv
 import json
@@ -12,7 +12,7 @@ from gcore.errors import ConfigError, DataError
 from gcore.evaluation import evaluate
 from gcore.model import ModelConfig, char_tokenizer, load_tokenizer
 from gcore.rewards.math import MathReward, final_answer
-from gcore.tasks import ANSWER_FORMAT, arithmetic_rows, held_out
+from gcore.tasks import ANSWER_FORMAT, arithmetic_rows, compare_rows, held_out
 from gcore.trainer import Trainer, TrainerConfig
 from gcore.types import Generation, SamplingParams
 
@@ -62,6 +62,47 @@ def test_task_digits_sets_the_operand_sizes_and_keeps_the_splits_disjoint(tmp_pa
     assert build_fit_parser().parse_args(argv).data.task_digits == (1, 2)
 
 
+def _pair(row):
+    """(smaller, larger, "larger"|"smaller") of a compare row, read back from its text."""
+    words = row["prompt"].replace("?", " ").replace(",", " ").split()
+    a, b = (int(w) for w in words if w.isdigit())
+    return min(a, b), max(a, b), words[3]
+
+
+def test_compare_task_has_disjoint_deterministic_splits_and_balanced_answers():
+    train, test = compare_rows(2000, digits=(2, 2)), compare_rows(100, split="test", digits=(2, 2))
+    assert train == compare_rows(2000, digits=(2, 2)) and train != compare_rows(2000, seed=1, digits=(2, 2))
+    pairs, test_pairs = [_pair(r) for r in train], {_pair(r) for r in test}
+    assert not set(pairs) & test_pairs and all(held_out(*p) for p in test_pairs)
+    for row, (low, high, which) in zip(train, pairs, strict=True):
+        assert 10 <= low < high <= 99 and row["prompt"].endswith(ANSWER_FORMAT)
+        assert row["answer"] == str(high if which == "larger" else low)
+    # neither "the first number" nor "always the larger" answers more than about half
+    first = sum(r["answer"] == str(next(int(w) for w in r["prompt"].replace(",", " ").split() if w.isdigit()))
+                for r in train)
+    larger = sum(which == "larger" for _, _, which in pairs)
+    assert 0.45 < first / len(train) < 0.55 and 0.45 < larger / len(train) < 0.55
+    with pytest.raises(ValueError, match="fewer than 50 distinct questions"):
+        compare_rows(50, split="test", digits=(1, 1))
+    tokenizer = char_tokenizer()
+    config = DataConfig(task="compare", task_digits=(2, 2), num_eval_prompts=4, num_synthetic_prompts=20)
+    assert [p.answer for p in load_eval_prompts(config, tokenizer, 8, None)] == [r["answer"] for r in test[:4]]
+    assert load_prompts(config, tokenizer, 8, None)[0].source == "<compare:train>:1"
+
+
+def test_the_math_reward_scores_the_compare_task():
+    reward, row = MathReward(), compare_rows(1, digits=(2, 2))[0]
+    low, high, _ = _pair(row)
+    other = str(high if row["answer"] == str(low) else low)
+    from gcore.testing import make_sample
+
+    replies = {f"The answer is {row['answer']}.": 1.0,
+               f"{high} is larger than {low}. The answer is {row['answer']}.": 1.0, f"The answer is {other}.": 0.0,
+               row["answer"]: 0.0}  # the bare number lacks the asked-for sentence
+    samples = [make_sample(row["prompt"], text, row["answer"]) for text in replies]
+    assert reward.score(samples) == list(replies.values())
+
+
 def test_the_math_reward_credits_the_models_own_answer_styles():
     """Reply styles of SmolLM2-135M-Instruct on the task (BENCHMARKS.md), each scored by its final "answer is"."""
     reward = MathReward()
@@ -98,7 +139,7 @@ def test_eval_prompts_come_from_the_held_out_split_or_a_file(tmp_path):
     assert [p.answer for p in from_file] == ["2", "4"]
     with pytest.raises(DataError, match="set --data.eval_path"):
         load_eval_prompts(DataConfig(path="x.jsonl"), tokenizer, 8, None)
-    with pytest.raises(DataError, match="--data.task 'nope': valid choices: target_char, arithmetic"):
+    with pytest.raises(DataError, match="--data.task 'nope': valid choices: target_char, arithmetic, compare"):
         load_prompts(DataConfig(task="nope"), tokenizer, 8, None)
 
 
