@@ -132,19 +132,19 @@ def test_a_queued_weight_update_reaches_the_worker_after_the_generation_sent_bef
     old weights, the next one with the new."""
     from gcore.engines.hf import HFEngine
     from gcore.engines.pool import POLICY, RoleSpec, WorkerPool
-    from gcore.model import char_tokenizer, materialize
+    from gcore.model import ModelSource, char_tokenizer, materialize
 
     path = materialize(ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64), char_tokenizer(),
                        seed=0, workdir=str(tmp_path / "policy"))
     greedy, prompts = SamplingParams(n=1, max_new_tokens=8, temperature=0.0), [[5, 6, 7], [8, 9]]
     old, new = HFEngine(), HFEngine()
     for engine in (old, new):
-        engine.setup(path, torch.device("cpu"), torch.float32, False)
+        engine.setup(ModelSource(path), torch.device("cpu"))
     weights = [(name, t + 0.5 * torch.randn_like(t)) for name, t in old.model.state_dict().items()]
     new.update_weights(weights)
     tokens = lambda outputs: [o[0].token_ids for o in outputs]  # noqa: E731
     assert tokens(old.generate(prompts, greedy)) != tokens(new.generate(prompts, greedy))
-    pool = WorkerPool(1, {POLICY: RoleSpec(HFEngine(), path)}, [POLICY])
+    pool = WorkerPool(1, {POLICY: RoleSpec(HFEngine(), ModelSource(path))}, [POLICY])
     try:
         pool.queue_syncs = True
         in_flight = pool.submit_generate(POLICY, prompts, greedy, [0])

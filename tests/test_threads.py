@@ -12,6 +12,7 @@ import torch
 
 from gcore import threads
 from gcore.engines.pool import REWARD, RoleSpec, WorkerPool
+from gcore.model import ModelSource
 from gcore.testing import make_sample
 
 USER_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -126,7 +127,7 @@ def _ask_workers(pool: WorkerPool) -> list[list[float]]:
 @pytest.mark.slow
 def test_spawned_workers_get_their_share_and_the_users_settings_win(no_user_settings, controller_threads,
                                                                     monkeypatch):
-    specs = {REWARD: RoleSpec(None, "", reward=ReportThreads())}
+    specs = {REWARD: RoleSpec(None, ModelSource(""), reward=ReportThreads())}
     torch.set_num_threads(2)  # the controller's share of the machine; its 2 workers get one thread each
     pool = WorkerPool(2, specs, [REWARD, REWARD])
     try:
