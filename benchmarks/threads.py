@@ -8,7 +8,7 @@ median wall-clock seconds and this process's CPU seconds (every thread, from ``t
 well above wall seconds x useful threads are threads spinning, not working.
 
 Settings: ``gcore`` (gcore's thread defaults: ``gcore/threads.py``), ``T1``/``T2`` (``OMP_NUM_THREADS`` 1/2),
-``active``/``passive`` (``OMP_WAIT_POLICY``), ``spin0`` (``GOMP_SPINCOUNT=0``), joined with ``+``
+``active``/``passive`` (``OMP_WAIT_POLICY``), ``spin0``/``spin1k``/``spin10k``/``spin30k`` (``GOMP_SPINCOUNT`` 0/1000/10000/30000), joined with ``+``
 (``T2+passive``); ``none``: libgomp's own spin-then-sleep wait (``GOMP_SPINCOUNT=300000``, its default spin
 count, which a user's setting of it keeps) and one torch thread per usable core: what gcore ran with before it
 chose its own defaults.
@@ -34,7 +34,9 @@ from vs_trl import NEIGHBOURS, start_neighbour, stop_neighbour
 STAGES = ("generate", "reward", "prepare", "train", "sync")
 SETTINGS = {"T1": {"OMP_NUM_THREADS": "1"}, "T2": {"OMP_NUM_THREADS": "2"},
             "active": {"OMP_WAIT_POLICY": "active"}, "passive": {"OMP_WAIT_POLICY": "passive"},
-            "spin0": {"GOMP_SPINCOUNT": "0"}, "none": {"GOMP_SPINCOUNT": "300000"}, "gcore": {}}
+            "spin0": {"GOMP_SPINCOUNT": "0"}, "spin1k": {"GOMP_SPINCOUNT": "1000"},
+            "spin10k": {"GOMP_SPINCOUNT": "10000"}, "spin30k": {"GOMP_SPINCOUNT": "30000"},
+            "none": {"GOMP_SPINCOUNT": "300000"}, "gcore": {}}
 
 
 def worker(steps: int) -> dict:

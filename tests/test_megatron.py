@@ -409,13 +409,11 @@ def test_checkpoint_saved_at_tp2_or_pp2_loads_at_tp1(tmp_path, tp, pp):
     backend.train(_rank_batch(0), set_up(GRPO(kl_coef=0.0), 8))  # training goes on from there
 
 
-def _save_without_a_peer(fabric, model_dir, out):
+def _save_without_a_peer(fabric, backend, model_dir, out):
     import time
 
-    from gcore.backends.megatron import MegatronBackend
     from gcore.errors import GcoreError
 
-    backend = MegatronBackend(tensor_parallel_size=2)
     backend.setup(fabric, ModelSource(model_dir), GRPO(kl_coef=0.0), embedded=True)
     if fabric.global_rank == 1:
         time.sleep(25)  # never joins the checkpoint's gathers
@@ -440,8 +438,10 @@ def test_checkpoint_gather_without_a_peer_fails_within_the_timeout(tmp_path):
 
     model_dir = _model_dir(str(tmp_path))
     out = str(tmp_path / "result")
+    backend = _megatron()(tensor_parallel_size=2)
+    backend.strategy(2, "cpu", timedelta(seconds=8))  # as the trainer asks it: megatron's groups take the timeout
     strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=8))
-    Fabric(accelerator="cpu", devices=2, strategy=strategy).launch(_save_without_a_peer, model_dir, out)
+    Fabric(accelerator="cpu", devices=2, strategy=strategy).launch(_save_without_a_peer, backend, model_dir, out)
     result = torch.load(out)
     assert "every rank must save together" in result["error"], result
     assert "at most 8 s" in result["error"], result

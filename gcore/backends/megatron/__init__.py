@@ -23,10 +23,12 @@ choosing the backend without it stops with the install hint. What is supported a
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from gcore.algorithms.base import Algorithm
 from gcore.backends.base import TrainingBackend
@@ -43,6 +45,7 @@ from gcore.types import RolloutBatch
 
 if TYPE_CHECKING:
     from lightning.fabric import Fabric
+    from lightning.fabric.strategies import Strategy
 
 INSTALL_HINT = "--backend megatron needs megatron-core: pip install 'gcore[megatron]'"
 
@@ -129,9 +132,14 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
         self.reference: Any = None
         self.optimizer: MegatronOptimizer
         self._synced: tuple[int, dict[str, torch.Tensor]] | None = None  # (updates, weights) of the last sync
+        #: how long a collective of megatron's own groups waits for a rank (set from the trainer's ``strategy`` call)
+        self.collective_timeout: timedelta = default_pg_timeout
 
-    # strategy: the base class's DDP; Fabric only launches the processes and the process group, megatron
-    # does the parallelism
+    def strategy(self, world_size: int, device_type: str, timeout: timedelta = default_pg_timeout) -> str | Strategy:
+        """The base class's DDP (Fabric only launches the processes and the process group; megatron does the
+        parallelism); megatron's groups get the same ``timeout`` (``--trainer.collective_timeout``)."""
+        self.collective_timeout = timeout
+        return super().strategy(world_size, device_type, timeout)
 
     def validate(self, algorithm: Algorithm, world_size: int, single_controller: bool) -> None:
         super().validate(algorithm, world_size, single_controller)
@@ -171,7 +179,7 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
         if self.layout.num_layers % pp:
             raise ConfigError(f"--backend.pipeline_parallel_size {pp} does not divide the model's "
                               f"{self.layout.num_layers} layers")
-        self.groups = init_parallel_state(fabric, tp, pp, cp, self.sequence_parallel_mode)
+        self.groups = init_parallel_state(fabric, tp, pp, cp, self.sequence_parallel_mode, self.collective_timeout)
         self.weights = HFWeights(self.layout, self.groups)
         self.forward = ForwardPasses(fabric, self.groups, self.layout.vocab_size)
         hf = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, trust_remote_code=source.trust_remote_code)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from gcore.backends.common import concat_batches
 from gcore.types import RolloutBatch
@@ -94,9 +96,11 @@ class ParallelGroups:
 
 
 def init_parallel_state(fabric: Fabric, tensor_parallel_size: int, pipeline_parallel_size: int,
-                        context_parallel_size: int, sequence_parallel_mode: SequenceParallelMode) -> ParallelGroups:
+                        context_parallel_size: int, sequence_parallel_mode: SequenceParallelMode,
+                        timeout: timedelta = default_pg_timeout) -> ParallelGroups:
     """Initialise megatron-core's parallel state over Fabric's processes (a process group of one when
-    there is none) and seed megatron's random-number trackers; returns this rank's groups."""
+    there is none) and seed megatron's random-number trackers; returns this rank's groups. A collective
+    of megatron's groups fails after ``timeout`` (the trainer's ``--trainer.collective_timeout``)."""
     from megatron.core import parallel_state
 
     device = fabric.device
@@ -112,10 +116,7 @@ def init_parallel_state(fabric: Fabric, tensor_parallel_size: int, pipeline_para
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    # megatron's groups get the launcher's collective timeout (--trainer.collective_timeout), not
-    # torch's 30-minute default for new groups: a rank that never joins fails the others in time
-    timeout = getattr(fabric.strategy, "_timeout", None)
-    collective_timeout_s = timeout.total_seconds() if timeout is not None else 1800.0
+    collective_timeout_s = timeout.total_seconds()  # a rank that never joins fails the others in time
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel_size,
         pipeline_model_parallel_size=pipeline_parallel_size,
