@@ -8,7 +8,8 @@ median wall-clock seconds and this process's CPU seconds (every thread, from ``t
 well above wall seconds x useful threads are threads spinning, not working.
 
 Settings: ``gcore`` (gcore's thread defaults: ``gcore/threads.py``), ``T1``/``T2`` (``OMP_NUM_THREADS`` 1/2),
-``active``/``passive`` (``OMP_WAIT_POLICY``), ``spin0``/``spin1k``/``spin10k``/``spin30k`` (``GOMP_SPINCOUNT`` 0/1000/10000/30000), joined with ``+``
+``active``/``passive`` (``OMP_WAIT_POLICY``), ``spin0``/``spin1k``/``spin10k``/``spin30k``
+(``GOMP_SPINCOUNT`` 0/1000/10000/30000), joined with ``+``
 (``T2+passive``); ``none``: libgomp's own spin-then-sleep wait (``GOMP_SPINCOUNT=300000``, its default spin
 count, which a user's setting of it keeps) and one torch thread per usable core: what gcore ran with before it
 chose its own defaults.

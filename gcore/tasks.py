@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from collections.abc import Callable
 from typing import Literal
 
 
@@ -57,31 +58,18 @@ def arithmetic_rows(num_prompts: int, seed: int = 0, split: Literal["train", "te
     arithmetic the policy did not train on. Subtractions never go below zero. Score with the ``math``
     reward: the prompt asks for a final "The answer is N.".
     """
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    fewest, most = digits
-    if not 1 <= fewest <= most <= 9:
-        raise ValueError(f"digits must be (fewest, most) with 1 <= fewest <= most <= 9, got {digits!r}")
-    low, high = 10 ** (fewest - 1), 10**most
-    rng = random.Random(f"arithmetic-{split}-{seed}" + ("" if digits == (2, 3) else f"-{fewest}-{most}"))
-    rows: list[dict[str, str]] = []
-    seen: set[tuple[int, int, str]] = set()
-    draws = 0
-    while len(rows) < num_prompts:
-        draws += 1
-        if draws > 1000 * (num_prompts + 100):
-            raise ValueError(f"the {split} split of {fewest}-{most} digit problems has fewer than {num_prompts} "
-                             "distinct problems; use more digits or fewer prompts")
+    def propose(rng: random.Random, low: int, high: int) -> _Proposal:
         template, op = rng.choice(_WORD_PROBLEMS)
         a, b = rng.randrange(low, high), rng.randrange(low, high)
         if op == "-" and b > a:
             a, b = b, a
-        if held_out(a, b, op) != (split == "test") or (a, b, op) in seen:
-            continue
-        seen.add((a, b, op))
-        question = template.format(name=rng.choice(_NAMES), a=a, b=b)
-        rows.append({"prompt": f"{question} {ANSWER_FORMAT}", "answer": str(a + b if op == "+" else a - b)})
-    return rows
+        answer = str(a + b if op == "+" else a - b)
+        return (a, b, op), (a, b, op), lambda: {
+            "prompt": f"{template.format(name=rng.choice(_NAMES), a=a, b=b)} {ANSWER_FORMAT}", "answer": answer}
+
+    suffix = "" if digits == (2, 3) else f"-{digits[0]}-{digits[1]}"
+    return _distinct_rows(num_prompts, split, digits, f"arithmetic-{split}-{seed}{suffix}", "problems", "problems",
+                          propose)
 
 
 def compare_rows(num_prompts: int, seed: int = 0, split: Literal["train", "test"] = "train",
@@ -95,29 +83,50 @@ def compare_rows(num_prompts: int, seed: int = 0, split: Literal["train", "test"
     the question, whatever their order). Score with the ``math`` reward: the prompt asks for a final
     "The answer is N.".
     """
+    def propose(rng: random.Random, low: int, high: int) -> _Proposal | None:
+        a, b = rng.randrange(low, high), rng.randrange(low, high)
+        which = rng.choice(["larger", "smaller"])
+        if a == b:
+            return None
+        answer = str(max(a, b) if which == "larger" else min(a, b))
+        return (a, b, which), (min(a, b), max(a, b), which), lambda: {
+            "prompt": f"Which number is {which}, {a} or {b}? {ANSWER_FORMAT}", "answer": answer}
+
+    return _distinct_rows(num_prompts, split, digits, f"compare-{split}-{seed}-{digits[0]}-{digits[1]}", "pairs",
+                          "questions", propose)
+
+
+#: a proposed problem: (its key, unique in a split; what ``held_out`` decides by; the row, made once accepted)
+_Proposal = tuple[tuple[int, int, str], tuple[int, int, str], Callable[[], dict[str, str]]]
+
+
+def _distinct_rows(num_prompts: int, split: str, digits: tuple[int, int], rng_seed: str, drawn: str, unit: str,
+                   propose: Callable[[random.Random, int, int], _Proposal | None]) -> list[dict[str, str]]:
+    """``num_prompts`` distinct problems of ``split`` with numbers of ``digits`` (fewest, most) digits, from
+    ``propose(rng, low, high)`` (``None``: rejected): the test split keeps only what ``held_out`` holds out."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     fewest, most = digits
     if not 1 <= fewest <= most <= 9:
         raise ValueError(f"digits must be (fewest, most) with 1 <= fewest <= most <= 9, got {digits!r}")
     low, high = 10 ** (fewest - 1), 10**most
-    rng = random.Random(f"compare-{split}-{seed}-{fewest}-{most}")
+    rng = random.Random(rng_seed)
     rows: list[dict[str, str]] = []
     seen: set[tuple[int, int, str]] = set()
     draws = 0
     while len(rows) < num_prompts:
         draws += 1
         if draws > 1000 * (num_prompts + 100):
-            raise ValueError(f"the {split} split of {fewest}-{most} digit pairs has fewer than {num_prompts} "
-                             "distinct questions; use more digits or fewer prompts")
-        a, b = rng.randrange(low, high), rng.randrange(low, high)
-        which = rng.choice(["larger", "smaller"])
-        key = (min(a, b), max(a, b), which)
-        if a == b or held_out(key[0], key[1], which) != (split == "test") or (a, b, which) in seen:
+            raise ValueError(f"the {split} split of {fewest}-{most} digit {drawn} has fewer than {num_prompts} "
+                             f"distinct {unit}; use more digits or fewer prompts")
+        proposal = propose(rng, low, high)
+        if proposal is None:
             continue
-        seen.add((a, b, which))
-        answer = max(a, b) if which == "larger" else min(a, b)
-        rows.append({"prompt": f"Which number is {which}, {a} or {b}? {ANSWER_FORMAT}", "answer": str(answer)})
+        key, held, row = proposal
+        if held_out(*held) != (split == "test") or key in seen:
+            continue
+        seen.add(key)
+        rows.append(row())
     return rows
 
 
