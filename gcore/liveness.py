@@ -98,11 +98,19 @@ class ControllerWatch:
         return watch
 
     def start(self) -> None:
+        """Record where this controller runs, learn where the others do, and start beating.
+
+        Every controller starts its watch right after the launch, before the first collective, and
+        waits here (at most ``silence_limit`` s) for the others' records: one frozen early, with the
+        store it hosts, could not be looked up later, nor ended."""
         if self.store is not None:
             try:
                 with self._store_lock:
                     self.store.set(f"{PREFIX}/pid/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
-            except Exception:  # noqa: BLE001  the store is checked again by every beat
+                    peers = [f"{PREFIX}/pid/{peer}" for peer in range(self.world_size) if peer != self.rank]
+                    self.store.wait(peers, timedelta(seconds=self.silence_limit))
+                    self._read_where()
+            except Exception:  # noqa: BLE001  a peer that never recorded itself is found silent by the beats
                 pass
             self._beat()
             self._store_ok_at = time.monotonic()
@@ -199,10 +207,8 @@ class ControllerWatch:
                     count = self.store.add(f"{PREFIX}/beat/{peer}", 0)
                     state_key = f"{PREFIX}/state/{peer}"
                     state = self.store.get(state_key).decode() if self.store.check([state_key]) else ""
-                    pid_key = f"{PREFIX}/pid/{peer}"
-                    if peer not in self._where and self.store.check([pid_key]):
-                        host, pid = self.store.get(pid_key).decode().rsplit(" ", 1)
-                        self._where[peer] = (host, int(pid))
+                    if peer not in self._where:
+                        self._read_where()
             except Exception:  # noqa: BLE001  reported by _beat as the loss of controller 0
                 return
             if state == "done":
@@ -216,6 +222,14 @@ class ControllerWatch:
                 else:
                     self._lose(peer, f"sent no heartbeat for {self.silence_limit:g} s (frozen, killed, or its "
                                      f"machine is gone){self._end_peer(peer)}")
+
+    def _read_where(self) -> None:
+        """The host and pid of every peer that has recorded them (call with ``_store_lock`` held)."""
+        for peer in range(self.world_size):
+            key = f"{PREFIX}/pid/{peer}"
+            if peer != self.rank and peer not in self._where and self.store.check([key]):
+                host, pid = self.store.get(key).decode().rsplit(" ", 1)
+                self._where[peer] = (host, int(pid))
 
     def _end_peer(self, peer: int) -> str:
         """SIGKILL a silent controller on this machine (a frozen one would hold its resources forever);

@@ -2,8 +2,10 @@
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -46,6 +48,23 @@ def test_a_controller_that_stops_beating_is_named():
     lost = zero.wait_for_loss(timeout=10.0)
     assert list(lost) == [1] and "no heartbeat" in lost[1]
     zero._stop.set()
+
+
+def test_every_watch_knows_where_its_peers_run_before_the_first_step():
+    """The run trains only after ``start()`` returns. A controller frozen in its first step, with the store
+    it hosts if it is controller 0, can no longer be looked up, so ``start()`` waits for the peers' records
+    (a freeze 0.3 s into the run hung it when the pids were read only by the first heartbeat)."""
+    server = _server()
+    zero, one = _watch(0, _client(server), interval=60.0), _watch(1, _client(server), interval=60.0)
+    starting = threading.Thread(target=zero.start)
+    starting.start()  # it waits for controller 1's record
+    time.sleep(0.2)
+    one.start()
+    starting.join(timeout=10.0)
+    here = (socket.gethostname(), os.getpid())
+    assert zero._where == {1: here} and one._where == {0: here}
+    zero._stop.set()
+    one._stop.set()
 
 
 def test_a_controller_that_finished_or_failed_is_not_lost():
@@ -94,8 +113,6 @@ def test_losing_the_store_means_losing_controller_zero():
 def test_a_frozen_controller_zero_is_named_and_ended_although_its_store_hangs():
     """A SIGSTOPped controller 0 freezes the store it hosts: store calls then block (they have no timeout),
     so the watch judges from when the store last answered, names controller 0 and ends its process."""
-    import socket
-
     code = ("import sys, time, torch.distributed as dist; s = dist.TCPStore('127.0.0.1', 0, is_master=True, "
             "wait_for_workers=False); print(s.port, flush=True); time.sleep(120)")
     host = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
