@@ -3,7 +3,16 @@
 import pytest
 import torch
 
-from gcore import DataConfig, HFEngine, ModelConfig, SamplingParams, StaticPlacement, Trainer, TrainerConfig
+from gcore import (
+    DataConfig,
+    DynamicPlacement,
+    HFEngine,
+    ModelConfig,
+    SamplingParams,
+    StaticPlacement,
+    Trainer,
+    TrainerConfig,
+)
 from gcore.model import ModelSource, char_tokenizer, materialize
 
 pytestmark = pytest.mark.gpu
@@ -36,3 +45,19 @@ def test_fit_on_gpu_with_offloading_engine(tmp_path):
     rewards = [m["reward/mean"] for m in result.history]
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5
     assert all(m["time/swap"] > 0 for m in result.history)
+
+
+def test_dynamic_placement_on_one_gpu_shares_it_between_engine_workers_and_learns(tmp_path):
+    """The default command's placement on one GPU: two engine worker processes share the controller's GPU
+    with training; the rule-based reward may take one of them; the reward rises."""
+    placement = DynamicPlacement()
+    result = Trainer(
+        trainer=TrainerConfig(max_steps=20, accelerator="cuda", default_root_dir=str(tmp_path),
+                              enable_progress_bar=False),
+        data=DataConfig(prompts_per_step=16),
+        placement=placement,
+    ).fit()
+    rewards = [m["reward/mean"] for m in result.history]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5
+    assert placement.total == 2 and placement.pool is not None and placement.pool.closed  # shut down after the run
+    assert all(0 <= m["placement/judge_devices"] <= 1 for m in result.history)

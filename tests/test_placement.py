@@ -48,8 +48,24 @@ def test_placement_that_cannot_fit_fails_before_work():
         DynamicPlacement().setup(1, "simulated")
     with pytest.raises(ConfigError, match="no room"):
         DynamicPlacement(min_fraction=0.6).setup(4, "simulated")
-    with pytest.raises(ConfigError, match="GPU partitions"):
-        DynamicPlacement().setup(4, "cuda")
+    with pytest.raises(ConfigError, match="not on mps"):
+        DynamicPlacement().setup(4, "mps")
+
+
+def test_on_one_gpu_dynamic_placement_shares_it_between_two_workers():
+    """No refusal on a GPU: by default two engine workers share each controller's GPU (one generating,
+    one free to move to the reward); a generative judge gets one of them from the start."""
+    from gcore.rewards.rule import TargetCharReward
+
+    rule = DynamicPlacement()
+    rule.setup(1, "cuda", TargetCharReward())
+    assert (rule.total, rule.generate_devices, rule.judge_devices, rule.max_reward_devices) == (2, 2, 0, 1)
+    assert "2 engine worker processes per controller sharing its GPU generate" in rule.describe()
+    assert "trains on the GPU" in rule.describe() and "thread" not in rule.describe()
+    judged = DynamicPlacement()
+    judged.setup(1, "cuda")  # reward None: a judge partition, as with a generative judge
+    assert (judged.total, judged.generate_devices, judged.judge_devices) == (2, 1, 1)
+    assert judged.describe().startswith("dynamic placement: 2 engine worker processes per controller sharing its GPU")
 
 
 def rule_telemetry(step: int, generate: float, reward: float, rollout: float) -> Telemetry:
@@ -85,7 +101,7 @@ def test_dynamic_sizes_its_workers_from_the_usable_cores(monkeypatch):
     policy = DynamicPlacement()
     policy.setup(1, "cpu", TargetCharReward())
     assert (policy.total, policy.generate_devices, policy.judge_devices, policy.max_reward_devices) == (4, 4, 0, 3)
-    assert "4 engine worker process(es) per controller" in policy.describe()
+    assert "4 engine worker processes per controller" in policy.describe()
     assert "in the controller" in policy.describe()
     policy.setup(2, "cpu", TargetCharReward())  # two controllers share the cores
     assert policy.total == 2

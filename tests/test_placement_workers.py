@@ -47,8 +47,8 @@ def test_placement_that_cannot_fit_fails_before_work(models):
     _, judge_path = models
     with pytest.raises(ConfigError, match="at least 2 devices"):
         DynamicPlacement(devices=1).setup(1, "cpu", GenerativeReward(judge_path))
-    with pytest.raises(ConfigError, match="GPU partitions"):
-        DynamicPlacement(devices=4).setup(1, "cuda")
+    with pytest.raises(ConfigError, match="a CUDA GPU or in `gcore simulate`, not on mps"):
+        DynamicPlacement(devices=4).setup(1, "mps")
     with pytest.raises(ConfigError, match="at least 2 devices"):  # in Trainer.fit, before any worker starts
         tiny_fit(steps=1, reward=GenerativeReward(judge_path), placement=DynamicPlacement(devices=1))
 
@@ -245,7 +245,7 @@ def test_fit_cli_dynamic_placement_with_defaults(gcore_cli, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     cores = usable_cores()
     line = [text for text in result.stdout.splitlines() if text.startswith("dynamic placement:")]
-    assert len(line) == 1 and f"{cores} engine worker process(es) per controller" in line[0]
+    assert len(line) == 1 and f"{cores} engine worker process{'es' if cores != 1 else ''} per controller" in line[0]
     assert "the reward scores in the controller" in line[0]
     rows = [r for r in csv.DictReader(next((tmp_path / "runs").rglob("metrics.csv")).open())
             if r.get("placement/judge_devices")]

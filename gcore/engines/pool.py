@@ -1,4 +1,4 @@
-"""Engine worker processes: the "devices" that placement policies assign roles to on a CPU machine.
+"""Engine worker processes: the "devices" that placement policies assign roles to (CPU cores, or shares of a GPU).
 
 An engine runtime: ``PoolEngine`` is an ``Engine`` whose ``generate`` runs on worker processes.
 Which worker holds which role, and when, is decided by a placement policy; the policies start a
@@ -6,10 +6,11 @@ pool through ``gcore/placement/launch.py``.
 
 A ``WorkerPool`` owns ``size`` worker processes (``torch.multiprocessing`` spawn, each with its own
 ``torch.set_num_threads`` budget, started with ``OMP_NUM_THREADS`` and a passive OpenMP wait policy unless the
-user set them: ``gcore/threads.py``). Every worker holds one awake *role* at a time: the policy engine
-(``policy``), the judge engine (``judge``), both built from the configured, not yet set-up
-``Engine`` objects the trainer was given, or a rule-based reward (``reward``, any ``Scorer``) that
-scores samples.
+user set them: ``gcore/threads.py``). Their engines run on the pool's ``device``: the CPU, or the controller's
+GPU, which the workers then share (each holds its own copy of its role's model there).
+Every worker holds one awake *role* at a time: the policy engine (``policy``), the judge engine
+(``judge``), both built from the configured, not yet set-up ``Engine`` objects the trainer was
+given, or a rule-based reward (``reward``, any ``Scorer``) that scores samples.
 Changing a worker's role is a real swap: the old engine is
 put to sleep and, with ``release=True`` (the CPU default), shut down so its memory is freed; the new
 one wakes up, or is loaded again from its checkpoint (the policy then takes the latest weights from
@@ -112,7 +113,7 @@ class Job:
 
 
 def _worker_main(index: int, threads: int, seed: int, specs: bytes, role: str, weights: tuple | None,
-                 release: bool, requests, replies) -> None:  # noqa: ANN001 - a queue in, this worker's own pipe out
+                 release: bool, device: str, requests, replies) -> None:  # noqa: ANN001 - a queue in, this worker's own pipe out
     """The worker's loop: build its engine, then serve requests until told to stop."""
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -121,7 +122,7 @@ def _worker_main(index: int, threads: int, seed: int, specs: bytes, role: str, w
 
         transformers.utils.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
-        runtime = _WorkerRuntime(pickle.loads(specs), release)
+        runtime = _WorkerRuntime(pickle.loads(specs), release, torch.device(device))
         runtime.switch(role, weights)
     except BaseException:  # noqa: BLE001  report why it could not start, whatever it was, then exit
         replies.send(("fatal", index, None, traceback.format_exc()))
@@ -153,8 +154,8 @@ def _worker_main(index: int, threads: int, seed: int, specs: bytes, role: str, w
 class _WorkerRuntime:
     """Inside a worker: its engines, which one is awake, and how roles are swapped."""
 
-    def __init__(self, specs: dict[str, RoleSpec], release: bool) -> None:
-        self.specs, self.release = specs, release
+    def __init__(self, specs: dict[str, RoleSpec], release: bool, device: torch.device) -> None:
+        self.specs, self.release, self.device = specs, release, device
         self.engines: dict[str, Engine | Scorer] = {}
         self.role: str | None = None
 
@@ -162,11 +163,11 @@ class _WorkerRuntime:
         spec = self.specs[role]
         if spec.reward is not None:
             reward = pickle.loads(pickle.dumps(spec.reward))
-            reward.setup(torch.device("cpu"))
+            reward.setup(torch.device("cpu"))  # rule-based: Python on the CPU
             return reward
         engine = pickle.loads(pickle.dumps(spec.engine))  # a fresh copy of the configured engine
         assert spec.source is not None, f"the {role} role has an engine but no ModelSource"
-        engine.setup(spec.source, torch.device("cpu"))
+        engine.setup(spec.source, self.device)
         if role == POLICY and weights is not None:
             engine.update_weights(SharedWeights(*weights).views())
         return engine
@@ -226,11 +227,12 @@ class WorkerPool:
         job_timeout_s: a request not answered in this time kills its worker and is sent elsewhere.
         retries: further attempts for a failed request before the step fails.
         startup_timeout_s: how long a worker may take to load its engine.
+        device: where the workers' engines run: ``cpu``, or one GPU (``cuda:0``) that they share.
     """
 
     def __init__(self, size: int, specs: dict[str, RoleSpec], roles: Sequence[str], threads: int = 0, seed: int = 0,
                  release: bool = True, job_timeout_s: float = 600.0, retries: int = 2,
-                 startup_timeout_s: float = 900.0) -> None:
+                 startup_timeout_s: float = 900.0, device: str = "cpu") -> None:
         if size < 1 or len(roles) != size:
             raise GcoreError(f"a worker pool needs >= 1 worker and one role per worker, got {size} and {list(roles)}")
         for role in roles:
@@ -240,6 +242,7 @@ class WorkerPool:
 
         self.size, self.threads, self.seed, self.release = size, threads or worker_threads(size), seed, release
         self.job_timeout_s, self.retries, self.startup_timeout_s = job_timeout_s, retries, startup_timeout_s
+        self.device = device
         self._specs = pickle.dumps(specs)
         self._ctx = mp.get_context("spawn")
         self._replies: list = [None] * size  # one pipe per worker: a worker killed mid-reply blocks no other
@@ -278,7 +281,7 @@ class WorkerPool:
             process = self._ctx.Process(
                 target=_worker_main, name=f"gcore-engine-worker-{i}", daemon=True,
                 args=(i, self.threads, self.seed + i, self._specs, self.roles[i], weights, self.release,
-                      self._requests[i], writer),
+                      self.device, self._requests[i], writer),
             )
             with spawning(self.threads):  # its OpenMP reads these when it imports torch
                 process.start()

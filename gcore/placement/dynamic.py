@@ -34,9 +34,12 @@ class DynamicPlacement(PlacementPolicy):
     the shortest predicted rollout: without a reported generation floor, the split that balances the
     measured work; with one (a long tail that more devices cannot shorten), more judge devices.
 
-    In the trainer (CPU) a device is an engine worker process with ``threads`` threads, and each
-    controller splits its own ``devices`` workers the same way; by default one worker per core this
-    process may use (``os.sched_getaffinity``), shared by the controllers of the machine. Generation
+    In the trainer a device is an engine worker process, and each controller splits its own ``devices``
+    workers the same way. On CPU a worker has ``threads`` threads, and by default there is one worker
+    per core this process may use (``os.sched_getaffinity``), shared by the controllers of the machine.
+    On a GPU the workers share the controller's GPU (two by default: one generating, one free to move
+    to the reward), each with its own copy of its role's model there, and the controller trains on it
+    between rollouts. Generation
     requests (``stream_groups`` prompt groups each) go to the generation partition; each finished
     group is scored on the reward partition while the rest is still generating. A worker that changes
     partition swaps engines (``time/swap``). Training runs in the controller, on every core, between
@@ -49,8 +52,8 @@ class DynamicPlacement(PlacementPolicy):
     in the metrics is the reward partition's size, whichever reward it holds.
 
     Args:
-        devices: devices to split (0: the world size in ``gcore simulate``; in the trainer one engine
-            worker per core of this process divided by the world size).
+        devices: devices to split (0: the world size in ``gcore simulate``; in the trainer on CPU one engine
+            worker per core of this process divided by the world size, on a GPU two workers sharing it).
         judge_fraction: the judge partition's share at the start (a rule-based reward starts in the
             controller).
         min_fraction: smallest share of devices either partition may get (at least one device; the
@@ -93,6 +96,7 @@ class DynamicPlacement(PlacementPolicy):
         self.threads, self.stream_groups = threads, stream_groups
         self.worker_timeout_s, self.retries = worker_timeout_s, retries
         self.total = 0
+        self.device_type = "cpu"
         self.judge_devices = 0
         self.reward_role = "judge"  # or "reward": worker processes running a rule-based reward
         self.min_reward_devices = self.max_reward_devices = 0
@@ -118,17 +122,14 @@ class DynamicPlacement(PlacementPolicy):
         """``reward`` ``None`` (``gcore simulate``) or one with a generative judge: a judge partition."""
         from gcore.engines.pool import JUDGE, REWARD
 
-        if device_type not in ("simulated", "cpu"):
-            raise ConfigError(
-                f"--placement dynamic runs on CPU engine workers and in `gcore simulate`; on {device_type} "
-                "the generation and judge partitions need engine servers on GPU partitions, not built yet: "
-                "use --placement static"
-            )
+        if device_type not in ("simulated", "cpu", "cuda"):
+            raise ConfigError(f"--placement dynamic runs on the CPU, a CUDA GPU or in `gcore simulate`, not on "
+                              f"{device_type}: use --placement static")
         judged = reward is None or bool(reward.judges())
         self.reward_role = JUDGE if judged else REWARD
-        self.total = self.devices or (
-            world_size if device_type == "simulated" else max(1, usable_cores() // world_size)
-        )
+        self.device_type = device_type
+        defaults = {"simulated": world_size, "cuda": 2, "cpu": max(1, usable_cores() // world_size)}
+        self.total = self.devices or defaults[device_type]
         if judged and self.total < 2:
             raise ConfigError(
                 f"--placement dynamic with a generative judge needs at least 2 devices (one for generation, one "
@@ -144,19 +145,22 @@ class DynamicPlacement(PlacementPolicy):
         self.judge_devices = min(max(wanted, self.min_reward_devices), self.max_reward_devices)
 
     def describe(self) -> str:
+        gpu = self.device_type == "cuda"
+        workers = (f"{self.total} engine worker process{'es' if self.total != 1 else ''} per controller"
+                   + (" sharing its GPU" if gpu else ""))
         if self.reward_role == "judge":
-            return (f"dynamic placement: {self.total} engine worker processes per controller, {self.generate_devices} "
-                    f"generating and {self.judge_devices} judging at once; the split is re-sized every step from "
-                    "the measured stage times (placement/* in metrics.csv)")
+            return (f"dynamic placement: {workers}, {self.generate_devices} generating and {self.judge_devices} "
+                    "judging at once; the split is re-sized every step from the measured stage times "
+                    "(placement/* in metrics.csv)")
         where = (f"in {self.judge_devices} reward worker(s)" if self.judge_devices else
                  "in the controller as each group finishes")
         moves = ("it moves workers between generation and reward scoring from the measured stage times every step"
                  if self.max_reward_devices else "the reward cannot be sent to a worker process, so it stays there")
-        return (f"dynamic placement: {self.total} engine worker process(es) per controller "
-                f"({self.threads or worker_threads(self.total)} thread(s) each, from {usable_cores()} usable cores) "
-                f"generate; the "
-                f"reward scores {where}; training uses the controller's cores between rollouts; {moves} "
-                "(placement/* in metrics.csv)")
+        threads = "" if gpu else (f" ({self.threads or worker_threads(self.total)} thread(s) each, from "
+                                  f"{usable_cores()} usable cores)")
+        trains = "the controller trains on the GPU" if gpu else "training uses the controller's cores"
+        return (f"dynamic placement: {workers}{threads} generate; the reward scores {where}; {trains} between "
+                f"rollouts; {moves} (placement/* in metrics.csv)")
 
     def launch(self, engine: Engine, reward: RewardModel, source: ModelSource, device: torch.device,
                seed: int) -> Engine:

@@ -67,7 +67,7 @@ def launch_workers(
         reward: the run's reward; its judge (``RewardModel.judges``) is built on the ``judge`` workers
             and the reward is pointed at them (``Judge.use``); then the reward is set up here.
         source: the policy checkpoint the workers load.
-        device: must be the CPU.
+        device: where the workers' engines run: the CPU, or this controller's GPU (shared by the workers).
         roles: the starting role of each worker (``policy``, ``judge`` or ``reward``).
         threads, seed, release, job_timeout_s, retries: as ``WorkerPool``'s.
         reward_workers: with no generative judge, workers may take the ``reward`` role (the
@@ -75,9 +75,9 @@ def launch_workers(
 
     Returns the pool, the policy's ``PoolEngine`` and the judge's (``None`` without a judge).
     """
-    if device.type != "cpu":
-        raise ConfigError(f"{option}: engine worker processes run on CPU only so far; on {device.type} use "
-                          "--placement static without workers (engines in the controller's process)")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{option}: engine worker processes run on the CPU or a CUDA GPU, not on {device.type}; "
+                          "use --placement static without workers (engines in the controller's process)")
     judges = reward.judges()
     if len(judges) > 1:
         raise ConfigError(f"{option}: engine workers hold one generative judge, the reward has {len(judges)}")
@@ -97,7 +97,7 @@ def launch_workers(
             raise ConfigError(f"{option}: the {role} {type(what).__name__} cannot be sent to a "
                               f"worker process: {err}") from err
     pool = WorkerPool(len(roles), specs, roles, threads=threads, seed=seed, release=release,
-                      job_timeout_s=job_timeout_s, retries=retries)
+                      job_timeout_s=job_timeout_s, retries=retries, device=str(device))
     if pool.threads * len(roles) > usable_cores():
         log.info("%d engine workers x %d threads on %d cores: oversubscribed", len(roles), pool.threads, usable_cores())
     policy = PoolEngine(pool, POLICY, [i for i, r in enumerate(roles) if r == POLICY])
