@@ -93,10 +93,9 @@ def test_engine_and_trainer_logprobs_agree_on_smollm2(smollm2):
     assert float(gap) < 1e-4
 
 
-def test_two_grpo_steps_on_smollm2_move_the_weights(smollm2, tmp_path):
-    from safetensors.torch import load_file
-
-    from gcore import GRPO, ModelConfig, SamplingParams, TorchBackend, Trainer, TrainerConfig
+def _two_steps(path, tmp_path, backend):
+    """Two GRPO steps on SmolLM2 (2 arithmetic prompts x 3 samples, 12 tokens) with ``backend``; the fit's result."""
+    from gcore import GRPO, ModelConfig, SamplingParams, Trainer, TrainerConfig
     from gcore.data import DataConfig
     from gcore.rewards.math import MathReward
 
@@ -108,16 +107,24 @@ def test_two_grpo_steps_on_smollm2_move_the_weights(smollm2, tmp_path):
         def score_one(self, sample):
             return super().score_one(sample) + zlib.crc32(sample.response_text.encode()) % 1000 / 1000
 
-    path, _ = smollm2
-    result = Trainer(
+    return Trainer(
         trainer=TrainerConfig(max_steps=2, default_root_dir=str(tmp_path), enable_progress_bar=False, seed=0),
         model=ModelConfig(path=path),
         data=DataConfig(task="arithmetic", chat_template=True, prompts_per_step=2, num_synthetic_prompts=16),
         sampling=SamplingParams(n=3, max_new_tokens=12),
         reward=MathAndText(),
         algorithm=GRPO(kl_coef=0.0),
-        backend=TorchBackend(lr=1e-5),
+        backend=backend,
     ).fit()
+
+
+def test_two_grpo_steps_on_smollm2_move_the_weights(smollm2, tmp_path):
+    from safetensors.torch import load_file
+
+    from gcore import TorchBackend
+
+    path, _ = smollm2
+    result = _two_steps(path, tmp_path, TorchBackend(lr=1e-5))
     assert len(result.history) == 2
     for row in result.history:
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
@@ -127,6 +134,29 @@ def test_two_grpo_steps_on_smollm2_move_the_weights(smollm2, tmp_path):
     # every layer's weights moved (tied embeddings are stored once in both files)
     assert len(moved) > 0.9 * len(before), f"only {len(moved)} of {len(before)} tensors changed"
     assert all(torch.isfinite(t).all() for t in after.values())
+
+
+def test_two_lora_steps_on_smollm2_move_only_the_projections(smollm2, tmp_path):
+    """``--backend.lora_rank 8``: two steps train the adapters; the final export is a plain checkpoint in which
+    every attention and MLP projection moved (merged) and nothing else did (embeddings, norms)."""
+    pytest.importorskip("peft", reason="needs peft: pip install gcore[lora]")
+    from safetensors.torch import load_file
+
+    from gcore import TorchBackend
+
+    path, _ = smollm2
+    result = _two_steps(path, tmp_path, TorchBackend(lr=1e-4, lora_rank=8))
+    for row in result.history:
+        assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
+    assert any(row["grad_norm"] > 0 for row in result.history)
+    before, after = load_file(os.path.join(path, "model.safetensors")), load_file(
+        os.path.join(result.final_model_dir, "model.safetensors"))
+    assert after.keys() == before.keys()
+    projections = {name for name in before if name.endswith("_proj.weight")}
+    assert len(projections) == 30 * 7
+    moved = {name for name in before if not torch.equal(before[name], after[name])}
+    # a step with a gradient moves B in every adapter, and B @ A (A random) then changes every merged projection
+    assert moved == projections, sorted(moved ^ projections)[:5]
 
 
 def _engine_param(name: str):

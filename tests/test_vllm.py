@@ -19,13 +19,13 @@ pytestmark = pytest.mark.vllm
 PARITY = 1e-4  # max |engine - trainer| logprob in float32; measured about 5e-7 to 1e-6 on CPU
 
 
-def _engine_and_backend(tmp_path, device, **engine_args):
+def _engine_and_backend(tmp_path, device, backend_args=None, **engine_args):
     from gcore.engines.vllm import VLLMEngine
 
     tokenizer = char_tokenizer()
     path = materialize(ModelConfig(num_hidden_layers=2), tokenizer, 0, str(tmp_path / "model"))
     fabric = Fabric(accelerator=device, devices=1)
-    backend = TorchBackend(lr=1e-2)
+    backend = TorchBackend(lr=1e-2, **(backend_args or {}))
     backend.setup(fabric, ModelSource(path), GRPO(), embedded=True)
     engine = VLLMEngine(enforce_eager=True, max_model_len=256, **engine_args)
     engine.setup(ModelSource(path), fabric.device)
@@ -52,6 +52,28 @@ def test_logprobs_match_the_trainer_before_and_after_a_weight_sync(tmp_path, dev
     assert received > 0
     gap, _ = engine_logprob_gap(engine, backend, tokenizer, params)
     assert gap < PARITY
+
+
+@pytest.mark.parametrize("separate_process", [False, True])
+def test_lora_merged_weights_sync_to_vllm(tmp_path, separate_process):
+    """``--backend.lora_rank``: vLLM (which fuses q/k/v and gate/up) gets the partial merged sync, in its own
+    process or ours, and matches the trainer; an adapter on ``q_proj`` alone still sends whole fused tensors."""
+    pytest.importorskip("peft")
+    if torch.cuda.is_available():
+        pytest.skip("vLLM's CPU backend is not installed on GPU machines")
+    engine_args = dict(separate_process=True, sync_timeout_s=120) if separate_process else {}
+    tokenizer, engine, backend = _engine_and_backend(
+        tmp_path, "cpu", backend_args=dict(lora_rank=4, lora_target_modules=["q_proj"]), **engine_args)
+    try:
+        params = SamplingParams(n=4, max_new_tokens=12, temperature=0.8, stop_token_ids=(tokenizer.eos_token_id,))
+        for _ in range(2):  # the first step moves only the adapters' B
+            stale = _train_step(engine, backend, tokenizer, params)
+        assert stale > 10 * PARITY
+        assert engine.update_weights(backend.named_weights()) > 0
+        gap, _ = engine_logprob_gap(engine, backend, tokenizer, params)
+        assert gap < PARITY
+    finally:
+        engine.shutdown()
 
 
 def _train_step(engine, backend, tokenizer, params):

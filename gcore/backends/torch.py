@@ -11,6 +11,7 @@ import torch
 from torch.distributed.constants import default_pg_timeout
 
 from gcore.algorithms.base import Algorithm
+from gcore.backends import lora
 from gcore.backends import sequence_parallel as seqpar
 from gcore.backends.base import TrainingBackend
 from gcore.backends.common import OptimizerOptions, check_sequence_parallel_controllers
@@ -102,6 +103,16 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             numbers up to float rounding, less work when several samples share a prompt. ``None``: only
             where it saves at least a fifth of a micro-batch's tokens (below that the second model call
             costs about what it saves; measured in BENCHMARKS.md); ``true``: wherever a prompt repeats.
+        lora_rank: train LoRA adapters of this rank (the ``peft`` library, ``pip install gcore[lora]``) instead
+            of every weight; 0 (default): full fine-tuning. Only the adapters are trained and given to the
+            optimizer; the engines receive the merged weights ``W + (alpha / rank) * B @ A`` under the base
+            model's names (only the linear layers LoRA changes, and their sibling projections), and
+            ``save_pretrained`` writes a plain merged HF checkpoint. Not with ``strategy fsdp`` or
+            ``sequence_parallel_size`` > 1. See docs/real_models.md.
+        lora_alpha: the LoRA scaling numerator (scale ``alpha / rank``); ``None``: 2 x ``lora_rank``.
+        lora_target_modules: the linear modules that get adapters, matched against the end of their
+            qualified names (e.g. ``[q_proj, v_proj]``); ``None``: every linear layer but the output head
+            (for Llama-style models the attention and MLP projections).
         **optimizer: the optimizer options, ``gcore.backends.common.OptimizerOptions``'s arguments
             (``lr``, ``weight_decay``, ``betas``, ``max_grad_norm``, ``micro_batch_size``, ``warmup_steps``).
     """
@@ -118,6 +129,9 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         strategy: Literal["ddp", "fsdp"] = "ddp",
         skip_inert_rows: bool = True,
         share_prompts: bool | None = None,
+        lora_rank: int = 0,
+        lora_alpha: int | None = None,
+        lora_target_modules: list[str] | None = None,
         **optimizer: Any,  # noqa: ANN401  OptimizerOptions's arguments, checked there
     ) -> None:
         if strategy not in ("ddp", "fsdp"):
@@ -132,6 +146,13 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
                 "(untested: the sequence-parallel groups' collectives would interleave with FSDP's over all ranks); "
                 "use --backend.strategy ddp with sequence parallelism, or --backend.sequence_parallel_size 1 with fsdp"
             )
+        lora.check_options(lora_rank, lora_alpha, lora_target_modules)
+        if lora_rank and (self.fsdp or sequence_parallel_size > 1):
+            flag = "--backend.strategy fsdp" if self.fsdp else "--backend.sequence_parallel_size > 1"
+            raise ConfigError(f"--backend.lora_rank {lora_rank} does not support {flag} (untested); use "
+                              "--backend.strategy ddp and --backend.sequence_parallel_size 1, or --backend.lora_rank 0")
+        self.lora_rank, self.lora_alpha, self.lora_target_modules = lora_rank, lora_alpha, lora_target_modules
+        self._lora_synced: list[str] = []  # LoRA: the linear modules the engine sync sends
         self.sequence_parallel_size = sequence_parallel_size
         self.sequence_parallel_mode = sequence_parallel_mode
         self.packing = packing
@@ -170,12 +191,18 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         self.fabric = fabric
         load = dict(dtype=source.dtype, trust_remote_code=source.trust_remote_code)
         self.hf_model = AutoModelForCausalLM.from_pretrained(source.path, **load)
+        if self.lora_rank:
+            self._lora_synced = lora.add_adapters(self.hf_model, self.lora_rank, self.lora_alpha,
+                                                  self.lora_target_modules)
         if self.gradient_checkpointing:
             self.hf_model.gradient_checkpointing_enable()
+            if self.lora_rank:  # the frozen embeddings' output must carry a gradient through the checkpoints
+                self.hf_model.enable_input_require_grads()
         self.hf_model.train()
         lr = self.base_lr(embedded)
         self.policy, self.optimizer = self._setup_trained(
-            self.hf_model, lambda params: _adamw(params, lr=lr, betas=self.betas, weight_decay=self.weight_decay)
+            self.hf_model, lambda params: _adamw((p for p in params if p.requires_grad) if self.lora_rank else params,
+                                                 lr=lr, betas=self.betas, weight_decay=self.weight_decay)
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: self.warmup_factor(step))
         if algorithm.needs_reference:
@@ -396,7 +423,12 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         return weights
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy's full weights (under FSDP gathered from the shards: every rank calls it)."""
+        """The policy's full weights (under FSDP gathered from the shards: every rank calls it). With LoRA: the
+        weights of the linear modules LoRA changes (and their siblings), merged, under the base model's names;
+        every other weight is frozen and equals what the engine loaded from the checkpoint."""
+        if self.lora_rank:
+            yield from lora.merged_weights(self.hf_model, self._lora_synced)
+            return
         if self.fsdp:
             self._synced = self._full_state_dict()
             yield from self._synced.items()
@@ -406,7 +438,10 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
 
     def save_pretrained(self, path: str) -> None:
         """Write an HF checkpoint (rank 0 alone; under FSDP the weights of the last ``named_weights`` call,
-        which the controller makes after every update)."""
+        which the controller makes after every update). With LoRA: a plain checkpoint of the merged weights."""
+        if self.lora_rank:
+            self.hf_model.save_pretrained(path, state_dict=lora.merged_state_dict(self.hf_model))
+            return
         if self.fsdp:
             if self._synced is None:
                 raise RuntimeError("save_pretrained under FSDP needs a named_weights() call on every rank first")
