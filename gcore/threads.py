@@ -24,9 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
-from collections.abc import Iterator, Mapping, MutableMapping
+import time
+from collections.abc import Callable, Collection, Mapping, MutableMapping
+from dataclasses import dataclass
+
+from gcore.environ import environ_set
 
 log = logging.getLogger(__name__)
 
@@ -99,16 +104,6 @@ def warn_if_spinning() -> None:
                     "Import gcore first or set OMP_WAIT_POLICY=PASSIVE (docs/threads.md)")
 
 
-def configure(processes: int = 1) -> int:
-    """Set this process's torch threads to its share of the usable cores (``processes`` processes share them),
-    unless the user set ``OMP_NUM_THREADS``; returns the thread count in effect."""
-    import torch
-
-    if user_threads() is None:
-        torch.set_num_threads(default_threads(usable_cores(), processes))
-    return torch.get_num_threads()
-
-
 def worker_threads(workers: int) -> int:
     """torch threads of each of ``workers`` engine worker processes that one controller starts: the user's
     ``OMP_NUM_THREADS``, else an equal share of the controller's own threads (its share of the usable cores: the
@@ -119,21 +114,140 @@ def worker_threads(workers: int) -> int:
     return user_threads() or default_threads(torch.get_num_threads(), workers)
 
 
-@contextlib.contextmanager
-def spawning(threads: int) -> Iterator[None]:
+def spawning(threads: int) -> contextlib.AbstractContextManager[None]:
     """Processes started inside (``multiprocessing`` spawn, ``subprocess``) get ``thread_env(threads)`` in their
     environment; this process's environment is restored afterwards."""
-    added = thread_env(threads)
-    saved = {name: os.environ.get(name) for name in added}
-    os.environ.update(added)
+    return environ_set(thread_env(threads))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The adaptive thread count: fewer threads while other processes take cores
+# ---------------------------------------------------------------------------------------------------------------
+
+#: another process's use of a core, in cores, from which gcore counts that core as taken
+TAKEN_FROM = 0.25
+#: the shortest interval over which the governor reads the machine (shorter ones are too coarse in clock ticks)
+MIN_INTERVAL_S = 0.2
+
+
+@dataclass(frozen=True)
+class CpuReading:
+    """CPU seconds since boot of the cores this process may use: ``busy`` (every process), ``total`` (busy and idle)
+    and ``own`` (this process and its descendants, every thread)."""
+
+    busy: float
+    total: float
+    own: float
+
+
+def _process_ticks(pid: int | str) -> int:
+    """utime + stime of one process (all its threads), in clock ticks; 0 when it is gone."""
     try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5), counted from the state (field 3)
 
 
+def _descendants(pid: int | str) -> list[str]:
+    children: list[str] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += f.read().split()
+    except OSError:
+        return []
+    return children + [d for child in children for d in _descendants(child)]
+
+
+def read_cpu(cores: Collection[int] | None = None) -> CpuReading:
+    """The machine's and this process tree's CPU time so far (Linux ``/proc``), over ``cores`` (default: the cores
+    this process may use)."""
+    cores = set(os.sched_getaffinity(0) if cores is None else cores)
+    tick = os.sysconf("SC_CLK_TCK")
+    busy = total = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *values = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+                ticks = [int(v) for v in values[:8]]  # user nice system idle iowait irq softirq steal
+                total += sum(ticks)
+                busy += sum(ticks) - ticks[3] - ticks[4]
+    own = _process_ticks("self") + sum(_process_ticks(pid) for pid in _descendants("self"))
+    return CpuReading(busy / tick, total / tick, own / tick)
+
+
+def free_threads(others: float, cores: int, ceiling: int) -> int:
+    """The torch threads to run with when other processes used ``others`` cores (on average) of the ``cores`` this
+    process may use: one thread fewer per core they took (``TAKEN_FROM`` of it counts), at most ``ceiling``, at
+    least 1."""
+    taken = math.floor(others + 1 - TAKEN_FROM) if others > 0 else 0
+    return max(1, min(ceiling, cores - taken))
+
+
+class ThreadGovernor:
+    """Sets this process's torch threads, each time it is asked (``update``: before each stage), to the cores that
+    other processes left free since it last looked, up to ``ceiling`` (the process's share of the cores).
+
+    With other work on a core, a second OpenMP thread mostly waits for that core at every parallel region; one thread
+    fewer has no such wait. On a quiet machine every thread of the share is used. The reading is the machine's busy
+    time less this process tree's own (``read_cpu``), so gcore's threads never count as another's."""
+
+    def __init__(self, ceiling: int, read: Callable[[], CpuReading] = read_cpu,
+                 set_threads: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 cores: int | None = None) -> None:
+        if set_threads is None:
+            import torch
+
+            set_threads = torch.set_num_threads
+        self.ceiling, self.threads, self.cores = ceiling, ceiling, cores or usable_cores()
+        self._read, self._set, self._clock = read, set_threads, clock
+        self._last, self._at = read(), clock()
+        #: other processes' use of this process's cores over the last interval read, in cores
+        self.others = 0.0
+
+    def update(self) -> int:
+        """Re-read the machine if ``MIN_INTERVAL_S`` passed since the last reading and set the thread count it
+        leaves free; returns the thread count in effect."""
+        now = self._clock()
+        if now - self._at < MIN_INTERVAL_S:
+            return self.threads
+        reading = self._read()
+        elapsed = (reading.total - self._last.total) / self.cores  # seconds of wall time, per core
+        if elapsed > 0:
+            used = (reading.busy - self._last.busy) - (reading.own - self._last.own)
+            self.others = max(0.0, used / elapsed)
+            threads = free_threads(self.others, self.cores, self.ceiling)
+            if threads != self.threads:
+                log.debug("other processes used %.2f of %d cores: %d -> %d torch threads", self.others, self.cores,
+                          self.threads, threads)
+                self._set(threads)
+                self.threads = threads
+        self._last, self._at = reading, now
+        return self.threads
+
+
+    def restore(self) -> None:
+        """Set the thread count back to ``ceiling`` (after the run: a later one in this process starts from it)."""
+        if self.threads != self.ceiling:
+            self._set(self.ceiling)
+            self.threads = self.ceiling
+
+
+def governor(device_type: str) -> ThreadGovernor | None:
+    """The governor of this controller's torch threads, or ``None`` where gcore keeps the count fixed: on an
+    accelerator (its kernels do not run on the OpenMP team), without Linux's ``/proc``, or when the user chose the
+    count (``OMP_NUM_THREADS`` in the environment when gcore was imported; a ``torch.set_num_threads(T)`` before
+    ``Trainer.fit`` makes ``T`` the most the governor uses)."""
+    if device_type != "cpu" or user_threads_at_import is not None or not os.path.exists("/proc/self/stat"):
+        return None
+    import torch
+
+    return ThreadGovernor(torch.get_num_threads())
+
+
+#: the user's ``OMP_NUM_THREADS`` when gcore was imported (Lightning Fabric sets the variable later for the
+#: controllers it launches; that is gcore's share, not the user's choice)
+user_threads_at_import = user_threads()
 set_wait_policy()  # on import: gcore's ``__init__`` imports this module before anything imports torch
