@@ -35,8 +35,10 @@ from gcore.environ import environ_set
 
 log = logging.getLogger(__name__)
 
-#: the wait policy gcore sets where the user set none
+#: the wait policy gcore sets where the user set none and the thread count is fixed (engine workers, OMP_NUM_THREADS)
 WAIT_POLICY = "PASSIVE"
+#: the turns a thread spins before it sleeps, where gcore adapts the thread count (libgomp's default: 300000)
+SPIN_COUNT = "30000"
 #: variables by which a user chooses how OpenMP threads wait: any one of them set, gcore sets none
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
@@ -71,11 +73,14 @@ def thread_env(threads: int, environ: Mapping[str, str] = os.environ) -> dict[st
 
 
 def set_wait_policy(environ: MutableMapping[str, str] = os.environ, torch_imported: bool | None = None) -> str:
-    """Make OpenMP threads sleep instead of spin in this process and the processes it starts, unless the user chose
-    how they wait; gcore's ``__init__`` calls it before it imports torch. Returns who decides this process's wait:
-    ``"gcore"`` (set here), ``"user"`` (a variable of ``WAIT_VARIABLES`` was set), or ``"libgomp"`` (torch was
-    imported first, so OpenMP already read its variables: nothing is set)."""
-    global wait_policy_by
+    """Choose how this process's OpenMP threads wait, unless the user chose; gcore's ``__init__`` calls it before it
+    imports torch. With an adaptive thread count (no ``OMP_NUM_THREADS``) threads spin ``SPIN_COUNT`` turns before
+    they sleep (``GOMP_SPINCOUNT``): fast on free cores, and the governor drops to one thread (no barrier to spin
+    in) when others take a core. With a fixed count they sleep at once (``OMP_WAIT_POLICY=PASSIVE``): nothing would
+    take a thread away next to other work. Returns who decides this process's wait: ``"gcore"`` (set here),
+    ``"user"`` (a variable of ``WAIT_VARIABLES`` was set), or ``"libgomp"`` (torch was imported first, so OpenMP
+    already read its variables: nothing is set)."""
+    global wait_policy_by, wait
     if torch_imported is None:
         torch_imported = "torch" in sys.modules
     if any(name in environ for name in WAIT_VARIABLES):
@@ -83,13 +88,25 @@ def set_wait_policy(environ: MutableMapping[str, str] = os.environ, torch_import
     elif torch_imported:
         wait_policy_by = "libgomp"
     else:
-        environ["OMP_WAIT_POLICY"] = WAIT_POLICY
-        wait_policy_by = "gcore"
+        name, value = ("GOMP_SPINCOUNT", SPIN_COUNT) if user_threads(environ) is None else ("OMP_WAIT_POLICY",
+                                                                                             WAIT_POLICY)
+        environ[name] = value
+        wait, wait_policy_by = f"{name}={value}", "gcore"
     return wait_policy_by
+
+
+def forget_spin_count(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Once torch is imported (libgomp has read it): take gcore's own ``GOMP_SPINCOUNT`` out of the environment, so
+    that the processes this one starts choose their wait themselves (engine workers, with their fixed count, get the
+    passive wait: ``thread_env``) and do not take it for the user's."""
+    if wait == f"GOMP_SPINCOUNT={SPIN_COUNT}" and environ.get("GOMP_SPINCOUNT") == SPIN_COUNT:
+        del environ["GOMP_SPINCOUNT"]
 
 
 #: who decided how this process's OpenMP threads wait: ``set_wait_policy``'s answer when gcore was imported
 wait_policy_by = "libgomp"
+#: the wait gcore set in this process (``NAME=value``), or ``""``
+wait = ""
 _warned = False
 
 
