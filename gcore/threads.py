@@ -1,23 +1,27 @@
 """Thread defaults for the processes gcore runs on one machine: how many torch threads, and how OpenMP waits.
 
-torch runs its CPU kernels on an OpenMP thread team. Two settings decide how that team behaves next to other
-work on the machine:
+torch runs its CPU kernels on an OpenMP thread team. A decoder runs thousands of small kernels per step, each one
+a parallel region that ends in a barrier, so two settings decide how fast a step is next to other work:
 
-- how many threads: gcore gives each process it runs an equal share of the cores this process may use
-  (``os.sched_getaffinity``: a ``taskset`` or a container's CPU set counts, the machine's other cores do not),
-  at least one: ``default_threads(cores, processes)``;
-- how a thread waits for the next parallel region: by default libgomp (torch's OpenMP on Linux) spins on a
-  core for a while (``GOMP_SPINCOUNT``, 300000 turns) before it sleeps. A decoder runs thousands of small
-  kernels per step, each one a parallel region; when another process holds one of the cores, the thread that
-  spins keeps the core from the thread that has the work, and every region waits for the OS to switch them.
-  gcore therefore sets ``OMP_WAIT_POLICY=PASSIVE`` (threads sleep at once) in the processes it starts.
+- how many threads: each process gcore runs gets an equal share of the cores this process may use
+  (``os.sched_getaffinity``: a ``taskset`` or a container's CPU set counts), at least one:
+  ``default_threads(cores, processes)``. A controller's count then adapts (``ThreadGovernor``): before each stage
+  it reads how much of those cores other processes used since it last looked (``/proc/stat`` less this process
+  tree's own time) and runs with the cores they left free, at least one. One thread has no barrier to wait at;
+- how a thread waits at the barrier: libgomp (torch's OpenMP on Linux) spins on its core for a while
+  (``GOMP_SPINCOUNT``, 300000 turns) before it sleeps. When another process holds one of the cores, the spinning
+  thread keeps it from the thread that has the work, and every region waits for the OS to switch them (a step of
+  0.2 s took 20 s next to a busy loop). Where the count adapts, gcore sets ``GOMP_SPINCOUNT=30000``: as fast as
+  libgomp's spin on free cores, and a neighbour costs at most the stages before the governor drops a thread.
+  Where the count is fixed (engine workers, ``OMP_NUM_THREADS``) it sets ``OMP_WAIT_POLICY=PASSIVE``: threads
+  sleep at once.
 
-A setting the user made wins: ``OMP_NUM_THREADS`` (then gcore sets no thread count), ``OMP_WAIT_POLICY`` or
-``GOMP_SPINCOUNT`` (then gcore sets no wait policy), and an explicit ``--placement.threads``. OpenMP reads its
-variables once, when torch is first imported in a process, so the wait policy reaches the processes gcore
-starts (engine workers, the controllers of ``--trainer.devices N``) and the process that runs ``gcore fit``
-(the command line sets it before it imports torch); a Python program that imports torch before it calls
-``Trainer.fit`` keeps libgomp's default wait in that process. See docs/threads.md for the measurements.
+A setting the user made wins: ``OMP_NUM_THREADS`` when gcore is imported (a fixed count, no adaptation),
+``torch.set_num_threads(T)`` before ``Trainer.fit`` (the most the governor uses), ``OMP_WAIT_POLICY`` or
+``GOMP_SPINCOUNT`` (gcore sets no wait), and an explicit ``--placement.threads``. OpenMP reads its variables once,
+when torch is first imported in a process, so gcore's wait reaches the processes it starts and the process that
+imports gcore before torch; a Python program that imports torch first keeps libgomp's default wait in that process
+(the governor still adapts its count). See docs/threads.md for the measurements.
 """
 
 from __future__ import annotations
@@ -116,9 +120,9 @@ def warn_if_spinning() -> None:
     global _warned
     if wait_policy_by == "libgomp" and not _warned:
         _warned = True
-        log.warning("torch was imported before gcore, so this process's OpenMP threads spin while they wait (libgomp's "
-                    "default); next to other work on the machine that can make steps many times slower. "
-                    "Import gcore first or set OMP_WAIT_POLICY=PASSIVE (docs/threads.md)")
+        log.warning("torch was imported before gcore, so this process's OpenMP threads spin 300000 turns while they "
+                    "wait (libgomp's default); next to other work on the machine a stage can be many times slower "
+                    "until gcore drops a thread. Import gcore first or set GOMP_SPINCOUNT=30000 (docs/threads.md)")
 
 
 def worker_threads(workers: int) -> int:
