@@ -265,7 +265,7 @@ def governor(device_type: str) -> ThreadGovernor | None:
         return None
     import torch
 
-    return ThreadGovernor(torch.get_num_threads())
+    return ThreadGovernor(torch.get_num_threads(), read=read_cpu)
 
 
 #: the user's ``OMP_NUM_THREADS`` when gcore was imported (Lightning Fabric sets the variable later for the

@@ -161,6 +161,30 @@ def test_governor_is_off_where_the_user_chose_the_count_or_off_the_cpu(monkeypat
     assert threads.governor("cpu") is None
 
 
+def test_fit_runs_each_stage_with_the_threads_the_governor_leaves(monkeypatch, tmp_path, controller_threads):
+    """A real (tiny) fit next to a recorded busy neighbour: every step ran with one thread, said so in its metrics,
+    and the controller's share was back after the run."""
+    from gcore import GRPO, Trainer, TrainerConfig
+
+    machine = FakeMachine()
+
+    def read() -> threads.CpuReading:
+        machine.advance(1.0, others=1.0, own=1.0)  # a busy loop on one of 2 cores, in every interval
+        return machine.read()
+
+    monkeypatch.setattr(threads, "user_threads_at_import", None)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(threads, "read_cpu", read)
+    monkeypatch.setattr(threads, "MIN_INTERVAL_S", 0.0)  # every stage re-reads: no dependence on wall time
+    torch.set_num_threads(2)
+    result = Trainer(trainer=TrainerConfig(max_steps=2, accelerator="cpu", default_root_dir=str(tmp_path),
+                                           enable_progress_bar=False, save_final=False),
+                     algorithm=GRPO()).fit()
+    assert [row["threads/torch"] for row in result.history] == [1.0, 1.0]
+    assert [row["threads/others_cores"] for row in result.history] == [pytest.approx(1.0)] * 2
+    assert torch.get_num_threads() == 2
+
+
 def test_read_cpu_counts_this_processes_work_and_its_children():
     before, start = threads.read_cpu(), time.process_time()
     while time.process_time() - start < 0.3:  # CPU time, not wall time: the same on a loaded machine
