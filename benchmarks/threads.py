@@ -7,12 +7,13 @@ setting and neighbour so that load from other work on the machine hits them alik
 median wall-clock seconds and this process's CPU seconds (every thread, from ``time.process_time``): CPU seconds
 well above wall seconds x useful threads are threads spinning, not working.
 
-Settings: ``gcore`` (gcore's thread defaults: ``gcore/threads.py``), ``T1``/``T2`` (``OMP_NUM_THREADS`` 1/2),
-``active``/``passive`` (``OMP_WAIT_POLICY``), ``spin0``/``spin1k``/``spin10k``/``spin30k``
-(``GOMP_SPINCOUNT`` 0/1000/10000/30000), joined with ``+``
-(``T2+passive``); ``none``: libgomp's own spin-then-sleep wait (``GOMP_SPINCOUNT=300000``, its default spin
-count, which a user's setting of it keeps) and one torch thread per usable core: what gcore ran with before it
-chose its own defaults.
+Settings: ``gcore`` (gcore's thread defaults: ``gcore/threads.py``, the adaptive thread count included),
+``T1``/``T2`` (``OMP_NUM_THREADS`` 1/2), ``fixed`` (``OMP_NUM_THREADS`` = the usable cores: a fixed count, no
+adaptive one), ``active``/``passive`` (``OMP_WAIT_POLICY``), ``spin0``/``spin1k``/``spin10k``/``spin30k``/``spin300k``
+(``GOMP_SPINCOUNT`` 0/1000/10000/30000/300000), joined with ``+`` (``fixed+passive``); ``none``: libgomp's own
+spin-then-sleep wait (``GOMP_SPINCOUNT=300000``, its default spin count, which a user's setting of it keeps) and
+one torch thread per usable core, fixed: what gcore ran with before it chose its own defaults. Per run it prints the
+torch threads in effect after each step (the adaptive count changes them).
 
     python benchmarks/threads.py --configs none,T1,T2+passive --neighbour none,pinned --repeats 2
 """
@@ -37,7 +38,9 @@ SETTINGS = {"T1": {"OMP_NUM_THREADS": "1"}, "T2": {"OMP_NUM_THREADS": "2"},
             "active": {"OMP_WAIT_POLICY": "active"}, "passive": {"OMP_WAIT_POLICY": "passive"},
             "spin0": {"GOMP_SPINCOUNT": "0"}, "spin1k": {"GOMP_SPINCOUNT": "1000"},
             "spin10k": {"GOMP_SPINCOUNT": "10000"}, "spin30k": {"GOMP_SPINCOUNT": "30000"},
-            "none": {"GOMP_SPINCOUNT": "300000"}, "gcore": {}}
+            "spin300k": {"GOMP_SPINCOUNT": "300000"},
+            "fixed": {"OMP_NUM_THREADS": str(len(os.sched_getaffinity(0)))},
+            "none": {"GOMP_SPINCOUNT": "300000", "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0)))}, "gcore": {}}
 
 
 def worker(steps: int) -> dict:
@@ -66,7 +69,7 @@ def worker(steps: int) -> dict:
         t0, c0 = time.perf_counter(), time.process_time()
         out = step(self, *a, **kw)
         rows.append({"wall": {**{s: out.get(f"time/{s}", 0.0) for s in STAGES},
-                              "step": time.perf_counter() - t0},
+                              "step": time.perf_counter() - t0}, "threads": torch.get_num_threads(),
                      "cpu": {**{s: cpu.get(s, 0.0) for s in STAGES}, "step": time.process_time() - c0}})
         return out
 
@@ -125,8 +128,9 @@ def main() -> None:
                     run["load"] = f.read().split()[0]
                 results[(config, kind)].append(run)
                 med = statistics.median(r["wall"]["step"] for r in run["rows"][args.warmup:])
+                used = "".join(str(r["threads"]) for r in run["rows"])
                 print(f"[{repeat + 1}/{args.repeats}] {kind:8s} {config:12s} step {med:.3f} s, torch threads "
-                      f"{run['torch_threads']}, OS threads {run['os_threads']}, load {run['load']}", flush=True)
+                      f"per step {used}, OS threads {run['os_threads']}, load {run['load']}", flush=True)
     print("\nmedian seconds per step after warm-up, wall / CPU (this process, all threads); load: 1-min average "
           "after each run")
     print(f"{'neighbour':9s} {'setting':12s} " + " ".join(f"{s:>13s}" for s in (*STAGES, "step")) + "  load")

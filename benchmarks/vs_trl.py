@@ -220,6 +220,7 @@ def run_gcore(args: argparse.Namespace) -> dict:
         "reward": [m["reward/mean"] for m in history],
         "completion_tokens": [m["response_length/mean"] * m["samples/total"] for m in history],
         "stages": [{s: m[f"time/{s}"] for s in (*STAGES, "step")} for m in history],
+        "threads": [int(m.get("threads/torch", 0)) for m in history],  # the adaptive count per step (0: fixed)
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
@@ -467,7 +468,9 @@ def main() -> None:
             print(f"[{repeat + 1}/{args.repeats}] neighbour {kind:8s} seed {seed} {name:5s} "
                   f"{time.perf_counter() - t0:6.1f} s wall, "
                   f"median step {statistics.median(step_times(run, args.warmup)):.3f} s, "
-                  f"last-5 reward {statistics.mean(run['reward'][-5:]):.3f}, load {run['loadavg']}", flush=True)
+                  f"last-5 reward {statistics.mean(run['reward'][-5:]):.3f}, load {run['loadavg']}"
+                  + (f", torch threads per step {''.join(map(str, run['threads']))}" if run.get("threads") else ""),
+                  flush=True)
 
     by_kind = {kind: report(args, names, runs_by_kind[kind], kind) for kind in kinds}
     if len(kinds) > 1 or kinds != ["none"]:

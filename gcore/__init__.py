@@ -4,7 +4,7 @@ Public API: the five plugin interfaces, the built-in plugins, the configs, and `
 """
 
 # first, before anything imports torch: sets OpenMP's wait policy, which it reads once (docs/threads.md)
-from gcore import threads as _threads  # noqa: F401  imported for that effect
+from gcore import threads as _threads
 from gcore.algorithms import DAPO, GRPO, PPO, RLOO, Algorithm, LossScale
 from gcore.backends import TorchBackend, TrainingBackend
 from gcore.data import DataConfig
@@ -16,6 +16,8 @@ from gcore.rewards import CallableReward, Judge, RegexReward, RewardModel, RuleR
 from gcore.rollout import RolloutJob
 from gcore.trainer import FitResult, Trainer, TrainerConfig, fit
 from gcore.types import Generation, Prompt, RolloutBatch, Sample, SamplingParams
+
+_threads.forget_spin_count()  # torch is imported: libgomp has read it
 
 __version__ = "0.1.0"
 

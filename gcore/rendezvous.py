@@ -16,6 +16,8 @@ import socket
 from collections.abc import Iterator
 from datetime import timedelta
 
+from gcore.environ import environ_set
+
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
@@ -35,7 +37,6 @@ def loopback_store(fabric, num_nodes: int, timeout_s: float) -> Iterator[object 
         return
     import torch.distributed as dist
 
-    saved = {key: os.environ.get(key) for key in ("MASTER_ADDR", "MASTER_PORT", AGENT_STORE)}
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     port = fabric.strategy.cluster_environment.main_port  # $MASTER_PORT, or a free port Fabric picks
@@ -43,14 +44,9 @@ def loopback_store(fabric, num_nodes: int, timeout_s: float) -> Iterator[object 
     listener.listen(512)
     store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=timeout_s),
                           wait_for_workers=False, master_listen_fd=listener.fileno())
-    # what the launcher passes on to the other controllers, and what torch reads in this one
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), AGENT_STORE: "True"})
     try:
-        yield store
+        # what the launcher passes on to the other controllers, and what torch reads in this one
+        with environ_set({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), AGENT_STORE: "True"}):
+            yield store
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         listener.close()

@@ -172,6 +172,8 @@ class _Run:
     central: bool  # one controller drives every process (--trainer.controllers 1)
     #: (shard, its predicted imbalance) of this step and the next ``max_staleness``, drawn that many steps early
     ahead: list[tuple[list[int], float]] = field(default_factory=list)
+    #: this controller's torch threads, re-chosen before each stage (``None``: a fixed count, docs/threads.md)
+    governor: threads.ThreadGovernor | None = None
 
 
 class Trainer:
@@ -309,7 +311,12 @@ class Trainer:
             if fabric.world_size > 1:  # names a controller that dies, and stops this one if it is lost
                 watch = ControllerWatch.for_fabric(fabric, silence_limit=self.config.heartbeat_timeout)
             try:
-                result = self._loop(fabric, self._setup(fabric, tokenizer, source))
+                run = self._setup(fabric, tokenizer, source)
+                try:
+                    result = self._loop(fabric, run)
+                finally:
+                    if run.governor is not None:
+                        run.governor.restore()
                 if watch is not None:
                     watch.stop()
                     fabric.barrier()  # no controller exits (taking the store with it) while another still watches
@@ -372,7 +379,8 @@ class Trainer:
         start_step = self._resume(fabric, checkpoints, sampler, extra)
         run_dir = self._open_run_dir(fabric, start_step) if rank == 0 else None
         return _Run(tokenizer, source, controller, sampler, extra, take, balancer, checkpoints, start_step,
-                    run_dir, self._eval_prompts(tokenizer, source), central)
+                    run_dir, self._eval_prompts(tokenizer, source), central,
+                    governor=threads.governor(fabric.device.type))
 
     def _open_run_dir(self, fabric, start_step: int) -> str | None:  # noqa: ANN001
         """On rank 0: create the loggers' run folder (a resumed run continues its ``metrics.csv``) and
@@ -457,9 +465,17 @@ class Trainer:
             run.ahead.append((run.sampler.shard(run.sampler.next_global()), run.sampler.last_imbalance))
         (shard, imbalance), upcoming = run.ahead.pop(0), [run.take(s) for s, _ in run.ahead]
         prompts = run.take(shard) if not run.central or fabric.global_rank == 0 else []
-        metrics = run.controller.step(step, prompts, upcoming=upcoming,
-                                      on_stage=lambda stage: bar.set_description(stage, refresh=False))
+
+        def on_stage(stage: str) -> None:
+            bar.set_description(stage, refresh=False)
+            if run.governor is not None:
+                run.governor.update()
+
+        metrics = run.controller.step(step, prompts, upcoming=upcoming, on_stage=on_stage)
         metrics["step"] = float(step)
+        if run.governor is not None:  # the count the step's last stage ran with, and what it was chosen from
+            metrics["threads/torch"] = float(run.governor.threads)
+            metrics["threads/others_cores"] = run.governor.others
         metrics["balance/predicted_imbalance"] = imbalance
         if run.balancer is not None:
             _learn_lengths(fabric, run.balancer, run.controller.last_samples, self.data_config.prompts_per_step)
