@@ -248,7 +248,6 @@ class ThreadGovernor:
         self._last, self._at = reading, now
         return self.threads
 
-
     def restore(self) -> None:
         """Set the thread count back to ``ceiling`` (after the run: a later one in this process starts from it)."""
         if self.threads != self.ceiling:
@@ -265,7 +264,7 @@ def governor(device_type: str) -> ThreadGovernor | None:
         return None
     import torch
 
-    return ThreadGovernor(torch.get_num_threads(), read=read_cpu)
+    return ThreadGovernor(torch.get_num_threads(), read=read_cpu)  # the module's reader at call time (tests swap it)
 
 
 #: the user's ``OMP_NUM_THREADS`` when gcore was imported (Lightning Fabric sets the variable later for the

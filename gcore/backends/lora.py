@@ -58,11 +58,9 @@ def add_adapters(model: torch.nn.Module, rank: int, alpha: int | None,
         raise ConfigError(f"--backend.lora_rank {rank} needs the peft package: pip install 'gcore[lora]'") from err
 
     linears = linear_module_names(model)
-    if target_modules is None:
-        targets = sorted({name.rsplit(".", 1)[-1] for name in linears})
-    else:
-        targets = list(target_modules)
-        short = sorted({name.rsplit(".", 1)[-1] for name in linears})
+    short = sorted({name.rsplit(".", 1)[-1] for name in linears})
+    targets = short if target_modules is None else list(target_modules)
+    if target_modules is not None:
         for target in targets:
             if not any(name == target or name.endswith("." + target) for name in linears):
                 raise ConfigError(f"--backend.lora_target_modules: {target!r} matches no linear module of the "
@@ -74,9 +72,8 @@ def add_adapters(model: torch.nn.Module, rank: int, alpha: int | None,
         param.requires_grad_(".lora_" in name)
     adapted = {name for name, _ in lora_layers(model)}
     parents = {name.rsplit(".", 1)[0] for name in adapted}
-    return [name for name, module in model.named_modules()
-            if name in adapted or (_is_plain_linear(module) and name.rsplit(".", 1)[0] in parents
-                                   and name in linears)]
+    return [name for name, _ in model.named_modules()
+            if name in adapted or (name in linears and name.rsplit(".", 1)[0] in parents)]
 
 
 def lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
@@ -86,10 +83,6 @@ def lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer):
             yield name, module
-
-
-def _is_plain_linear(module: torch.nn.Module) -> bool:
-    return isinstance(module, torch.nn.Linear)
 
 
 @torch.no_grad()
