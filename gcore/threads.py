@@ -16,7 +16,8 @@ a parallel region that ends in a barrier, so two settings decide how fast a step
   Where the count is fixed (engine workers, ``OMP_NUM_THREADS``) it sets ``OMP_WAIT_POLICY=PASSIVE``: threads
   sleep at once.
 
-A setting the user made wins: ``OMP_NUM_THREADS`` when gcore is imported (a fixed count, no adaptation),
+A setting the user made wins: ``OMP_NUM_THREADS`` when gcore is imported (a fixed count, no adaptation; not the one
+Lightning Fabric gives the controllers it launches: ``launching``),
 ``torch.set_num_threads(T)`` before ``Trainer.fit`` (the most the governor uses), ``OMP_WAIT_POLICY`` or
 ``GOMP_SPINCOUNT`` (gcore sets no wait), and an explicit ``--placement.threads``. OpenMP reads its variables once,
 when torch is first imported in a process, so gcore's wait reaches the processes it starts and the process that
@@ -59,9 +60,16 @@ def default_threads(cores: int, processes: int) -> int:
     return max(1, cores // processes)
 
 
+#: set by ``Trainer.fit`` for the controllers Lightning Fabric launches: the user's ``OMP_NUM_THREADS`` as the launching
+#: process saw it when gcore was imported (``""``: none). Fabric gives each controller it launches
+#: ``OMP_NUM_THREADS`` = its share of the cores; that share is gcore's to adapt, not the user's fixed choice.
+USER_THREADS_VARIABLE = "GCORE_USER_OMP_NUM_THREADS"
+
+
 def user_threads(environ: Mapping[str, str] = os.environ) -> int | None:
-    """The thread count the user chose with ``OMP_NUM_THREADS`` (its first value), or ``None``."""
-    value = environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    """The thread count the user chose with ``OMP_NUM_THREADS`` (its first value), or ``None``; in a controller that
+    Fabric launched, the launching process's (``USER_THREADS_VARIABLE``)."""
+    value = environ.get(USER_THREADS_VARIABLE, environ.get("OMP_NUM_THREADS", "")).split(",")[0].strip()
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
@@ -267,7 +275,14 @@ def governor(device_type: str) -> ThreadGovernor | None:
     return ThreadGovernor(torch.get_num_threads(), read=read_cpu)  # the module's reader at call time (tests swap it)
 
 
-#: the user's ``OMP_NUM_THREADS`` when gcore was imported (Lightning Fabric sets the variable later for the
-#: controllers it launches; that is gcore's share, not the user's choice)
+#: the user's ``OMP_NUM_THREADS`` when gcore was imported (in a controller Fabric launched: when the launching process
+#: imported it, ``USER_THREADS_VARIABLE``)
 user_threads_at_import = user_threads()
+
+
+def launching() -> contextlib.AbstractContextManager[None]:
+    """Controllers launched inside (Lightning Fabric's launcher) know the user's thread choice from
+    ``USER_THREADS_VARIABLE``, not from the ``OMP_NUM_THREADS`` Fabric gives them: their count then adapts as
+    this process's does."""
+    return environ_set({USER_THREADS_VARIABLE: str(user_threads_at_import or "")})
 set_wait_policy()  # on import: gcore's ``__init__`` imports this module before anything imports torch

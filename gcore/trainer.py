@@ -306,6 +306,7 @@ class Trainer:
             tokenizer = load_tokenizer(self.model_config)
             source = self.model_config.source(materialize(self.model_config, tokenizer, self.config.seed, workdir))
             store.enter_context(loopback_store(fabric, self.config.num_nodes, self.config.collective_timeout))
+            store.enter_context(threads.launching())  # Fabric's OMP_NUM_THREADS in a controller is not the user's
             fabric.launch()
             watch = None
             if fabric.world_size > 1:  # names a controller that dies, and stops this one if it is lost

@@ -122,3 +122,46 @@ def test_pad_and_bos_are_never_sampled_inside_a_response(tmp_path, use_generate)
     assert len(tokens) > 400
     assert 0 not in tokens and 1 not in tokens
     assert 2 in tokens  # the stop token is not banned
+
+
+def test_a_bfloat16_engine_samples_from_the_trained_weights_cast(tmp_path):
+    """``dtype bfloat16``: the engine holds its weights in bfloat16 (the static decoder too), a weight sync from the
+    float32 trainer casts them, and what it samples and reports is the bfloat16 model's, within bfloat16 rounding of
+    the float32 model's log-probabilities."""
+    from gcore.errors import ConfigError
+
+    path = _checkpoint(tmp_path, "qwen2")
+    engine = HFEngine(dtype="bfloat16")
+    engine.setup(ModelSource(path), torch.device("cpu"))  # the checkpoint's own dtype is float32
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    trainer = _engine(path, static_cache=True)  # a float32 copy standing in for the trainer's weights
+    new = {name: tensor + 0.05 * torch.randn_like(tensor) for name, tensor in trainer.model.state_dict().items()}
+    trainer.update_weights(new.items())
+    engine.update_weights(new.items())
+    assert torch.equal(engine.model.state_dict()["model.layers.0.mlp.up_proj.weight"],
+                       new["model.layers.0.mlp.up_proj.weight"].to(torch.bfloat16))
+    params = SamplingParams(n=3, max_new_tokens=10, temperature=1.0, stop_token_ids=(2,))
+    torch.manual_seed(3)
+    outputs = engine.generate(PROMPTS, params)
+    assert engine._decoder is not None and engine._decoder.layers[0].qkv_weight.dtype == torch.bfloat16
+    assert 1e-4 < _max_gap(trainer, PROMPTS, outputs, 1.0) < 0.2  # bfloat16 rounding: visible, and small
+    with pytest.raises(ConfigError, match="--engine.dtype 'fp8': valid choices: auto, float32, bfloat16, float16"):
+        HFEngine(dtype="fp8")  # type: ignore[arg-type]
+
+
+def test_fit_reports_how_far_the_engine_is_from_the_trained_policy(tmp_path):
+    """``rollout/logprob_diff``: about 0 when the engine holds the trainer's float32 weights (the same model, other
+    kernels), bfloat16 rounding when it holds them in bfloat16."""
+    from gcore import GRPO, Trainer, TrainerConfig
+
+    def diff(dtype: str) -> list[float]:
+        result = Trainer(trainer=TrainerConfig(max_steps=2, accelerator="cpu", default_root_dir=str(tmp_path / dtype),
+                                               enable_progress_bar=False, save_final=False),
+                         engine=HFEngine(dtype=dtype), algorithm=GRPO()).fit()  # type: ignore[arg-type]
+        # a token mean over the rows that trained (0 in a step where every group scored alike)
+        diffs = [row["rollout/logprob_diff"] for row in result.history if row["trained_rows_frac"] > 0]
+        assert diffs
+        return diffs
+
+    assert all(d < 1e-4 for d in diff("auto"))
+    assert all(1e-3 < d < 0.5 for d in diff("bfloat16"))

@@ -17,7 +17,7 @@ from gcore.environ import environ_set
 from gcore.model import ModelSource
 from gcore.testing import make_sample
 
-USER_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+USER_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", threads.USER_THREADS_VARIABLE)
 
 
 @pytest.fixture
@@ -60,6 +60,35 @@ def test_the_users_settings_win():
     assert threads.user_threads({"OMP_NUM_THREADS": ""}) is None
     assert threads.user_threads({"OMP_NUM_THREADS": "many"}) is None
     assert threads.user_threads({}) is None
+
+
+def test_a_launched_controller_reads_the_users_choice_from_its_launcher():
+    variable = threads.USER_THREADS_VARIABLE
+    assert threads.user_threads({"OMP_NUM_THREADS": "1", variable: ""}) is None  # Fabric's share, not the user's
+    assert threads.user_threads({"OMP_NUM_THREADS": "1", variable: "3"}) == 3
+    assert threads.thread_env(2, {"OMP_NUM_THREADS": "1", variable: ""})["OMP_NUM_THREADS"] == "2"
+
+
+def _imported_settings(env: dict[str, str]) -> list[str]:
+    """What a fresh process that imports gcore decides: the user's count, the wait it set, whether it adapts."""
+    code = ("from gcore import threads; "
+            "print(threads.user_threads_at_import, threads.wait or '-', threads.governor('cpu') is not None)")
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                          check=True).stdout.split()
+
+
+def test_controllers_fabric_launches_adapt_their_share(no_user_settings, monkeypatch):
+    """Lightning Fabric gives each controller it launches ``OMP_NUM_THREADS`` = its share of the cores; launched
+    inside ``threads.launching()`` (as ``Trainer.fit`` does), that controller adapts its count and spins briefly like
+    the launching process, instead of taking Fabric's share for the user's fixed choice."""
+    with threads.launching():
+        assert _imported_settings({"OMP_NUM_THREADS": "1"}) == ["None", "GOMP_SPINCOUNT=30000", "True"]
+    # the same variable set by the user, with no launcher between: a fixed count, threads sleep at once
+    assert _imported_settings({"OMP_NUM_THREADS": "1"}) == ["1", "OMP_WAIT_POLICY=PASSIVE", "False"]
+    monkeypatch.setattr(threads, "user_threads_at_import", 3)  # the user's own, in the launching process
+    with threads.launching():
+        assert _imported_settings({"OMP_NUM_THREADS": "3"}) == ["3", "OMP_WAIT_POLICY=PASSIVE", "False"]
+    assert threads.USER_THREADS_VARIABLE not in os.environ
 
 
 def test_wait_policy_is_set_only_before_torch_and_only_without_the_users_own():

@@ -315,6 +315,9 @@ class Algorithm(ABC):
         """This micro-batch's share of the loss, and its share of each token-mean metric."""
         per_token, diagnostics = self.policy_loss(logprobs, batch)
         mask = batch.response_mask
+        # how far the engine's distribution was from the one trained: its precision (a bfloat16 engine, another
+        # kernel) and, off-policy, the samples' staleness
+        diagnostics = {**diagnostics, "rollout/logprob_diff": (logprobs.detach() - batch.engine_logprobs).abs()}
         if batch.behaviour_logprobs is not None:  # off-policy samples: the decoupled objective
             proximal = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
             weight, raw = behaviour_weight(proximal, batch.behaviour_logprobs, self.behaviour_is_cap)

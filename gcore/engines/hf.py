@@ -9,13 +9,13 @@ the tiny model's forward. ``use_generate=True`` goes back to ``model.generate``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError
-from gcore.model import ModelSource
+from gcore.model import DTYPES, ModelSource
 from gcore.types import Generation, SamplingParams
 
 if TYPE_CHECKING:
@@ -33,6 +33,11 @@ class HFEngine(Engine):
         static_cache: decode Llama-style models (``llama``, ``qwen2``) with the engine's own decode
             step and a preallocated KV cache (``StaticCacheDecoder``); other architectures, or
             ``false``, decode through the model's forward with a growing ``DynamicCache``.
+        dtype: the engine's copy of the weights: ``auto`` (the model's ``--model.dtype``, what the trainer
+            holds) or ``bfloat16``/``float16``/``float32``; each weight sync casts the trainer's weights to it.
+            A bfloat16 engine beside a float32 trainer samples from a slightly different distribution than
+            the one trained (the metric ``rollout/logprob_diff`` says how far apart they are) and decodes
+            faster where decoding is bound by reading the weights (BENCHMARKS.md measures it on CPU).
 
     The pad and bos tokens are never sampled inside a response (unless they are stop tokens): a
     pad token there would read as padding, and HF's embedding gives it no gradient. The recorded
@@ -45,7 +50,11 @@ class HFEngine(Engine):
         offload_when_asleep: bool = True,
         use_generate: bool = False,
         static_cache: bool = True,
+        dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
     ) -> None:
+        if dtype != "auto" and dtype not in DTYPES:
+            raise ConfigError(f"--engine.dtype {dtype!r}: valid choices: auto, {', '.join(DTYPES)}")
+        self.dtype = dtype
         self.max_batch_size = max_batch_size
         self.offload_when_asleep = offload_when_asleep
         self.use_generate = use_generate
@@ -64,7 +73,8 @@ class HFEngine(Engine):
         self.device = device
         self._decoder = None
         self.model = AutoModelForCausalLM.from_pretrained(
-            source.path, dtype=source.dtype, trust_remote_code=source.trust_remote_code
+            source.path, dtype=source.dtype if self.dtype == "auto" else DTYPES[self.dtype],
+            trust_remote_code=source.trust_remote_code,
         ).to(device)
         self.model.eval()
         self.model.requires_grad_(False)
