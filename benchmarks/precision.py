@@ -13,6 +13,14 @@ seed and round.
         --model.path /tmp/smollm2-hf --trainer.eval_every 0
 
 Options after ``--`` go to every ``gcore fit``.
+
+``--stages MODEL_DIR`` times the two stages alone on fixed work instead (no training run, so every configuration
+does exactly the same work): the ``hf`` engine sampling ``--rows`` rows of ``--new-tokens`` tokens from one prompt of
+``--prompt-tokens`` tokens, in float32 and in bfloat16; and one forward and backward of the model in float32 on those
+rows, without and with ``torch.autocast("cpu", torch.bfloat16)`` (what ``--trainer.precision bf16-mixed`` does);
+best of ``--repeats``, alternated:
+
+    python benchmarks/precision.py --stages /tmp/smollm2-hf
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ def column(rows: list[dict[str, str]], key: str) -> list[float]:
 def summary(rows: list[dict[str, str]], warmup: int, window: int) -> dict[str, object]:
     timed = rows[warmup:]
     reward = column(rows, "reward/mean")
-    evals = [k for k in rows[0] if k.startswith("eval/") and k.endswith("accuracy")] if rows else []
+    evals = [k for k in rows[0] if k.startswith("eval/accuracy")] if rows else []
     return {
         "step": statistics.median(column(timed, "time/step")),
         "generate": statistics.median(column(timed, "time/generate")),
@@ -61,6 +69,48 @@ def summary(rows: list[dict[str, str]], warmup: int, window: int) -> dict[str, o
         "reward": [round(statistics.mean(reward[i: i + window]), 3) for i in range(0, len(reward), window)],
         "eval": {k: column(rows, k)[-1] for k in evals if column(rows, k)},
     }
+
+
+def stages(model_dir: str, rows: int, prompt_tokens: int, new_tokens: int, repeats: int) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gcore import HFEngine, SamplingParams
+    from gcore.model import ModelSource
+
+    prompt = list(range(100, 100 + prompt_tokens))
+    params = SamplingParams(n=rows, max_new_tokens=new_tokens, temperature=1.0)  # no stop token: every row is full
+    engines = {}
+    for dtype in ("float32", "bfloat16"):
+        engines[dtype] = HFEngine(dtype=dtype)  # type: ignore[arg-type]
+        engines[dtype].setup(ModelSource(model_dir), torch.device("cpu"))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.randint(100, 1000, (rows, prompt_tokens + new_tokens), generator=torch.Generator().manual_seed(0))
+
+    def generate(dtype: str) -> None:
+        engines[dtype].generate([prompt], params)
+
+    def train(autocast: bool) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(input_ids=ids, use_cache=False).logits
+        torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    cases = {"generate float32": lambda: generate("float32"), "generate bfloat16": lambda: generate("bfloat16"),
+             "train float32": lambda: train(False), "train bf16 autocast": lambda: train(True)}
+    best = {name: float("inf") for name in cases}
+    for case in cases.values():
+        case()  # warm-up
+    for _ in range(repeats):
+        for name, case in cases.items():
+            start = time.perf_counter()
+            case()
+            best[name] = min(best[name], time.perf_counter() - start)
+    print(f"{model_dir}: {rows} rows, prompt {prompt_tokens} tokens, {new_tokens} new tokens, torch threads "
+          f"{torch.get_num_threads()}, best of {repeats}; load after {os.getloadavg()[0]:.2f}")
+    for name, seconds in best.items():
+        base = best["generate float32" if name.startswith("generate") else "train float32"]
+        print(f"  {name:20s} {seconds:.3f} s ({seconds / base:.2f}x)")
 
 
 def main() -> None:
@@ -75,7 +125,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timings")
     parser.add_argument("--window", type=int, default=5, help="steps per reward window")
+    parser.add_argument("--stages", metavar="MODEL_DIR", help="time the stages alone on fixed work (see above)")
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=59)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
+    if args.stages:
+        stages(args.stages, args.rows, args.prompt_tokens, args.new_tokens, args.repeats)
+        return
     configs = args.configs.split(",")
     for config in configs:
         if config not in CONFIGS:
