@@ -3,9 +3,12 @@
 Builds the model from the public Qwen2.5-0.5B shape (hidden 896, 24 layers, 14 heads, 2 KV heads,
 MLP 4864) with random weights and gcore's character tokenizer (no hub needed), then runs the same
 fit twice per repeat, alternating: ``StaticPlacement(offload=True)`` (engine sleeps during
-training) and ``offload=False``. Prints per-stage medians and the ratio.
+training) and ``offload=False``. Prints per-stage medians and the ratio. ``--compare cuda_graphs`` alternates
+the ``hf`` engine's CUDA-graph decode (``HFEngine(cuda_graphs=True)``, the default) with its eager decode
+instead, both resident.
 
     python benchmarks/gpu_step.py --steps 6 --repeats 2
+    python benchmarks/gpu_step.py --steps 6 --repeats 2 --compare cuda_graphs
 """
 
 from __future__ import annotations
@@ -16,14 +19,17 @@ import tempfile
 
 import torch
 
-from gcore import DataConfig, ModelConfig, SamplingParams, StaticPlacement, Trainer, TrainerConfig
+from gcore import DataConfig, HFEngine, ModelConfig, SamplingParams, StaticPlacement, Trainer, TrainerConfig
 
 QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                   intermediate_size=4864, max_position_embeddings=4096)
 STAGES = ("generate", "reward", "swap", "prepare", "train", "sync", "step")
 
 
-def run(offload: bool, args) -> dict[str, float]:
+def run(variant: bool, args) -> dict[str, float]:
+    """One fit; ``variant`` is the first setting of ``--compare`` (offloading, or CUDA graphs) when true."""
+    offload = variant if args.compare == "offload" else False
+    graphs = variant if args.compare == "cuda_graphs" else True
     torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory() as root:
         result = Trainer(
@@ -33,6 +39,7 @@ def run(offload: bool, args) -> dict[str, float]:
             data=DataConfig(prompts_per_step=args.prompts),
             sampling=SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens),
             placement=StaticPlacement(offload=offload),
+            engine=HFEngine(cuda_graphs=graphs),
         ).fit()
     steady = result.history[1:]  # the first step pays CUDA/kernel warm-up
     out = {stage: statistics.median(m[f"time/{stage}"] for m in steady) for stage in STAGES}
@@ -52,6 +59,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--compare", choices=["offload", "cuda_graphs"], default="offload")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), f"torch {torch.__version__}", vars(args))
     runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
@@ -59,7 +67,8 @@ def main() -> None:
         for offload in (True, False):  # A B A B
             runs[offload].append(run(offload, args))
     keys = [*STAGES, "gen_tokens_per_s", "sync_gb_per_s", "peak_gib", "reward_last"]
-    print(f"{'metric':<18}{'offload':>12}{'resident':>12}{'ratio':>8}")
+    names = ("offload", "resident") if args.compare == "offload" else ("graphs", "eager")
+    print(f"{'metric':<18}{names[0]:>12}{names[1]:>12}{'ratio':>8}")
     for key in keys:
         a = statistics.median(r[key] for r in runs[True])
         b = statistics.median(r[key] for r in runs[False])

@@ -61,3 +61,24 @@ def test_dynamic_placement_on_one_gpu_shares_it_between_engine_workers_and_learn
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5
     assert placement.total == 2 and placement.pool is not None and placement.pool.closed  # shut down after the run
     assert all(0 <= m["placement/judge_devices"] <= 1 for m in result.history)
+
+
+def test_cuda_graph_decoder_matches_the_eager_decoder(tmp_path):
+    """``--engine.cuda_graphs``: the replayed graph gives the eager static decoder's greedy tokens, reuses its
+    graph for a second batch of the same shape, and recaptures for another shape."""
+    config = ModelConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=512)
+    path = materialize(config, char_tokenizer(), seed=0, workdir=str(tmp_path / "m"))
+    prompts = [[5, 6, 7], [8, 9], [5, 6, 7, 10, 11]]
+    greedy = SamplingParams(n=2, max_new_tokens=24, temperature=0.0)
+    tokens = {}
+    for graphs in (False, True):
+        engine = HFEngine(cuda_graphs=graphs)
+        engine.setup(ModelSource(path), torch.device("cuda"))
+        tokens[graphs] = [g.token_ids for group in engine.generate(prompts, greedy) for g in group]
+    assert tokens[True] == tokens[False]
+    graph = engine._decoder._graph
+    assert graph is not None
+    engine.generate([[4, 4, 4], [3, 2], [9, 9, 9, 9, 9]], greedy)
+    assert engine._decoder._graph is graph  # same shape: replayed, not recaptured
+    out = engine.generate(prompts[:1], SamplingParams(n=3, max_new_tokens=8, temperature=1.0))
+    assert engine._decoder._graph is not graph and [len(g.token_ids) for g in out[0]] == [8, 8, 8]

@@ -75,6 +75,32 @@ def test_static_and_dynamic_cache_agree_when_greedy(tmp_path, model_type):
             assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(d.logprobs), atol=1e-5)
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_the_fixed_shape_step_matches_the_sliced_step(tmp_path, model_type, monkeypatch):
+    """The step a CUDA graph captures (a one-element slot tensor: the whole cache attended, later slots masked)
+    gives the sliced step's tokens and log-probabilities. Run on CPU here; ``tests/test_gpu.py`` replays it as a
+    graph. The second call reuses the first call's buffers, whose later slots still hold its keys."""
+    path = _checkpoint(tmp_path, model_type)
+    greedy = SamplingParams(n=2, max_new_tokens=12, temperature=0.0)
+    sampled = SamplingParams(n=3, max_new_tokens=10, temperature=0.8, stop_token_ids=(2,))
+    sliced = _engine(path, static_cache=True)
+    expected = [g.token_ids for group in sliced.generate(PROMPTS, greedy) for g in group]
+    step = StaticCacheDecoder.step
+    monkeypatch.setattr(StaticCacheDecoder, "step",
+                        lambda self, tokens, positions, slot: step(self, tokens, positions, torch.tensor([slot])))
+    fixed = _engine(path, static_cache=True)
+    assert [g.token_ids for group in fixed.generate(PROMPTS, greedy) for g in group] == expected
+    buffers = fixed._decoder.keys[0].data_ptr()
+    other = [[1, 9, 8], [1, 4], [1, 3, 3, 3, 3], [1, 6, 5]]  # same shape as PROMPTS, other tokens
+    torch.manual_seed(4)
+    outputs = fixed.generate(other, SamplingParams(n=2, max_new_tokens=12, temperature=0.8))
+    assert fixed._decoder.keys[0].data_ptr() == buffers  # reused
+    assert _max_gap(fixed, other, outputs, 0.8) < 1e-5
+    torch.manual_seed(1)
+    outputs = fixed.generate(PROMPTS, sampled)  # stop tokens: rows that end early
+    assert _max_gap(fixed, PROMPTS, outputs, sampled.temperature) < 1e-5
+
+
 def test_weight_updates_reach_the_fused_weights(tmp_path):
     path = _checkpoint(tmp_path, "qwen2")
     engine = _engine(path, static_cache=True)

@@ -8,7 +8,7 @@ the tiny model's forward. ``use_generate=True`` goes back to ``model.generate``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -33,6 +33,10 @@ class HFEngine(Engine):
         static_cache: decode Llama-style models (``llama``, ``qwen2``) with the engine's own decode
             step and a preallocated KV cache (``StaticCacheDecoder``); other architectures, or
             ``false``, decode through the model's forward with a growing ``DynamicCache``.
+        cuda_graphs: on a CUDA device, capture the static-cache decoder's step once per batch shape as a CUDA
+            graph and replay it for every token (one launch per token instead of one per kernel: the step of
+            a small model is bound by kernel launches, not by the GPU). Ignored on CPU and without the
+            static-cache decoder.
         dtype: the engine's copy of the weights: ``auto`` (the model's ``--model.dtype``, what the trainer
             holds) or ``bfloat16``/``float16``/``float32``; each weight sync casts the trainer's weights to it.
             A bfloat16 engine beside a float32 trainer samples from a slightly different distribution than
@@ -50,6 +54,7 @@ class HFEngine(Engine):
         offload_when_asleep: bool = True,
         use_generate: bool = False,
         static_cache: bool = True,
+        cuda_graphs: bool = True,
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
     ) -> None:
         if dtype != "auto" and dtype not in DTYPES:
@@ -59,6 +64,7 @@ class HFEngine(Engine):
         self.offload_when_asleep = offload_when_asleep
         self.use_generate = use_generate
         self.static_cache = static_cache
+        self.cuda_graphs = cuda_graphs
         self._decoder: StaticCacheDecoder | None = None
         self.model: torch.nn.Module | None = None
         self.device = torch.device("cpu")
@@ -146,9 +152,10 @@ class HFEngine(Engine):
         decoder = self._static_decoder()
         if decoder is not None:
             decoder.start(cache, rows, attention_mask, budget)
+            step = decoder.graphed_step() if self.cuda_graphs and device.type == "cuda" else decoder.step
 
             def advance(chosen: torch.Tensor, t: int) -> torch.Tensor:
-                return decoder.step(chosen, prompt_lengths + t, width + t)
+                return step(chosen, prompt_lengths + t, width + t)
         else:
             cache.reorder_cache(rows)
             mask = torch.ones((batch, width + budget), dtype=attention_mask.dtype, device=device)
@@ -165,6 +172,8 @@ class HFEngine(Engine):
         logprobs = torch.zeros((batch, budget), dtype=torch.float32, device=device)
         lengths = torch.full((batch,), budget, dtype=torch.long, device=device)
         done = torch.zeros(batch, dtype=torch.bool, device=device)
+        # reading ``done`` waits for the device: on a GPU look every 8 tokens so that launches run ahead
+        check_every = 1 if device.type == "cpu" else 8
         for t in range(budget):
             logits = logits.float()
             if not greedy and params.temperature != 1.0:
@@ -182,7 +191,7 @@ class HFEngine(Engine):
                 hit = ~done & torch.isin(chosen, stop)
                 lengths = torch.where(hit, t + 1, lengths)  # keep the stop token: the policy learns to stop
                 done = done | hit
-                if bool(done.all()):
+                if (t + 1) % check_every == 0 and bool(done.all()):
                     break
             if t + 1 < budget:
                 logits = advance(chosen, t)
@@ -250,6 +259,7 @@ class HFEngine(Engine):
 
     def sleep(self) -> None:
         if self.model is not None and self.offload_when_asleep and self.device.type != "cpu" and not self.asleep:
+            self._decoder = None  # its KV buffers and CUDA graph; moving the weights makes it stale anyway
             self.model.to("cpu")
             torch.cuda.empty_cache()
             self.asleep = True
@@ -317,7 +327,8 @@ class StaticCacheDecoder:
         self.scaling = attention.scaling
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.cos = self.sin = None
+        self.shape: tuple[int, ...] = ()
+        self._graph: _CudaGraphStep | None = None
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> StaticCacheDecoder | None:
@@ -349,33 +360,44 @@ class StaticCacheDecoder:
 
     def start(self, cache: DynamicCache, rows: torch.Tensor, mask: torch.Tensor, budget: int) -> None:
         """Copy the prefill's ``DynamicCache`` (one row per distinct prompt) into static buffers of
-        ``prompt width + budget`` positions, row ``i`` taking prompt ``rows[i]``."""
+        ``prompt width + budget`` positions, row ``i`` taking prompt ``rows[i]``. Buffers of the same
+        shape as the last call's are reused (a captured CUDA graph reads them where they are)."""
         batch, width = len(rows), mask.shape[1]
-        self.keys, self.values = [], []
-        for index in range(len(self.layers)):
-            layer = cache.layers[index]
-            shape = (batch, self.kv_heads, width + budget, self.head_dim)
-            keys = layer.keys.new_empty(shape)
-            values = layer.values.new_empty(shape)
-            keys[:, :, :width] = layer.keys[rows]
-            values[:, :, :width] = layer.values[rows]
-            self.keys.append(keys)
-            self.values.append(values)
+        shape = (batch, self.kv_heads, width + budget, self.head_dim)
+        reference = cache.layers[0].keys
+        if self.shape != shape or self.keys[0].dtype != reference.dtype or self.keys[0].device != reference.device:
+            self._graph = None
+            self.shape = shape
+            # zeros, not empty: the fixed-shape step multiplies masked slots by 0, and 0 * NaN is NaN
+            self.keys = [reference.new_zeros(shape) for _ in self.layers]
+            self.values = [reference.new_zeros(shape) for _ in self.layers]
+            self.bias = reference.new_zeros((batch, 1, 1, width + budget))
+            self.slots = torch.arange(width + budget, device=mask.device)
+            self.cos = reference.new_zeros((width + budget, self.head_dim))
+            self.sin = reference.new_zeros((width + budget, self.head_dim))
+        for index, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
+            keys[:, :, :width] = cache.layers[index].keys[rows]
+            values[:, :, :width] = cache.layers[index].values[rows]
         # additive attention bias: -inf on the left padding of each prompt
-        bias = torch.zeros((batch, width + budget), dtype=self.keys[0].dtype, device=mask.device)
-        bias[:, :width].masked_fill_(mask[rows] == 0, float("-inf"))
-        self.bias = bias[:, None, None, :]
-        positions = torch.arange(width + budget, device=mask.device).unsqueeze(0)
-        cos, sin = self.rotary(self.keys[0], positions)
+        self.bias.zero_()
+        self.bias[:, 0, 0, :width].masked_fill_(mask[rows] == 0, float("-inf"))
+        cos, sin = self.rotary(self.keys[0], self.slots.unsqueeze(0))
         half = self.head_dim // 2
-        self.cos = cos[0]
-        self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # rotate_half's sign folded in
+        self.cos.copy_(cos[0])
+        self.sin.copy_(torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1))  # rotate_half's sign folded in
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
-        """Logits ``[B, vocab]`` after feeding ``tokens`` ``[B]`` at ``positions`` into cache slot ``slot``."""
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int | torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, vocab]`` after feeding ``tokens`` ``[B]`` at ``positions`` into cache slot ``slot``.
+
+        With ``slot`` an ``int`` the step attends to slots ``0..slot`` only. With ``slot`` a one-element
+        tensor every shape is fixed (the whole cache is attended, later slots masked), so that the step can
+        be captured once as a CUDA graph (``graphed_step``) and replayed for every token."""
         batch, heads, kv_heads, dim = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [B, 1, D]
-        bias = self.bias[..., : slot + 1]
+        if isinstance(slot, int):
+            bias, seen = self.bias[..., : slot + 1], slot + 1
+        else:
+            bias, seen = self.bias.masked_fill(self.slots > slot, float("-inf")), self.bias.shape[-1]
         q_end, k_end = heads * dim, (heads + kv_heads) * dim
         hidden = self.embed(tokens)
         for layer, keys, values in zip(self.layers, self.keys, self.values, strict=False):
@@ -384,12 +406,17 @@ class StaticCacheDecoder:
             q = qkv[:, :q_end].view(batch, heads, dim)
             k = qkv[:, q_end:k_end].view(batch, kv_heads, dim)
             q = q * cos + q.roll(dim // 2, -1) * sin
-            keys[:, :, slot] = k * cos + k.roll(dim // 2, -1) * sin
-            values[:, :, slot] = qkv[:, k_end:].view(batch, kv_heads, dim)
+            k = k * cos + k.roll(dim // 2, -1) * sin
+            v = qkv[:, k_end:].view(batch, kv_heads, dim)
+            if isinstance(slot, int):
+                keys[:, :, slot], values[:, :, slot] = k, v
+            else:
+                keys.index_copy_(2, slot, k.unsqueeze(2))
+                values.index_copy_(2, slot, v.unsqueeze(2))
             scores = torch.matmul(q.view(batch, kv_heads, heads // kv_heads, dim),
-                                  keys[:, :, : slot + 1].transpose(-1, -2))
+                                  keys[:, :, :seen].transpose(-1, -2))
             probs = torch.softmax(scores * self.scaling + bias, dim=-1, dtype=torch.float32).to(q.dtype)
-            attended = torch.matmul(probs, values[:, :, : slot + 1]).view(batch, heads * dim)
+            attended = torch.matmul(probs, values[:, :, :seen]).view(batch, heads * dim)
             hidden = hidden + layer.o_proj(attended)
             x = torch.nn.functional.rms_norm(hidden, layer.norm2.weight.shape, layer.norm2.weight, layer.eps2)
             gate_up = torch.nn.functional.linear(x, layer.gate_up_weight, layer.gate_up_bias)
@@ -398,6 +425,42 @@ class StaticCacheDecoder:
         hidden = torch.nn.functional.rms_norm(hidden, self.norm.weight.shape, self.norm.weight,
                                               self.norm.variance_epsilon)
         return self.lm_head(hidden)
+
+    def graphed_step(self) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
+        """``step`` for the buffers of the last ``start``, as a CUDA graph replay (captured on first use
+        for each buffer shape). The returned logits live in the graph's output buffer: the next replay
+        overwrites them."""
+        if self._graph is None:
+            self._graph = _CudaGraphStep(self)
+        return self._graph
+
+
+class _CudaGraphStep:
+    """A decoder's fixed-shape step captured once as a CUDA graph; calling it copies the inputs into the
+    graph's input buffers and replays it."""
+
+    def __init__(self, decoder: StaticCacheDecoder) -> None:
+        batch, device = decoder.shape[0], decoder.keys[0].device
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, dtype=torch.long, device=device)
+        # warm-up and capture write into the last slot, which no real step reads unmasked
+        self.slot = torch.full((1,), decoder.shape[2] - 1, dtype=torch.long, device=device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: cuBLAS picks its kernels and workspaces outside the capture
+                decoder.step(self.tokens, self.positions, self.slot)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = decoder.step(self.tokens, self.positions, self.slot)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.slot.fill_(slot)
+        self.graph.replay()
+        return self.logits
 
 
 class _FusedLayer:
