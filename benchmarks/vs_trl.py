@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("gcore", "gcore-all-rows", "gcore-dynamic", "gcore-generate", "trl")
+VARIANTS = ("gcore", "gcore-all-rows", "gcore-async", "gcore-bf16", "gcore-dynamic", "gcore-generate", "trl")
 STAGES = ("generate", "reward", "swap", "prepare", "train", "sync")
 NEIGHBOURS = ("none", "pinned", "unpinned", "threaded", "gloo")
 
@@ -173,8 +173,23 @@ def run_gcore(args: argparse.Namespace) -> dict:
     """gcore in-process (``Trainer.fit``). ``gcore-dynamic`` decodes through the model's forward with a growing
     ``DynamicCache`` (``--engine.static_cache false``); ``gcore-generate`` samples with ``model.generate``
     (the engine before this benchmark's optimisations); ``gcore-all-rows`` runs the forward/backward of every row,
-    also those of groups that all scored the same (``--backend.skip_inert_rows false``)."""
-    from gcore import GRPO, DataConfig, HFEngine, ModelConfig, SamplingParams, TorchBackend, Trainer, TrainerConfig
+    also those of groups that all scored the same (``--backend.skip_inert_rows false``); ``gcore-async`` generates the
+    next step's rollout in one engine worker process (1 thread) while the controller trains on the last one
+    (``--placement dynamic --placement.devices 1 --placement.threads 1 --trainer.max_staleness 1``: one step
+    off-policy, docs/asynchronous.md); ``gcore-bf16`` generates with a bfloat16 copy of the weights
+    (``--engine.dtype bfloat16``) and trains under bfloat16 autocast (``--trainer.precision bf16-mixed``; the
+    weights and AdamW stay float32)."""
+    from gcore import (
+        GRPO,
+        DataConfig,
+        DynamicPlacement,
+        HFEngine,
+        ModelConfig,
+        SamplingParams,
+        TorchBackend,
+        Trainer,
+        TrainerConfig,
+    )
     from gcore.controller import Controller
     from gcore.rewards.math import MathReward
 
@@ -193,7 +208,10 @@ def run_gcore(args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         trainer = Trainer(
             trainer=TrainerConfig(max_steps=args.steps, seed=args.seed, accelerator="cpu", default_root_dir=root,
-                                  enable_progress_bar=False, save_final=bool(args.eval_prompts)),
+                                  enable_progress_bar=False, save_final=bool(args.eval_prompts),
+                                  max_staleness=int(args.worker == "gcore-async"),
+                                  precision="bf16-mixed" if args.worker == "gcore-bf16" else "32-true"),
+            **({"placement": DynamicPlacement(devices=1, threads=1)} if args.worker == "gcore-async" else {}),
             data=DataConfig(prompts_per_step=args.prompts_per_step, num_synthetic_prompts=args.num_prompts,
                             **({"task": args.task, "chat_template": True, "task_digits": _digits(args)}
                                if args.model_path else {})),
@@ -202,7 +220,8 @@ def run_gcore(args: argparse.Namespace) -> dict:
             backend=TorchBackend(lr=args.lr, micro_batch_size=args.micro_batch_size,
                                  skip_inert_rows=args.worker != "gcore-all-rows"),
             engine=HFEngine(use_generate=args.worker == "gcore-generate",
-                            static_cache=args.worker in ("gcore", "gcore-all-rows")),
+                            static_cache=args.worker in ("gcore", "gcore-all-rows", "gcore-async", "gcore-bf16"),
+                            dtype="bfloat16" if args.worker == "gcore-bf16" else "auto"),
             # every setting that TRL is given below, spelled out (gcore's defaults may change)
             algorithm=GRPO(clip_eps=0.2, scale_rewards=True, kl_coef=0.0, loss_agg="seq_mean_token_mean",
                            epochs=1, mini_batches=1),
