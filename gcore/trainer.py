@@ -557,13 +557,15 @@ class Trainer:
 
     def _checkpoint_manager(self, fabric) -> CheckpointManager:  # noqa: ANN001
         c = self.config
+        import torch.distributed as dist
+
         group = None
-        if fabric.world_size > 1 and (c.checkpoint_every or c.resume):
+        # also for one process whose strategy started a (one-rank) process group, as FSDP does: DCP then uses that
+        # group, and an NCCL-only group cannot run an asynchronous save ("A CPU backend must be enabled")
+        if (fabric.world_size > 1 or dist.is_initialized()) and (c.checkpoint_every or c.resume):
             from datetime import timedelta
 
-            import torch.distributed as dist
-
-            # DCP's background collectives stay off the training group
+            # DCP's background collectives stay off the training group, on a backend that moves CPU tensors
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=c.collective_timeout))
         root = os.path.join(c.default_root_dir, c.name, "checkpoints")
         return CheckpointManager(root, c.keep_checkpoints, fabric.global_rank, fabric.world_size,
