@@ -115,3 +115,18 @@ def test_cli_fit_under_fsdp_on_all_gpus(gcore_cli, tmp_path):
                     "--trainer.checkpoint_every", "1")
     assert run.returncode == 0, run.stderr[-3000:]
     assert next((tmp_path / "runs").rglob("final"))
+
+
+def test_checkpoints_get_a_gloo_group_in_a_one_rank_process_group(tmp_path, _one_rank_group):
+    """One GPU under FSDP runs in a one-rank (NCCL) process group, and DCP's asynchronous save needs a CPU backend:
+    whenever a process group exists, checkpoints get a gloo group of their own (found on an H100, BENCHMARKS.md)."""
+    from types import SimpleNamespace
+
+    from gcore import Trainer, TrainerConfig
+
+    trainer = Trainer(trainer=TrainerConfig(accelerator="cpu", default_root_dir=str(tmp_path), checkpoint_every=1))
+    fabric = SimpleNamespace(world_size=1, global_rank=0, barrier=lambda: None)
+    assert trainer._checkpoint_manager(fabric).process_group is None  # no process group: nothing to add
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    group = trainer._checkpoint_manager(fabric).process_group
+    assert group is not None and torch.distributed.get_backend(group) == "gloo"
