@@ -64,8 +64,8 @@ def main() -> None:
     print(torch.cuda.get_device_name(), f"torch {torch.__version__}", vars(args))
     runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     for _ in range(args.repeats):
-        for offload in (True, False):  # A B A B
-            runs[offload].append(run(offload, args))
+        for variant in (True, False):  # A B A B
+            runs[variant].append(run(variant, args))
     keys = [*STAGES, "gen_tokens_per_s", "sync_gb_per_s", "peak_gib", "reward_last"]
     names = ("offload", "resident") if args.compare == "offload" else ("graphs", "eager")
     print(f"{'metric':<18}{names[0]:>12}{names[1]:>12}{'ratio':>8}")

@@ -560,9 +560,9 @@ class Trainer:
         import torch.distributed as dist
 
         group = None
-        # also for one process whose strategy started a (one-rank) process group, as FSDP does: DCP then uses that
-        # group, and an NCCL-only group cannot run an asynchronous save ("A CPU backend must be enabled")
-        if (fabric.world_size > 1 or dist.is_initialized()) and (c.checkpoint_every or c.resume):
+        # whenever a process group exists: several ranks, or one whose strategy started a one-rank group, as FSDP
+        # does; DCP would use that group, and an NCCL-only group cannot run an asynchronous save
+        if dist.is_initialized() and (c.checkpoint_every or c.resume):
             from datetime import timedelta
 
             # DCP's background collectives stay off the training group, on a backend that moves CPU tensors
