@@ -52,7 +52,8 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("gcore", "gcore-all-rows", "gcore-async", "gcore-bf16", "gcore-dynamic", "gcore-generate", "trl")
+VARIANTS = ("gcore", "gcore-all-rows", "gcore-async", "gcore-bf16", "gcore-compile", "gcore-dynamic", "gcore-generate",
+            "trl", "trl-compile")
 STAGES = ("generate", "reward", "swap", "prepare", "train", "sync")
 NEIGHBOURS = ("none", "pinned", "unpinned", "threaded", "gloo")
 
@@ -178,7 +179,10 @@ def run_gcore(args: argparse.Namespace) -> dict:
     (``--placement dynamic --placement.devices 1 --placement.threads 1 --trainer.max_staleness 1``: one step
     off-policy, docs/asynchronous.md); ``gcore-bf16`` generates with a bfloat16 copy of the weights
     (``--engine.dtype bfloat16``) and trains under bfloat16 autocast (``--trainer.precision bf16-mixed``; the
-    weights and AdamW stay float32)."""
+    weights and AdamW stay float32); ``gcore-compile`` compiles the trained model's transformer blocks and the
+    engine's decode step with ``torch.compile`` (``--backend.compile true --engine.compile true``; the one-off
+    compilation falls in the first steps, left out of the step times as warm-up, but not out of the whole run's
+    time). ``trl-compile`` is TRL with ``torch_compile=True`` (transformers compiles the model it trains)."""
     from gcore import (
         GRPO,
         DataConfig,
@@ -218,10 +222,13 @@ def run_gcore(args: argparse.Namespace) -> dict:
             **({"model": ModelConfig(path=args.model_path), "reward": MathReward()} if args.model_path else {}),
             sampling=SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=args.temperature),
             backend=TorchBackend(lr=args.lr, micro_batch_size=args.micro_batch_size,
-                                 skip_inert_rows=args.worker != "gcore-all-rows"),
+                                 skip_inert_rows=args.worker != "gcore-all-rows",
+                                 compile=args.worker == "gcore-compile"),
             engine=HFEngine(use_generate=args.worker == "gcore-generate",
-                            static_cache=args.worker in ("gcore", "gcore-all-rows", "gcore-async", "gcore-bf16"),
-                            dtype="bfloat16" if args.worker == "gcore-bf16" else "auto"),
+                            static_cache=args.worker in ("gcore", "gcore-all-rows", "gcore-async", "gcore-bf16",
+                                                         "gcore-compile"),
+                            dtype="bfloat16" if args.worker == "gcore-bf16" else "auto",
+                            compile=args.worker == "gcore-compile"),
             # every setting that TRL is given below, spelled out (gcore's defaults may change)
             algorithm=GRPO(clip_eps=0.2, scale_rewards=True, kl_coef=0.0, loss_agg="seq_mean_token_mean",
                            epochs=1, mini_batches=1),
@@ -318,6 +325,7 @@ def run_trl(args: argparse.Namespace) -> dict:
             loss_type="grpo",
             bf16=False,
             fp16=False,
+            torch_compile=args.worker == "trl-compile",
             gradient_checkpointing=False,
             logging_steps=1,
             report_to="none",
@@ -440,7 +448,7 @@ def main() -> None:
             import torch
 
             torch.set_num_threads(args.threads)
-        out = run_trl(args) if args.worker == "trl" else run_gcore(args)
+        out = run_trl(args) if args.worker.startswith("trl") else run_gcore(args)
         print("BENCH-RESULT " + json.dumps(out), flush=True)
         return
 
@@ -529,7 +537,7 @@ def report(args: argparse.Namespace, names: list[str], runs: dict[str, list[dict
                 h = r["held_out"]
                 print(f"  held-out after run {i + 1}: greedy {h['eval/accuracy_greedy']:.3f}, sampled "
                       f"{h['eval/accuracy_sampled']:.3f} ({h['eval/prompts']:.0f} problems)")
-    for name in (n for n in names if n != "trl"):
+    for name in (n for n in names if not n.startswith("trl")):
         print(f"\n== {name} per-stage breakdown (median over steps after warm-up, seconds)")
         rows = [st for r in runs[name] for st in r["stages"][args.warmup :]]
         intervals = [t for r in runs[name] for t in step_times(r, args.warmup)]
@@ -543,9 +551,10 @@ def report(args: argparse.Namespace, names: list[str], runs: dict[str, list[dict
         print(f"  {'loop':9s} {loop - med['step']:.4f}  ({100 * (loop - med['step']) / loop:4.1f}%)  "
               "(trainer loop between steps: logging, data)")
         print(f"  {'step':9s} {loop:.4f}")
-    for name in (n for n in names if n != "trl" and "trl" in summaries):
-        g, t = summaries[name], summaries["trl"]
-        print(f"\n== {name} / TRL")
+    for name, base in ((n, b) for b in ("trl", "trl-compile") if b in summaries
+                       for n in names if not n.startswith("trl")):
+        g, t = summaries[name], summaries[base]
+        print(f"\n== {name} / {base}")
         print(f"  median step time: {g['median_step_s'] / t['median_step_s']:.2f}x  (goal <= 0.5x); "
               "per-repeat ratios "
               f"{', '.join(f'{a / b:.2f}' for a, b in zip(g['run_medians'], t['run_medians'], strict=False))}")
@@ -565,7 +574,7 @@ def side_by_side(names: list[str], by_kind: dict[str, dict[str, dict]]) -> None:
     print("\n== median step time (s) by neighbour" + ("; x: / the same trainer's quiet runs" if quiet else ""))
     header = f"  {'neighbour':10s}" + "".join(f" {n:>22s}" for n in names)
     if "trl" in names:
-        header += "".join(f" {n + '/trl':>20s}" for n in names if n != "trl")
+        header += "".join(f" {n + '/trl':>20s}" for n in names if not n.startswith("trl"))
     print(header)
     for kind, summaries in by_kind.items():
         line = f"  {kind:10s}"
@@ -575,7 +584,7 @@ def side_by_side(names: list[str], by_kind: dict[str, dict[str, dict]]) -> None:
             line += f" {f'{t:.3f}{ratio}':>22s}"
         if "trl" in names:
             line += "".join(f" {summaries[n]['median_step_s'] / summaries['trl']['median_step_s']:19.2f}x"
-                            for n in names if n != "trl")
+                            for n in names if not n.startswith("trl"))
         print(line)
 
 

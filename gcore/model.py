@@ -317,3 +317,13 @@ def import_main(argv) -> int:  # noqa: ANN001
     print(f"HF checkpoint: {args.out_dir}")
     return 0
 
+
+
+def check_compiler(flag: str, device: torch.device) -> None:
+    """Refuse ``flag`` (a ``torch.compile`` option) on a CPU without a C++ compiler: TorchInductor builds its CPU
+    kernels with one (``g++``, ``c++`` or ``clang++`` on the path, or the one ``CXX`` names)."""
+    if device.type != "cpu":
+        return
+    if not any(c and shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++")):
+        raise ConfigError(f"{flag} true needs a C++ compiler on CPU (TorchInductor builds its kernels with g++ or "
+                          "clang++; set CXX to one): install one, or use {flag} false")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from datetime import timedelta
@@ -18,7 +19,7 @@ from gcore.backends.common import OptimizerOptions, check_sequence_parallel_cont
 from gcore.backends.shared_prompts import distinct_prompts, shared_prompt_logits, to_batch_layout
 from gcore.balance import micro_batches_by_length, padding_fraction
 from gcore.errors import ConfigError
-from gcore.model import ModelSource
+from gcore.model import ModelSource, check_compiler
 from gcore.types import RolloutBatch
 
 if TYPE_CHECKING:
@@ -55,6 +56,21 @@ class ValueModel(torch.nn.Module):
         return self.head(hidden).squeeze(-1).float()
 
 
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's transformer blocks (transformers names their classes ``*DecoderLayer``)."""
+    return [m for m in model.modules() if m is not model and type(m).__name__.endswith("DecoderLayer")]
+
+
+def compile_blocks(model: torch.nn.Module) -> None:
+    """``--backend.compile``: each transformer block's forward through ``torch.compile`` (in place)."""
+    blocks = transformer_blocks(model)
+    if not blocks:
+        raise ConfigError(f"--backend.compile true: {type(model).__name__} has no *DecoderLayer blocks to compile; "
+                          "use --backend.compile false")
+    for block in blocks:
+        block.compile(dynamic=True)
+
+
 def shard_per_layer(model: torch.nn.Module, device_mesh) -> torch.nn.Module:  # noqa: ANN001
     """``ModelParallelStrategy``'s ``parallelize_fn``: FSDP2 ``fully_shard`` on every transformer block
     (transformers names them ``*DecoderLayer``), then on the root, which holds the rest (embeddings,
@@ -63,9 +79,8 @@ def shard_per_layer(model: torch.nn.Module, device_mesh) -> torch.nn.Module:  # 
     from torch.distributed.fsdp import fully_shard
 
     mesh = device_mesh["data_parallel"]
-    for module in list(model.modules()):
-        if module is not model and type(module).__name__.endswith("DecoderLayer"):
-            fully_shard(module, mesh=mesh)
+    for module in transformer_blocks(model):
+        fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
@@ -113,6 +128,14 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         lora_target_modules: the linear modules that get adapters, matched against the end of their
             qualified names (e.g. ``[q_proj, v_proj]``); ``None``: every linear layer but the output head
             (for Llama-style models the attention and MLP projections).
+        compile: compile each transformer block of the policy with ``torch.compile`` (TorchInductor, dynamic
+            shapes; "regional" compilation: one block's code is compiled once and serves every block and every
+            micro-batch size and length). A micro-batch that shares its prompts (``share_prompts``) runs
+            eagerly: its KV cache would make a graph per block. Inductor fuses the
+            elementwise work around the matmuls (norms, rotary embeddings, activations); the arithmetic is the
+            same up to float rounding. It costs a one-off compilation at the first step (seconds; Inductor's
+            on-disk cache serves later runs), so it pays on long runs (BENCHMARKS.md). On CPU it needs a C++
+            compiler. Not with ``strategy fsdp``, ``sequence_parallel_size`` > 1, ``packing`` or ``lora_rank``.
         **optimizer: the optimizer options, ``gcore.backends.common.OptimizerOptions``'s arguments
             (``lr``, ``weight_decay``, ``betas``, ``max_grad_norm``, ``micro_batch_size``, ``warmup_steps``).
     """
@@ -132,6 +155,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         lora_rank: int = 0,
         lora_alpha: int | None = None,
         lora_target_modules: list[str] | None = None,
+        compile: bool = False,
         **optimizer: Any,  # noqa: ANN401  OptimizerOptions's arguments, checked there
     ) -> None:
         if strategy not in ("ddp", "fsdp"):
@@ -152,6 +176,9 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             raise ConfigError(f"--backend.lora_rank {lora_rank} does not support {flag} (untested); use "
                               "--backend.strategy ddp and --backend.sequence_parallel_size 1, or --backend.lora_rank 0")
         self.lora_rank, self.lora_alpha, self.lora_target_modules = lora_rank, lora_alpha, lora_target_modules
+        if compile:
+            _check_compile(strategy, sequence_parallel_size, packing, lora_rank)
+        self.compile = compile
         self._lora_synced: list[str] = []  # LoRA: the linear modules the engine sync sends
         self.sequence_parallel_size = sequence_parallel_size
         self.sequence_parallel_mode = sequence_parallel_mode
@@ -200,6 +227,9 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
                 self.hf_model.enable_input_require_grads()
         self.hf_model.train()
         lr = self.base_lr(embedded)
+        if self.compile:
+            check_compiler("--backend.compile", fabric.device)
+            compile_blocks(self.hf_model)
         self.policy, self.optimizer = self._setup_trained(
             self.hf_model, lambda params: _adamw((p for p in params if p.requires_grad) if self.lora_rank else params,
                                                  lr=lr, betas=self.betas, weight_decay=self.weight_decay)
@@ -255,7 +285,9 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
                 if self.fsdp and self.fabric.world_size > 1 and self._global_max(int(shared is None)):
                     shared = None  # FSDP: every rank must make the same model calls (each gathers the weights)
             if shared is not None:  # each distinct prompt runs once for all the rows that share it
-                with self.fabric.autocast():  # the unwrapped module gets the precision the wrapper gives
+                # compiled blocks would recompile for each block's state of the prompts' KV cache: run eagerly
+                eager = torch.compiler.set_stance("force_eager") if self.compile else contextlib.nullcontext()
+                with self.fabric.autocast(), eager:  # the unwrapped module gets the precision the wrapper gives
                     logits, targets = shared_prompt_logits(model, micro, *shared, input_ids.device,
                                                            prefix_model=getattr(model, "module", model))
                 logprobs, entropy = seqpar.next_token_logprobs(logits, targets, temperature)
@@ -475,6 +507,16 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         if self.critic is not None:
             set_state_dict(self.critic.module, self.critic_optimizer.optimizer,
                            model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
+
+
+def _check_compile(strategy: str, sequence_parallel_size: int, packing: bool | None, lora_rank: int) -> None:
+    """Refuse ``--backend.compile true`` where it is untested."""
+    clash = {"--backend.strategy fsdp": strategy == "fsdp",
+             f"--backend.sequence_parallel_size {sequence_parallel_size}": sequence_parallel_size > 1,
+             "--backend.packing true": bool(packing), f"--backend.lora_rank {lora_rank}": lora_rank > 0}
+    for flag, on in clash.items():
+        if on:
+            raise ConfigError(f"--backend.compile true does not support {flag} (untested); use --backend.compile false")
 
 
 def _adamw(params: Iterator[torch.nn.Parameter], **kwargs: object) -> torch.optim.AdamW:

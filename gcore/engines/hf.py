@@ -15,7 +15,7 @@ import torch
 
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError
-from gcore.model import DTYPES, ModelSource
+from gcore.model import DTYPES, ModelSource, check_compiler
 from gcore.types import Generation, SamplingParams
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ class HFEngine(Engine):
         use_generate: bool = False,
         static_cache: bool = True,
         cuda_graphs: bool = True,
+        compile: bool = False,
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
     ) -> None:
         if dtype != "auto" and dtype not in DTYPES:
@@ -65,6 +66,10 @@ class HFEngine(Engine):
         self.use_generate = use_generate
         self.static_cache = static_cache
         self.cuda_graphs = cuda_graphs
+        if compile and (use_generate or not static_cache):
+            raise ConfigError("--engine.compile true compiles the static-cache decoder's step: it needs "
+                              "--engine.static_cache true and --engine.use_generate false")
+        self.compile = compile
         self._decoder: StaticCacheDecoder | None = None
         self.model: torch.nn.Module | None = None
         self.device = torch.device("cpu")
@@ -78,6 +83,11 @@ class HFEngine(Engine):
 
         self.device = device
         self._decoder = None
+        if self.compile:
+            if device.type == "cuda" and self.cuda_graphs:
+                raise ConfigError("--engine.compile true with --engine.cuda_graphs true on a GPU is untested (the CUDA "
+                                  "graph already replays the step without launches): use one of them")
+            check_compiler("--engine.compile", device)
         self.model = AutoModelForCausalLM.from_pretrained(
             source.path, dtype=source.dtype if self.dtype == "auto" else DTYPES[self.dtype],
             trust_remote_code=source.trust_remote_code,
@@ -152,7 +162,10 @@ class HFEngine(Engine):
         decoder = self._static_decoder()
         if decoder is not None:
             decoder.start(cache, rows, attention_mask, budget)
-            step = decoder.graphed_step() if self.cuda_graphs and device.type == "cuda" else decoder.step
+            if self.cuda_graphs and device.type == "cuda":
+                step = decoder.graphed_step()
+            else:
+                step = decoder.compiled_step() if self.compile else decoder.step
 
             def advance(chosen: torch.Tensor, t: int) -> torch.Tensor:
                 return step(chosen, prompt_lengths + t, width + t)
@@ -329,6 +342,7 @@ class StaticCacheDecoder:
         self.values: list[torch.Tensor] = []
         self.shape: tuple[int, ...] = ()
         self._graph: _CudaGraphStep | None = None
+        self._compiled: Callable[..., torch.Tensor] | None = None  # ``step`` under torch.compile, made once
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> StaticCacheDecoder | None:
@@ -425,6 +439,18 @@ class StaticCacheDecoder:
         hidden = torch.nn.functional.rms_norm(hidden, self.norm.weight.shape, self.norm.weight,
                                               self.norm.variance_epsilon)
         return self.lm_head(hidden)
+
+    def compiled_step(self) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
+        """``step`` through ``torch.compile``, in its fixed-shape form (the slot goes in as a one-element
+        tensor, so that every token of a batch shape runs the same graph)."""
+        if self._compiled is None:
+            self._compiled = torch.compile(self.step)
+        compiled = self._compiled
+
+        def step(tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
+            return compiled(tokens, positions, torch.tensor([slot], device=tokens.device))
+
+        return step
 
     def graphed_step(self) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
         """``step`` for the buffers of the last ``start``, as a CUDA graph replay (captured on first use

@@ -1,0 +1,96 @@
+"""``--backend.compile`` and ``--engine.compile``: torch.compile'd blocks and decode steps give the eager numbers.
+
+Each test compiles for real (TorchInductor, a C++ compiler on CPU); the first one on a machine takes tens of
+seconds, later ones reuse Inductor's on-disk cache.
+"""
+
+import pytest
+import torch
+from conftest import final_weights
+
+from gcore import GRPO, HFEngine, SamplingParams, TorchBackend
+from gcore.backends.torch import transformer_blocks
+from gcore.errors import ConfigError
+from gcore.model import ModelSource, check_compiler
+from gcore.testing import tiny_fit
+
+pytestmark = pytest.mark.slow
+
+
+def _compiled_graphs(reset: bool = False) -> int:
+    """Graphs Dynamo made since the last ``reset``."""
+    from torch._dynamo.utils import counters
+
+    if reset:
+        torch._dynamo.reset()
+        counters.clear()
+    return int(counters["stats"]["unique_graphs"])
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_compiled_blocks_train_the_same_run(share_prompts):
+    """Three GRPO steps with each block compiled give the eager run's rewards, losses and weights (up to float
+    rounding; Inductor fuses and reorders the elementwise work). Micro-batches that share their prompts (here all
+    of them with ``share_prompts`` true) run eagerly: no graph for the prompts' KV cache."""
+    results = {}
+    for compile_ in (True, False):
+        _compiled_graphs(reset=True)
+        backend = TorchBackend(compile=compile_, share_prompts=share_prompts, micro_batch_size=6)
+        results[compile_] = tiny_fit(steps=3, save_final=True, backend=backend, algorithm=GRPO(kl_coef=0.05))
+        graphs = _compiled_graphs()
+        assert all((getattr(b, "_compiled_call_impl", None) is not None) == compile_
+                   for b in transformer_blocks(backend.hf_model))
+        if not compile_ or share_prompts:
+            assert graphs == 0, graphs
+        else:  # one graph for the block (its backward counts with it), not one per block, step or length
+            assert 0 < graphs <= 2, graphs
+    compiled, eager = results[True].history, results[False].history
+    assert [m["reward/mean"] for m in compiled] == [m["reward/mean"] for m in eager]
+    for a, b in zip(compiled, eager, strict=True):
+        for key in ("loss", "kl", "entropy", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(b[key]), (key, a[key], b[key])
+    weights = {c: final_weights(results[c]) for c in results}
+    for name, tensor in weights[False].items():
+        torch.testing.assert_close(weights[True][name], tensor, rtol=1e-5, atol=2e-5, msg=name)
+
+
+def test_the_compiled_decode_step_samples_what_the_eager_step_does(tmp_path):
+    """The engine's compiled step: the same greedy tokens and log-probabilities as the eager step, over two batch
+    shapes (a second shape recompiles once, with dynamic shapes) and after a weight update."""
+    from test_hf_engine import PROMPTS, _checkpoint
+
+    path = _checkpoint(tmp_path, "qwen2")
+    engines = {}
+    for compile_ in (True, False):
+        engines[compile_] = HFEngine(compile=compile_)
+        engines[compile_].setup(ModelSource(path), torch.device("cpu"))
+    greedy = SamplingParams(n=2, max_new_tokens=12, temperature=0.0)
+    shifted = {name: t + 0.01 for name, t in engines[False].model.state_dict().items()}
+    for prompts in (PROMPTS, PROMPTS[:3] + [[1, 4, 4, 4, 4, 4, 4]]):  # another width: another shape
+        for update in (False, True):
+            if update:
+                for engine in engines.values():
+                    engine.update_weights(shifted.items())
+            out = {c: engines[c].generate(prompts, greedy) for c in engines}
+            assert [[g.token_ids for g in group] for group in out[True]] == \
+                   [[g.token_ids for g in group] for group in out[False]]
+            for a_group, b_group in zip(out[True], out[False], strict=True):
+                for a, b in zip(a_group, b_group, strict=True):
+                    torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    assert engines[True]._decoder._compiled is not None and engines[False]._decoder._compiled is None
+
+
+def test_compile_refuses_what_it_does_not_support(monkeypatch):
+    with pytest.raises(ConfigError, match="--backend.compile true does not support --backend.strategy fsdp"):
+        TorchBackend(compile=True, strategy="fsdp")
+    with pytest.raises(ConfigError, match="--backend.compile true does not support --backend.lora_rank 4"):
+        TorchBackend(compile=True, lora_rank=4)
+    with pytest.raises(ConfigError, match="--engine.compile true .* --engine.static_cache true"):
+        HFEngine(compile=True, static_cache=False)
+    with pytest.raises(ConfigError, match="--engine.compile true with --engine.cuda_graphs true on a GPU"):
+        HFEngine(compile=True).setup(ModelSource("unused"), torch.device("cuda"))  # refused before any CUDA call
+    monkeypatch.setenv("CXX", "")
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(ConfigError, match="--engine.compile true needs a C\\+\\+ compiler on CPU"):
+        check_compiler("--engine.compile", torch.device("cpu"))
+    check_compiler("--engine.compile", torch.device("meta"))  # not a CPU: nothing to check
