@@ -17,6 +17,17 @@ from gcore.testing import tiny_fit
 pytestmark = pytest.mark.slow
 
 
+def _has_compiler() -> bool:
+    try:
+        check_compiler("--backend.compile", torch.device("cpu"))
+    except ConfigError:
+        return False
+    return True
+
+
+needs_compiler = pytest.mark.skipif(not _has_compiler(), reason="TorchInductor needs a C++ compiler on CPU")
+
+
 def _compiled_graphs(reset: bool = False) -> int:
     """Graphs Dynamo made since the last ``reset``."""
     from torch._dynamo.utils import counters
@@ -27,6 +38,7 @@ def _compiled_graphs(reset: bool = False) -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+@needs_compiler
 @pytest.mark.parametrize("share_prompts", [False, True])
 def test_compiled_blocks_train_the_same_run(share_prompts):
     """Three GRPO steps with each block compiled give the eager run's rewards, losses and weights (up to float
@@ -54,6 +66,7 @@ def test_compiled_blocks_train_the_same_run(share_prompts):
         torch.testing.assert_close(weights[True][name], tensor, rtol=1e-5, atol=2e-5, msg=name)
 
 
+@needs_compiler
 def test_the_compiled_decode_step_samples_what_the_eager_step_does(tmp_path):
     """The engine's compiled step: the same greedy tokens and log-probabilities as the eager step, over two batch
     shapes (a second shape recompiles once, with dynamic shapes) and after a weight update."""
