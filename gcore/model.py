@@ -318,7 +318,6 @@ def import_main(argv) -> int:  # noqa: ANN001
     return 0
 
 
-
 def check_compiler(flag: str, device: torch.device) -> None:
     """Refuse ``flag`` (a ``torch.compile`` option) on a CPU without a C++ compiler: TorchInductor builds its CPU
     kernels with one (``g++``, ``c++`` or ``clang++`` on the path, or the one ``CXX`` names)."""
@@ -326,4 +325,4 @@ def check_compiler(flag: str, device: torch.device) -> None:
         return
     if not any(c and shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++")):
         raise ConfigError(f"{flag} true needs a C++ compiler on CPU (TorchInductor builds its kernels with g++ or "
-                          "clang++; set CXX to one): install one, or use {flag} false")
+                          f"clang++; set CXX to one): install one, or use {flag} false")

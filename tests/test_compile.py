@@ -98,12 +98,15 @@ def test_compile_refuses_what_it_does_not_support(monkeypatch):
         TorchBackend(compile=True, strategy="fsdp")
     with pytest.raises(ConfigError, match="--backend.compile true does not support --backend.lora_rank 4"):
         TorchBackend(compile=True, lora_rank=4)
+    with pytest.raises(ConfigError, match="does not support --backend.gradient_checkpointing true"):
+        TorchBackend(compile=True, gradient_checkpointing=True)
     with pytest.raises(ConfigError, match="--engine.compile true .* --engine.static_cache true"):
         HFEngine(compile=True, static_cache=False)
     with pytest.raises(ConfigError, match="--engine.compile true with --engine.cuda_graphs true on a GPU"):
         HFEngine(compile=True).setup(ModelSource("unused"), torch.device("cuda"))  # refused before any CUDA call
     monkeypatch.setenv("CXX", "")
     monkeypatch.setattr("shutil.which", lambda name: None)
-    with pytest.raises(ConfigError, match="--engine.compile true needs a C\\+\\+ compiler on CPU"):
+    no_compiler = r"--engine.compile true needs a C\+\+ compiler on CPU.* use --engine.compile false$"
+    with pytest.raises(ConfigError, match=no_compiler):
         check_compiler("--engine.compile", torch.device("cpu"))
     check_compiler("--engine.compile", torch.device("meta"))  # not a CPU: nothing to check

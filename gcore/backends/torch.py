@@ -135,7 +135,8 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             elementwise work around the matmuls (norms, rotary embeddings, activations); the arithmetic is the
             same up to float rounding. It costs a one-off compilation at the first step (seconds; Inductor's
             on-disk cache serves later runs), so it pays on long runs (BENCHMARKS.md). On CPU it needs a C++
-            compiler. Not with ``strategy fsdp``, ``sequence_parallel_size`` > 1, ``packing`` or ``lora_rank``.
+            compiler. Not with ``strategy fsdp``, ``sequence_parallel_size`` > 1, ``packing``, ``lora_rank`` or
+            ``gradient_checkpointing`` (untested).
         **optimizer: the optimizer options, ``gcore.backends.common.OptimizerOptions``'s arguments
             (``lr``, ``weight_decay``, ``betas``, ``max_grad_norm``, ``micro_batch_size``, ``warmup_steps``).
     """
@@ -177,7 +178,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
                               "--backend.strategy ddp and --backend.sequence_parallel_size 1, or --backend.lora_rank 0")
         self.lora_rank, self.lora_alpha, self.lora_target_modules = lora_rank, lora_alpha, lora_target_modules
         if compile:
-            _check_compile(strategy, sequence_parallel_size, packing, lora_rank)
+            _check_compile(strategy, sequence_parallel_size, packing, lora_rank, gradient_checkpointing)
         self.compile = compile
         self._lora_synced: list[str] = []  # LoRA: the linear modules the engine sync sends
         self.sequence_parallel_size = sequence_parallel_size
@@ -509,11 +510,13 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
                            model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
 
 
-def _check_compile(strategy: str, sequence_parallel_size: int, packing: bool | None, lora_rank: int) -> None:
+def _check_compile(strategy: str, sequence_parallel_size: int, packing: bool | None, lora_rank: int,
+                   gradient_checkpointing: bool) -> None:
     """Refuse ``--backend.compile true`` where it is untested."""
     clash = {"--backend.strategy fsdp": strategy == "fsdp",
              f"--backend.sequence_parallel_size {sequence_parallel_size}": sequence_parallel_size > 1,
-             "--backend.packing true": bool(packing), f"--backend.lora_rank {lora_rank}": lora_rank > 0}
+             "--backend.packing true": bool(packing), f"--backend.lora_rank {lora_rank}": lora_rank > 0,
+             "--backend.gradient_checkpointing true": gradient_checkpointing}
     for flag, on in clash.items():
         if on:
             raise ConfigError(f"--backend.compile true does not support {flag} (untested); use --backend.compile false")
