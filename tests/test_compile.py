@@ -54,8 +54,9 @@ def test_compiled_blocks_train_the_same_run(share_prompts):
                    for b in transformer_blocks(backend.hf_model))
         if not compile_ or share_prompts:
             assert graphs == 0, graphs
-        else:  # one graph for the block (its backward counts with it), not one per block, step or length
-            assert 0 < graphs <= 2, graphs
+        else:  # not one graph per block, step or length: one per (attention mask given or not, torch thread
+            # count; the adaptive count is 1 or 2 on two cores, and 1 next to a busy neighbour), backward included
+            assert 0 < graphs <= 4, graphs
     compiled, eager = results[True].history, results[False].history
     assert [m["reward/mean"] for m in compiled] == [m["reward/mean"] for m in eager]
     for a, b in zip(compiled, eager, strict=True):
