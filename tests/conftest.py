@@ -72,6 +72,21 @@ def final_weights(result) -> dict[str, torch.Tensor]:
     return AutoModelForCausalLM.from_pretrained(result.final_model_dir).state_dict()
 
 
+def assert_same_run(result, reference) -> None:
+    """Two ``tiny_fit(save_final=True)`` runs that must agree up to float rounding: the same rewards at every
+    step, the same losses, KL, entropy and gradient norms (relative 1e-4), and the same final weights."""
+    history, expected = result.history, reference.history
+    assert [m["reward/mean"] for m in history] == [m["reward/mean"] for m in expected]
+    for a, b in zip(history, expected, strict=True):
+        for key in ("loss", "kl", "entropy", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(b[key]), (key, a[key], b[key])
+    weights = final_weights(result)
+    # Adam turns float noise in near-zero gradients (the key bias, which softmax ignores in theory) into
+    # steps of up to lr; 6 updates at lr 5e-3 left 2.2e-6 there: the bound is 1/250 of one step
+    for name, tensor in final_weights(reference).items():
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=2e-5, msg=name)
+
+
 def engine_logprob_gap(engine, backend, tokenizer, params, prompts=None):
     """Largest |engine logprob - trainer logprob| over the engine's samples for ``prompts`` (default:
     the embedded task's ``0=`` .. ``3=``), and the batch of those samples (engine parity tests)."""

@@ -6,7 +6,7 @@ seconds, later ones reuse Inductor's on-disk cache.
 
 import pytest
 import torch
-from conftest import final_weights
+from conftest import assert_same_run
 
 from gcore import GRPO, HFEngine, SamplingParams, TorchBackend
 from gcore.backends.torch import transformer_blocks
@@ -57,14 +57,7 @@ def test_compiled_blocks_train_the_same_run(share_prompts):
         else:  # not one graph per block, step or length: one per (attention mask given or not, torch thread
             # count; the adaptive count is 1 or 2 on two cores, and 1 next to a busy neighbour), backward included
             assert 0 < graphs <= 4, graphs
-    compiled, eager = results[True].history, results[False].history
-    assert [m["reward/mean"] for m in compiled] == [m["reward/mean"] for m in eager]
-    for a, b in zip(compiled, eager, strict=True):
-        for key in ("loss", "kl", "entropy", "grad_norm"):
-            assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(b[key]), (key, a[key], b[key])
-    weights = {c: final_weights(results[c]) for c in results}
-    for name, tensor in weights[False].items():
-        torch.testing.assert_close(weights[True][name], tensor, rtol=1e-5, atol=2e-5, msg=name)
+    assert_same_run(results[True], results[False])
 
 
 @needs_compiler
