@@ -18,6 +18,10 @@ alternate A B A B so that load from other processes on the machine hits both ali
 Prints, per trainer: median step time (with spread), completion tokens per second, peak RSS,
 the mean reward curve; then the ratios gcore/TRL and gcore's per-stage breakdown.
 
+``--profile-steps N`` runs N more steps after the timed ones under ``torch.profiler`` and prints each trainer's
+matrix multiplications per step (self CPU time, GFLOP, GFLOP/s) and, for gcore, how much of the 0.5x-TRL budget
+(half TRL's median step) its matmuls alone take; TRL's generation-and-scoring time per step is always printed.
+
 ``--neighbour none,pinned,unpinned,threaded,gloo`` runs every trainer next to each kind of other work in turn
 (started before each run, killed after it; see ``neighbour_main``), prints the report above per kind with the
 load average after each run, then one table: each trainer's median step by neighbour, its ratio to its own
@@ -52,9 +56,10 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("gcore", "gcore-all-rows", "gcore-async", "gcore-bf16", "gcore-compile", "gcore-dynamic", "gcore-generate",
-            "trl", "trl-compile")
+VARIANTS = ("gcore", "gcore-all-rows", "gcore-async", "gcore-bf16", "gcore-compile", "gcore-compile-eager",
+            "gcore-dynamic", "gcore-generate", "trl", "trl-compile")
 STAGES = ("generate", "reward", "swap", "prepare", "train", "sync")
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 NEIGHBOURS = ("none", "pinned", "unpinned", "threaded", "gloo")
 
 
@@ -123,6 +128,37 @@ def stop_neighbour(proc: subprocess.Popen | None) -> None:
 # --------------------------------------------------------------------------------------------- #
 
 
+class MatmulProfile:
+    """``--profile-steps N``: ``torch.profiler`` over N more steps after the timed ones (the timed steps run
+    unprofiled): the matrix multiplications' self CPU time, their FLOPs and the profiled steps' wall time."""
+
+    def __init__(self, timed_steps: int, profiled_steps: int) -> None:
+        self.first, self.last = timed_steps + 1, timed_steps + profiled_steps
+        self.profiler = None
+        self.start = 0.0
+        self.figures: dict[str, float] = {}
+
+    def step_started(self, step: int) -> None:
+        if step == self.first and self.last >= self.first:
+            import torch
+
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                   record_shapes=True, with_flops=True)
+            self.profiler.__enter__()
+            self.start = time.perf_counter()
+
+    def step_ended(self, step: int) -> None:
+        if step != self.last or self.profiler is None:
+            return
+        wall = time.perf_counter() - self.start
+        self.profiler.__exit__(None, None, None)
+        events = [e for e in self.profiler.key_averages() if e.key in MATMULS]
+        steps = self.last - self.first + 1
+        self.figures = {"matmul_s": sum(e.self_cpu_time_total for e in events) / 1e6 / steps,
+                        "matmul_gflop": sum(e.flops for e in events) / 1e9 / steps,
+                        "profiled_step_s": wall / steps}
+
+
 def target_char_reward(completion: str, answer: str, length: int) -> float:
     """The embedded task's reward (the same rule as gcore's ``TargetCharReward``)."""
     return min(completion.count(answer[0]), length) / length
@@ -182,7 +218,9 @@ def run_gcore(args: argparse.Namespace) -> dict:
     weights and AdamW stay float32); ``gcore-compile`` compiles the trained model's transformer blocks and the
     engine's decode step with ``torch.compile`` (``--backend.compile true --engine.compile true``; the one-off
     compilation falls in the first steps, left out of the step times as warm-up, but not out of the whole run's
-    time). ``trl-compile`` is TRL with ``torch_compile=True`` (transformers compiles the model it trains)."""
+    time); ``gcore-compile-eager`` the same, training with eager (matmul) attention, which Inductor fuses
+    into the blocks' graphs, instead of SDPA (``--backend.attn_implementation eager``). ``trl-compile`` is TRL with
+    ``torch_compile=True`` (transformers compiles the model it trains)."""
     from gcore import (
         GRPO,
         DataConfig,
@@ -201,18 +239,22 @@ def run_gcore(args: argparse.Namespace) -> dict:
     cpu_ends: list[float] = []
     step = Controller.step
 
+    profile = MatmulProfile(args.steps, args.profile_steps)
+
     def timed_step(self, *a, **kw):
+        profile.step_started(len(ends) + 1)
         out = step(self, *a, **kw)
         ends.append(time.perf_counter())
         cpu_ends.append(time.process_time())
+        profile.step_ended(len(ends))
         return out
 
     Controller.step = timed_step
     with tempfile.TemporaryDirectory(prefix="gcore-bench-") as root:
         start = time.perf_counter()
         trainer = Trainer(
-            trainer=TrainerConfig(max_steps=args.steps, seed=args.seed, accelerator="cpu", default_root_dir=root,
-                                  enable_progress_bar=False, save_final=bool(args.eval_prompts),
+            trainer=TrainerConfig(max_steps=args.steps + args.profile_steps, seed=args.seed, accelerator="cpu",
+                                  default_root_dir=root, enable_progress_bar=False, save_final=bool(args.eval_prompts),
                                   max_staleness=int(args.worker == "gcore-async"),
                                   precision="bf16-mixed" if args.worker == "gcore-bf16" else "32-true"),
             **({"placement": DynamicPlacement(devices=1, threads=1)} if args.worker == "gcore-async" else {}),
@@ -223,12 +265,13 @@ def run_gcore(args: argparse.Namespace) -> dict:
             sampling=SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=args.temperature),
             backend=TorchBackend(lr=args.lr, micro_batch_size=args.micro_batch_size,
                                  skip_inert_rows=args.worker != "gcore-all-rows",
-                                 compile=args.worker == "gcore-compile"),
+                                 compile=args.worker.startswith("gcore-compile"),
+                                 attn_implementation="eager" if args.worker == "gcore-compile-eager" else None),
             engine=HFEngine(use_generate=args.worker == "gcore-generate",
                             static_cache=args.worker in ("gcore", "gcore-all-rows", "gcore-async", "gcore-bf16",
-                                                         "gcore-compile"),
+                                                         "gcore-compile", "gcore-compile-eager"),
                             dtype="bfloat16" if args.worker == "gcore-bf16" else "auto",
-                            compile=args.worker == "gcore-compile"),
+                            compile=args.worker.startswith("gcore-compile")),
             # every setting that TRL is given below, spelled out (gcore's defaults may change)
             algorithm=GRPO(clip_eps=0.2, scale_rewards=True, kl_coef=0.0, loss_agg="seq_mean_token_mean",
                            epochs=1, mini_batches=1),
@@ -236,11 +279,12 @@ def run_gcore(args: argparse.Namespace) -> dict:
         result = trainer.fit()
         total = time.perf_counter() - start
         held_out = heldout_accuracy(result.final_model_dir, args) if args.eval_prompts else {}
-    history = result.history
+    history = result.history[: args.steps]  # the profiled steps after them are not timed
     return {
         "held_out": held_out,
-        "step_ends": ends,
-        "cpu_ends": cpu_ends,
+        "step_ends": ends[: args.steps],
+        "cpu_ends": cpu_ends[: args.steps],
+        **profile.figures,
         "start": start,
         "total_s": total,
         "reward": [m["reward/mean"] for m in history],
@@ -265,11 +309,17 @@ def run_trl(args: argparse.Namespace) -> dict:
     ends: list[float] = []
     cpu_ends: list[float] = []
     records: list[dict] = []
+    generate: list[float] = []  # seconds in TRL's generation and scoring, per optimizer step
+    profile = MatmulProfile(args.steps, args.profile_steps)
 
     class Clock(TrainerCallback):
+        def on_step_begin(self, args_, state, control, **kw):
+            profile.step_started(state.global_step + 1)
+
         def on_step_end(self, args_, state, control, **kw):
             ends.append(time.perf_counter())
             cpu_ends.append(time.process_time())
+            profile.step_ended(state.global_step)
 
         def on_log(self, args_, state, control, logs=None, **kw):
             if logs and "reward" in logs:
@@ -303,7 +353,7 @@ def run_trl(args: argparse.Namespace) -> dict:
             output_dir=os.path.join(root, "out"),
             use_cpu=True,
             seed=args.seed,
-            max_steps=args.steps,
+            max_steps=args.steps + args.profile_steps,
             per_device_train_batch_size=micro,
             gradient_accumulation_steps=batch // micro,  # one optimizer step per generation batch
             num_generations=args.n,
@@ -336,6 +386,15 @@ def run_trl(args: argparse.Namespace) -> dict:
         reward = arithmetic if args.model_path else target_char
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                               processing_class=tokenizer, callbacks=[Clock()])
+        generate_and_score = trainer._generate_and_score_completions
+
+        def timed_generation(*a, **kw):  # once per optimizer step (steps_per_generation = accumulation steps)
+            t0 = time.perf_counter()
+            out = generate_and_score(*a, **kw)
+            generate.append(time.perf_counter() - t0)
+            return out
+
+        trainer._generate_and_score_completions = timed_generation
         trainer.train()
         total = time.perf_counter() - start
         held_out = {}
@@ -343,11 +402,13 @@ def run_trl(args: argparse.Namespace) -> dict:
             trainer.model.save_pretrained(os.path.join(root, "final"))
             tokenizer.save_pretrained(os.path.join(root, "final"))
             held_out = heldout_accuracy(os.path.join(root, "final"), args)
-    records.sort(key=lambda e: e["step"])
+    records = sorted((e for e in records if e["step"] <= args.steps), key=lambda e: e["step"])
     return {
         "held_out": held_out,
-        "step_ends": ends,
-        "cpu_ends": cpu_ends,
+        "step_ends": ends[: args.steps],
+        "cpu_ends": cpu_ends[: args.steps],
+        "generate_s": generate[: args.steps],
+        **profile.figures,
         "start": start,
         "total_s": total,
         "reward": [e["reward"] for e in records],
@@ -401,6 +462,8 @@ def summarize(name: str, runs: list[dict], warmup: int) -> dict:
         "last5": last,
         "last5_runs": [statistics.mean(r["reward"][-5:]) for r in runs],
         "total_s": statistics.median(r["total_s"] for r in runs),
+        **{key: (statistics.median(r[key] for r in runs) if all(key in r for r in runs) else None)
+           for key in ("matmul_s", "matmul_gflop", "profiled_step_s")},
     }
 
 
@@ -424,6 +487,9 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=32)
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--json", help="write every run's raw figures here")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after the timed steps, this many more under torch.profiler: each trainer's matrix "
+                             "multiplications' CPU time and FLOPs per step, against the 0.5x-TRL budget")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of both trainers")
     parser.add_argument("--task", default="arithmetic", choices=["arithmetic", "compare"],
                         help="with --model-path: the embedded task both trainers train on (gcore --data.task)")
@@ -532,6 +598,16 @@ def report(args: argparse.Namespace, names: list[str], runs: dict[str, list[dict
         print("  last-5-step reward per run: " + ", ".join(f"{x:.3f}" for x in s["last5_runs"]))
         print(f"  reward (mean over runs) first 5 steps {s['first5']:.3f} -> last 5 steps {s['last5']:.3f}")
         print("  reward curve: " + " ".join(f"{r:.2f}" for r in s["curve"]))
+        trl_generate = [t for r in runs[s["name"]] for t in r.get("generate_s", [])[args.warmup :]]
+        if trl_generate:
+            print(f"  generation and scoring (TRL's _generate_and_score_completions), median: "
+                  f"{statistics.median(trl_generate):.4f} s per step")
+        if s["matmul_s"] is not None:
+            print(f"  matmuls ({', '.join(MATMULS)}) over {args.profile_steps} profiled steps after the timed ones: "
+                  f"{s['matmul_s']:.4f} s self CPU time per step ({s['matmul_gflop']:.2f} GFLOP, "
+                  f"{s['matmul_gflop'] / s['matmul_s']:.0f} GFLOP/s), "
+                  f"{100 * s['matmul_s'] / s['profiled_step_s']:.0f}% of a profiled step "
+                  f"({s['profiled_step_s']:.4f} s)")
         for i, r in enumerate(runs[s["name"]]):
             if r.get("held_out"):
                 h = r["held_out"]
@@ -561,6 +637,11 @@ def report(args: argparse.Namespace, names: list[str], runs: dict[str, list[dict
         print(f"  median step CPU time: {g['median_step_cpu_s'] / t['median_step_cpu_s']:.2f}x")
         print(f"  completion tokens/s: {g['tokens_per_s'] / t['tokens_per_s']:.2f}x")
         print(f"  peak RSS: {g['peak_rss_mb'] / t['peak_rss_mb']:.2f}x")
+        if g["matmul_s"] is not None:
+            budget = 0.5 * t["median_step_s"]
+            print(f"  the 0.5x budget, {budget:.4f} s per step: {name}'s matmuls alone take "
+                  f"{g['matmul_s']:.4f} s of it ({100 * g['matmul_s'] / budget:.0f}%; "
+                  f"{base}'s matmuls {t['matmul_s']:.4f} s per step)")
         print(f"  reward last 5 steps: {name} {g['last5']:.3f} vs TRL {t['last5']:.3f}; "
               f"first step reaching 0.2 (mean curve): {name} {_reach(g['curve'], 0.2)} "
               f"vs TRL {_reach(t['curve'], 0.2)}")

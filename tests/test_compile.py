@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import assert_same_run
 
-from gcore import GRPO, HFEngine, SamplingParams, TorchBackend
+from gcore import GRPO, PPO, HFEngine, SamplingParams, TorchBackend
 from gcore.backends.torch import transformer_blocks
 from gcore.errors import ConfigError
 from gcore.model import ModelSource, check_compiler
@@ -39,19 +39,22 @@ def _compiled_graphs(reset: bool = False) -> int:
 
 
 @needs_compiler
-@pytest.mark.parametrize("share_prompts", [False, True])
-def test_compiled_blocks_train_the_same_run(share_prompts):
+@pytest.mark.parametrize(("share_prompts", "attention"), [(False, None), (True, None), (False, "eager")])
+def test_compiled_blocks_train_the_same_run(share_prompts, attention):
     """Three GRPO steps with each block compiled give the eager run's rewards, losses and weights (up to float
     rounding; Inductor fuses and reorders the elementwise work). Micro-batches that share their prompts (here all
-    of them with ``share_prompts`` true) run eagerly: no graph for the prompts' KV cache."""
+    of them with ``share_prompts`` true) run eagerly: no graph for the prompts' KV cache. With eager (matmul)
+    attention, which Inductor fuses into the block's graph, the same holds."""
     results = {}
     for compile_ in (True, False):
         _compiled_graphs(reset=True)
-        backend = TorchBackend(compile=compile_, share_prompts=share_prompts, micro_batch_size=6)
+        backend = TorchBackend(compile=compile_, share_prompts=share_prompts, micro_batch_size=6,
+                               attn_implementation=attention)
         results[compile_] = tiny_fit(steps=3, save_final=True, backend=backend, algorithm=GRPO(kl_coef=0.05))
         graphs = _compiled_graphs()
         assert all((getattr(b, "_compiled_call_impl", None) is not None) == compile_
                    for b in transformer_blocks(backend.hf_model))
+        assert backend.hf_model.config._attn_implementation == (attention or "sdpa")
         if not compile_ or share_prompts:
             assert graphs == 0, graphs
         else:  # not one graph per block, step or length: one per (attention mask given or not, torch thread
@@ -85,6 +88,23 @@ def test_the_compiled_decode_step_samples_what_the_eager_step_does(tmp_path):
                 for a, b in zip(a_group, b_group, strict=True):
                     torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
     assert engines[True]._decoder._compiled is not None and engines[False]._decoder._compiled is None
+
+
+def test_attn_implementation_reaches_every_model_the_backend_runs():
+    """``--backend.attn_implementation``: the policy, the reference and the critic all load with it; an unknown
+    name is a one-line error naming the option and transformers' choices; sequence parallelism and packing,
+    which bring their own attention, refuse it."""
+    backend = TorchBackend(attn_implementation="eager")
+    tiny_fit(steps=1, backend=backend, algorithm=PPO(kl_coef=0.05))
+    models = (backend.hf_model, backend.reference, backend.critic.module.trunk)
+    assert [m.config._attn_implementation for m in models] == ["eager"] * 3
+    with pytest.raises(ConfigError, match=r"^--backend.attn_implementation nope: .*\"eager\".*sdpa") as error:
+        tiny_fit(steps=1, backend=TorchBackend(attn_implementation="nope"))
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="--backend.attn_implementation eager does not apply with --backend.packing"):
+        TorchBackend(attn_implementation="eager", packing=True)
+    with pytest.raises(ConfigError, match="does not apply with --backend.sequence_parallel_size 2"):
+        TorchBackend(attn_implementation="eager", sequence_parallel_size=2)
 
 
 def test_compile_refuses_what_it_does_not_support(monkeypatch):

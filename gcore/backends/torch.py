@@ -30,12 +30,11 @@ class ValueModel(torch.nn.Module):
     """The critic: the policy checkpoint's transformer trunk (``AutoModel``, no LM head) and a linear
     head from the last hidden state to one value per position, initialised to zero."""
 
-    def __init__(self, source: ModelSource) -> None:
+    def __init__(self, source: ModelSource, attn_implementation: str | None = None) -> None:
         super().__init__()
         from transformers import AutoModel
 
-        self.trunk = AutoModel.from_pretrained(source.path, dtype=source.dtype,
-                                               trust_remote_code=source.trust_remote_code)
+        self.trunk = _load(AutoModel, source, attn_implementation)
         self.head = torch.nn.Linear(self.trunk.config.hidden_size, 1, dtype=source.dtype)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
@@ -128,6 +127,12 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         lora_target_modules: the linear modules that get adapters, matched against the end of their
             qualified names (e.g. ``[q_proj, v_proj]``); ``None``: every linear layer but the output head
             (for Llama-style models the attention and MLP projections).
+        attn_implementation: the attention of the models this backend runs (policy, reference, critic):
+            transformers' ``attn_implementation`` (``sdpa``, ``eager``, ``flash_attention_2``, ...); ``None``:
+            transformers' default (``sdpa`` where the model supports it). ``eager`` (two matmuls and a softmax,
+            which ``compile`` fuses into the blocks' graphs) keeps a rows x heads x length x length score
+            matrix per layer for the backward; ``flash_attention_2`` needs the ``flash-attn`` package and a
+            GPU. Not with ``sequence_parallel_size`` > 1 or ``packing``, which bring their own attention.
         compile: compile each transformer block of the policy with ``torch.compile`` (TorchInductor, dynamic
             shapes; "regional" compilation: one block's code is compiled once and serves every block and every
             micro-batch size and length). A micro-batch that shares its prompts (``share_prompts``) runs
@@ -156,6 +161,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         lora_rank: int = 0,
         lora_alpha: int | None = None,
         lora_target_modules: list[str] | None = None,
+        attn_implementation: str | None = None,
         compile: bool = False,
         **optimizer: Any,  # noqa: ANN401  OptimizerOptions's arguments, checked there
     ) -> None:
@@ -177,6 +183,12 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             raise ConfigError(f"--backend.lora_rank {lora_rank} does not support {flag} (untested); use "
                               "--backend.strategy ddp and --backend.sequence_parallel_size 1, or --backend.lora_rank 0")
         self.lora_rank, self.lora_alpha, self.lora_target_modules = lora_rank, lora_alpha, lora_target_modules
+        if attn_implementation is not None and (sequence_parallel_size > 1 or packing):
+            flag = (f"--backend.sequence_parallel_size {sequence_parallel_size}" if sequence_parallel_size > 1
+                    else "--backend.packing true")
+            raise ConfigError(f"--backend.attn_implementation {attn_implementation} does not apply with {flag}: it "
+                              "brings its own attention; leave --backend.attn_implementation unset")
+        self.attn_implementation = attn_implementation
         if compile:
             _check_compile(strategy, sequence_parallel_size, packing, lora_rank, gradient_checkpointing)
         self.compile = compile
@@ -217,8 +229,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         from transformers import AutoModelForCausalLM
 
         self.fabric = fabric
-        load = dict(dtype=source.dtype, trust_remote_code=source.trust_remote_code)
-        self.hf_model = AutoModelForCausalLM.from_pretrained(source.path, **load)
+        self.hf_model = _load(AutoModelForCausalLM, source, self.attn_implementation)
         if self.lora_rank:
             self._lora_synced = lora.add_adapters(self.hf_model, self.lora_rank, self.lora_alpha,
                                                   self.lora_target_modules)
@@ -237,12 +248,12 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: self.warmup_factor(step))
         if algorithm.needs_reference:
-            reference = AutoModelForCausalLM.from_pretrained(source.path, **load)
+            reference = _load(AutoModelForCausalLM, source, self.attn_implementation)
             reference.eval().requires_grad_(False)
             # under FSDP sharded like the policy (ModelParallelStrategy moves no unsharded module to the device)
             self.reference = fabric.setup_module(reference) if self.fsdp else fabric.to_device(reference)
         if algorithm.needs_critic:
-            critic = ValueModel(source)
+            critic = ValueModel(source, self.attn_implementation)
             if self.gradient_checkpointing:
                 critic.trunk.gradient_checkpointing_enable()
             critic.train()
@@ -508,6 +519,18 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         if self.critic is not None:
             set_state_dict(self.critic.module, self.critic_optimizer.optimizer,
                            model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
+
+
+def _load(auto_class, source: ModelSource, attn_implementation: str | None) -> torch.nn.Module:  # noqa: ANN001
+    """``auto_class.from_pretrained`` of the checkpoint, with ``--backend.attn_implementation`` when set."""
+    kwargs: dict[str, Any] = dict(dtype=source.dtype, trust_remote_code=source.trust_remote_code)
+    if attn_implementation is None:
+        return auto_class.from_pretrained(source.path, **kwargs)
+    try:
+        return auto_class.from_pretrained(source.path, attn_implementation=attn_implementation, **kwargs)
+    except (ValueError, ImportError) as error:  # transformers' message names the implementations it knows
+        reason = " ".join(str(error).split())
+        raise ConfigError(f"--backend.attn_implementation {attn_implementation}: {reason}") from None
 
 
 def _check_compile(strategy: str, sequence_parallel_size: int, packing: bool | None, lora_rank: int,
