@@ -529,6 +529,8 @@ def _load(auto_class, source: ModelSource, attn_implementation: str | None) -> t
     try:
         return auto_class.from_pretrained(source.path, attn_implementation=attn_implementation, **kwargs)
     except (ValueError, ImportError) as error:  # transformers' message names the implementations it knows
+        if isinstance(error, ValueError) and "attn_implementation" not in str(error):
+            raise  # another fault of the checkpoint: not this option's
         reason = " ".join(str(error).split())
         raise ConfigError(f"--backend.attn_implementation {attn_implementation}: {reason}") from None
 
