@@ -518,6 +518,9 @@ def main() -> None:
         print("BENCH-RESULT " + json.dumps(out), flush=True)
         return
 
+    if args.profile_steps and args.eval_prompts:
+        parser.error("--profile-steps with --eval-prompts: the held-out accuracy would be of a model trained for the "
+                     "profiled steps too; run them apart")
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(names) - set(VARIANTS)
     if unknown:
