@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,18 +31,49 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LOCAL_STAGES", "STAGES", "Controller", "StageTimer"]
+__all__ = ["LOCAL_STAGES", "STAGES", "Controller", "StageTimer", "StepRecord"]
+
+
+@dataclass
+class StepRecord:
+    """What one step's stages hand each other, and what the trainer reads after the step.
+
+    ``Controller.step`` makes one per step and passes it through the stages in order; each stage
+    fills its part. Nothing of a step is kept on the controller.
+    """
+
+    step: int
+    prompts: list[Prompt]  # this controller's share of the step's prompts
+    timer: StageTimer  # wall-clock seconds per stage
+    started: float = field(default_factory=time.perf_counter)
+    samples: list[Sample] = field(default_factory=list)  # every sample generated (dynamic sampling: every round)
+    kept: list[Sample] = field(default_factory=list)  # the samples trained (FILTER kept them, at most the share)
+    rounds: int = 1  # rollouts FILTER ran to fill the share
+    groups_accepted: int = 0  # the groups FILTER would keep (may exceed the share; the rest are not trained)
+    reward_errors: int = 0  # samples whose reward failed and got the fallback (``reward/errors``)
+    first_reward_error: str | None = None
+    rollout_wait_s: float = 0.0  # seconds waited for a rollout started ahead (``max_staleness``)
+    synced_bytes: int = 0  # the weights SYNC sent to the rollout engine
+    #: the step's metrics: each stage adds its part; ``log`` completes them over every rank
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def count_reward_errors(self, job: RolloutJob) -> None:
+        """Add the samples of ``job`` whose scoring failed."""
+        self.reward_errors += job.reward_errors
+        self.first_reward_error = self.first_reward_error or job.first_reward_error
 
 
 @dataclass
 class Controller:
     """Runs the stages for one rank; the trainer calls ``step`` once per training step.
 
-    ``step`` is the whole step, one named method per stage: ``rollout`` (GENERATE and REWARD, asked
-    of the placement policy), ``filter``, ``prepare``, ``train``, ``sync`` and ``log``. A variant of
-    the step (the one-controller baseline in ``single_controller.py``) overrides only the stages
-    that differ. With ``max_staleness`` 1 (docs/asynchronous.md), ``collect`` takes the rollout
-    started during the step before, and ``run_ahead`` starts the next step's before ``train``.
+    ``step`` is the whole step, one named method per stage, each handed the step's ``StepRecord``:
+    ``collect`` (GENERATE and REWARD, asked of the placement policy), ``filter``, ``end_rollout``,
+    ``run_ahead``, ``prepare``, ``train``, ``sync``, ``place`` (the placement policy re-decides
+    from every rank's stage times) and ``log``. A variant of the step (the one-controller baseline
+    in ``single_controller.py``) overrides only the stages that differ. With ``max_staleness`` 1
+    (docs/asynchronous.md), ``collect`` takes the rollout started during the step before, and
+    ``run_ahead`` starts the next step's before ``train``.
     """
 
     fabric: Fabric
@@ -55,18 +86,20 @@ class Controller:
     sampling: SamplingParams
     #: draws ``k`` more prompts for this controller alone (dynamic sampling); ``None``: no re-sampling
     draw_prompts: Callable[[int], list[Prompt]] | None = None
-    last_samples: list[Sample] | None = None  # the last step's samples (the trainer learns lengths from them)
     #: rollouts of the next steps may run while this step trains, with weights up to this many steps old
     #: (``--trainer.max_staleness``; 0: the synchronous step). Needs ``placement.supports_overlap``.
     max_staleness: int = 0
 
     def __post_init__(self) -> None:
-        self.algorithm.setup(self.sampling.max_new_tokens)
-        self._reward_errors, self._first_reward_error = 0, None
         #: the training steps the engine's weights have had; set at the first step (a resumed run's start)
         self.policy_version: int | None = None
         self._ahead: dict[int, tuple[RolloutJob, Callable[[], list[Sample]]]] = {}  # step -> rollout in flight
-        self._wait_s = 0.0
+
+    def setup(self) -> None:
+        """Tell the other plugins what this controller will run: the generation budget to the
+        algorithm, and to the placement policy that rollouts may overlap training. Called once by
+        the trainer before the first step."""
+        self.algorithm.setup(self.sampling.max_new_tokens)
         if self.max_staleness:
             if not self.placement.supports_overlap:
                 raise ConfigError(f"--trainer.max_staleness {self.max_staleness}: {type(self.placement).__name__} "
@@ -74,123 +107,151 @@ class Controller:
             self.placement.allow_overlap()
 
     def step(self, step: int, prompts: list[Prompt], on_stage: Callable[[str], None] | None = None,
-             upcoming: Sequence[list[Prompt]] = ()) -> dict[str, float]:
-        """One training step on ``prompts``. ``upcoming``: the prompts of the next steps; with
-        ``max_staleness`` K >= 1 the rollouts of the next K of them are started before this step
-        trains, and collected by the steps they belong to."""
-        timer = StageTimer(on_stage)
-        step_start = time.perf_counter()
-        self._reward_errors, self._first_reward_error = 0, None
+             upcoming: Sequence[list[Prompt]] = ()) -> StepRecord:
+        """One training step on ``prompts``; returns its record (``record.metrics``: the logged
+        metrics). ``upcoming``: the prompts of the next steps; with ``max_staleness`` K >= 1 the
+        rollouts of the next K of them are started before this step trains, and collected by the
+        steps they belong to."""
+        record = StepRecord(step, prompts, StageTimer(on_stage))
         if self.policy_version is None:
             self.policy_version = step
-        samples = self.collect(step, prompts, timer)
-        kept, samples, filter_metrics = self.filter(step, prompts, samples, timer)
-        self.run_ahead(step, upcoming, timer)
-        batch = self.prepare(kept, samples, timer)
-        train_metrics = self.train(batch, timer)
-        synced_bytes = self.sync(timer)
-        self.last_samples = samples
-        parts = [filter_metrics, train_metrics]
-        if self.max_staleness:
-            parts.append(self._staleness_metrics(step, kept))
-        return self.log(step, timer, step_start, samples, len(kept), parts, synced_bytes)
+        self.collect(record)
+        self.filter(record)
+        self.end_rollout(record)
+        self.run_ahead(record, upcoming)
+        batch = self.prepare(record)
+        self.train(record, batch)
+        self.sync(record)
+        self.place(record)
+        self.log(record)
+        return record
 
     # -- the stages, in the order of a step ------------------------------------------------------
-    def collect(self, step: int, prompts: list[Prompt], timer: StageTimer) -> list[Sample]:
+    def collect(self, record: StepRecord) -> None:
         """GENERATE and REWARD of this step: the rollout started ahead for it, waited for, or else
         ``rollout`` now."""
-        if step not in self._ahead:
-            return self.rollout(prompts, timer)
-        job, result = self._ahead.pop(step)
-        if [p.index for p in job.prompts] != [p.index for p in prompts]:
-            raise RuntimeError(f"step {step}: the rollout started ahead was for other prompts than the step's")
-        job.timer = timer
+        if record.step not in self._ahead:
+            record.samples = self.rollout(record, record.prompts)
+            return
+        job, result = self._ahead.pop(record.step)
+        if [p.index for p in job.prompts] != [p.index for p in record.prompts]:
+            raise RuntimeError(f"step {record.step}: the rollout started ahead was for other prompts than the step's")
+        job.timer = record.timer
         started = time.perf_counter()
-        samples = result()
-        self._wait_s = time.perf_counter() - started
-        self._count_reward_errors(job)
-        return samples
+        record.samples = result()
+        record.rollout_wait_s = time.perf_counter() - started
+        record.count_reward_errors(job)
 
-    def rollout(self, prompts: list[Prompt], timer: StageTimer, first_group: int = 0) -> list[Sample]:
+    def rollout(self, record: StepRecord, prompts: list[Prompt], first_group: int = 0) -> list[Sample]:
         """GENERATE and REWARD: ``n`` samples per prompt from the rollout engine, scored and shaped
         (groups numbered from ``first_group``). The placement policy runs the ``RolloutJob``: it
         decides where and in what order."""
-        job = self._job(prompts, timer, first_group)
+        job = self._job(prompts, record.timer, first_group)
         samples = self.placement.rollout(job)
-        self._count_reward_errors(job)
+        record.count_reward_errors(job)
         return samples
 
-    def run_ahead(self, step: int, upcoming: Sequence[list[Prompt]], timer: StageTimer) -> None:
+    def filter(self, record: StepRecord) -> None:
+        """FILTER: the algorithm may drop whole groups; with ``max_rounds`` > 1 this controller samples
+        more prompts of its own until its share (``len(prompts)`` groups) is full (dynamic sampling),
+        without waiting for any other controller."""
+        target, n = len(record.prompts), self.sampling.n
+        kept = self._keep_groups(record.samples)
+        while len(kept) < target * n and record.rounds < self.algorithm.max_rounds and self.draw_prompts is not None:
+            samples = record.samples
+            missing = target - len(kept) // n
+            keep_rate = max(len(kept) / len(samples), 1.0 / (len(samples) // n))  # at worst, one group in all
+            extra = self.draw_prompts(min(math.ceil(missing / keep_rate), 4 * target))
+            more = self.rollout(record, extra, first_group=len(samples) // n)
+            record.samples, kept, record.rounds = samples + more, kept + self._keep_groups(more), record.rounds + 1
+        record.groups_accepted = len(kept) // n
+        record.kept = kept[: target * n]
+        if record.reward_errors:  # one line per step, however many samples got the fallback reward
+            log.warning("step %d: %d sample(s) could not be scored and got the fallback reward (reward/errors); "
+                        "the first: %s", record.step, record.reward_errors, record.first_reward_error or "(no detail)")
+
+    def end_rollout(self, record: StepRecord) -> None:
+        """This step generates no more. Nothing to do with one controller per process; the
+        one-controller variant tells the other ranks here."""
+
+    def run_ahead(self, record: StepRecord, upcoming: Sequence[list[Prompt]]) -> None:
         """Start the rollouts of the next ``max_staleness`` steps that are not in flight yet, with the
         weights the engine has now: they generate while this step trains (``placement.start_rollout``;
         the weight update after it queues behind them)."""
         for offset, prompts in enumerate(upcoming[: self.max_staleness], start=1):
-            if step + offset not in self._ahead and prompts:
-                job = self._job(prompts, timer)
-                self._ahead[step + offset] = (job, self.placement.start_rollout(job))
+            if record.step + offset not in self._ahead and prompts:
+                job = self._job(prompts, record.timer)
+                self._ahead[record.step + offset] = (job, self.placement.start_rollout(job))
 
-    def filter(
-        self, step: int, prompts: list[Prompt], samples: list[Sample], timer: StageTimer
-    ) -> tuple[list[Sample], list[Sample], dict[str, float]]:
-        """FILTER: the algorithm may drop whole groups; with ``max_rounds`` > 1 this controller samples
-        more prompts of its own until its share (``len(prompts)`` groups) is full (dynamic sampling).
-        Returns (the samples to train, every sample, FILTER's metrics over every rank)."""
-        kept, samples, rounds = self._resample(prompts, samples, timer)
-        self._end_rollout()
-        self._warn_reward_errors(step)
-        n = self.sampling.n
-        metrics = self._filter_metrics(len(samples) // n, len(kept) // n, len(prompts), rounds)
-        return kept[: len(prompts) * n], samples, metrics
-
-    def prepare(self, kept: list[Sample], samples: list[Sample], timer: StageTimer) -> RolloutBatch:
+    def prepare(self, record: StepRecord) -> RolloutBatch:
         """PREPARE: the padded batch, the log-probabilities and values the loss needs, advantages."""
-        with timer("prepare"):
-            batch = self._collate(kept, samples)
+        with record.timer("prepare"):
+            batch = self._collate(record.kept, record.samples)
             self._model_outputs(batch)
             batch.advantages = self.algorithm.advantages(batch)
         return batch
 
-    def train(self, batch: RolloutBatch, timer: StageTimer) -> dict[str, float]:
+    def train(self, record: StepRecord, batch: RolloutBatch) -> None:
         """TRAIN: the algorithm's loss, gradients all-reduced over every rank."""
-        with timer("train"):
-            return self.backend.train(batch, self.algorithm)
+        with record.timer("train"):
+            record.metrics.update(self.backend.train(batch, self.algorithm))
 
-    def sync(self, timer: StageTimer) -> int:
-        """SYNC: the new weights go to the rollout engine; returns the bytes it received."""
-        with timer("swap"):
+    def sync(self, record: StepRecord) -> None:
+        """SYNC: the new weights go to the rollout engine."""
+        with record.timer("swap"):
             self.placement.before_sync(self.engine)
-        with timer("sync"):
-            synced = self.engine.update_weights(self.backend.named_weights())
+        with record.timer("sync"):
+            record.synced_bytes = self.engine.update_weights(self.backend.named_weights())
         assert self.policy_version is not None  # set by ``step``
         self.policy_version += 1
-        return synced
 
-    def log(self, step: int, timer: StageTimer, step_start: float, samples: list[Sample], kept: int,
-            parts: list[dict[str, float]], synced_bytes: int) -> dict[str, float]:
-        """The step's metrics over every rank: samples, the stages' ``parts``, telemetry, weight sync."""
-        timer.seconds["step"] = time.perf_counter() - step_start
-        metrics = self._global_sample_metrics(samples, kept)
-        for part in parts:
-            metrics.update(part)
-        metrics.update(self._telemetry(step, timer.seconds))
-        metrics["sync/gb_per_s"] = synced_bytes / 1e9 / max(timer.seconds["sync"], 1e-9)
-        metrics["sync/gb"] = synced_bytes / 1e9
-        return metrics
+    def place(self, record: StepRecord) -> None:
+        """PLACE: every rank's stage times are gathered (one all-gather) and the placement policy
+        re-decides where the next steps run from them (``placement.update``); the slowest rank's
+        times, the imbalance between ranks and the policy's decision go into the metrics."""
+        record.timer.seconds["step"] = time.perf_counter() - record.started
+        names = (*STAGES, "step", *self.placement.telemetry_keys)
+        local = torch.tensor([*(record.timer.seconds.get(s, 0.0) for s in names), _peak_rss_gb()],
+                             dtype=torch.float64)
+        if self.fabric.world_size > 1:
+            gathered = _tensor(self.fabric.all_gather(local)).reshape(self.fabric.world_size, len(names) + 1)
+        else:
+            gathered = local.unsqueeze(0)
+        rss, gathered = gathered[:, -1], gathered[:, :-1]
+        per_rank = [dict(zip(names, row.tolist(), strict=True)) for row in gathered]
+        updates = self.placement.update(Telemetry(record.step, per_rank))
+        metrics = record.metrics
+        metrics.update({f"time/{name}": float(gathered[:, i].max()) for i, name in enumerate(names)})
+        # busy time: the stages a controller runs alone (the step time also holds the waits in collectives)
+        busy = sum(gathered[:, names.index(stage)] for stage in LOCAL_STAGES)
+        assert isinstance(busy, torch.Tensor)
+        metrics["time/imbalance"] = float(busy.max() / busy.mean().clamp(min=1e-9))
+        metrics.update({k if k.startswith("placement/") else f"placement/{k}": v for k, v in updates.items()})
+        metrics["memory/peak_rss_gb"] = float(rss.max())  # the busiest process's high-water mark
+        metrics["memory/rank0_peak_rss_gb"] = float(rss[0])
+
+    def log(self, record: StepRecord) -> None:
+        """LOG: the step's metrics over every rank: samples, FILTER's counts, staleness, weight sync."""
+        metrics = record.metrics
+        metrics.update(self._global_sample_metrics(record))
+        metrics.update(self._filter_metrics(record))
+        if self.max_staleness:
+            metrics.update(self._staleness_metrics(record))
+        metrics["sync/gb_per_s"] = record.synced_bytes / 1e9 / max(record.timer.seconds["sync"], 1e-9)
+        metrics["sync/gb"] = record.synced_bytes / 1e9
 
     # -- what the stages are made of --------------------------------------------------------------
     def _job(self, prompts: list[Prompt], timer: StageTimer, first_group: int = 0) -> RolloutJob:
         return RolloutJob(prompts, self.sampling, self.engine, self.reward, self.algorithm, self.tokenizer, timer,
                           first_group, policy_version=self.policy_version or 0)
 
-    def _count_reward_errors(self, job: RolloutJob) -> None:
-        self._reward_errors += job.reward_errors
-        self._first_reward_error = self._first_reward_error or job.first_reward_error
-
     def _collate(self, kept: list[Sample], samples: list[Sample]) -> RolloutBatch:
         """The kept samples as a padded batch with the algorithm's loss mask; with none kept, one sample
         with a zero mask, so that this controller joins the collectives with zero weight. When samples
         may be off-policy (``max_staleness``), the engine's log-probabilities are the behaviour policy's."""
-        batch = collate(kept or samples[:1], self.tokenizer.pad_token_id, self.sampling.temperature)
+        pad_id = self.tokenizer.pad_token_id
+        assert isinstance(pad_id, int), "the tokenizer has a pad token (load_tokenizer sets one)"
+        batch = collate(kept or samples[:1], pad_id, self.sampling.temperature)
         if not kept:
             batch.response_mask.zero_()
         batch.response_mask = self.algorithm.loss_mask(batch)
@@ -199,14 +260,13 @@ class Controller:
             batch.policy_versions = torch.tensor([s.policy_version for s in kept or samples[:1]], dtype=torch.long)
         return batch
 
-    def _staleness_metrics(self, step: int, kept: list[Sample]) -> dict[str, float]:
+    def _staleness_metrics(self, record: StepRecord) -> dict[str, float]:
         """How many versions old the trained samples were (``step - policy_version``), over every rank,
         and the slowest controller's wait for its rollout to come in."""
-        ages = torch.tensor([float(step - s.policy_version) for s in kept], dtype=torch.float64)
+        ages = torch.tensor([float(record.step - s.policy_version) for s in record.kept], dtype=torch.float64)
         sums = self._all_reduce(torch.tensor([ages.sum(), len(ages)], dtype=torch.float64), "sum")
-        most = self._all_reduce(torch.tensor([ages.max() if len(ages) else 0.0, self._wait_s],
+        most = self._all_reduce(torch.tensor([ages.max() if len(ages) else 0.0, record.rollout_wait_s],
                                              dtype=torch.float64), "max")
-        self._wait_s = 0.0
         return {"async/staleness_mean": float(sums[0] / sums[1].clamp(min=1.0)),
                 "async/staleness_max": float(most[0]), "async/rollout_wait_s": float(most[1])}
 
@@ -219,34 +279,13 @@ class Controller:
         if self.algorithm.needs_reference:
             batch.ref_logprobs = self.backend.compute_logprobs(batch, "reference")
 
-    def _end_rollout(self) -> None:
-        """Called when this step generates no more (after dynamic sampling); nothing to do here."""
-
-    def _warn_reward_errors(self, step: int) -> None:
-        """One line per step, however many samples got a fallback reward (``reward/errors`` counts them)."""
-        if self._reward_errors:
-            log.warning("step %d: %d sample(s) could not be scored and got the fallback reward (reward/errors); "
-                        "the first: %s", step, self._reward_errors, self._first_reward_error or "(no detail)")
-
-    def _resample(
-        self, prompts: list[Prompt], samples: list[Sample], timer: StageTimer
-    ) -> tuple[list[Sample], list[Sample], int]:
-        """The local part of FILTER: (kept samples, possibly more than the share; all samples; rounds)."""
-        target, n = len(prompts), self.sampling.n
-        kept, rounds = self._keep_groups(samples), 1
-        while len(kept) < target * n and rounds < self.algorithm.max_rounds and self.draw_prompts is not None:
-            missing = target - len(kept) // n
-            keep_rate = max(len(kept) / len(samples), 1.0 / (len(samples) // n))  # at worst, one group in all
-            extra = self.draw_prompts(min(math.ceil(missing / keep_rate), 4 * target))
-            more = self.rollout(extra, timer, first_group=len(samples) // n)
-            samples, kept, rounds = samples + more, kept + self._keep_groups(more), rounds + 1
-        return kept, samples, rounds
-
-    def _filter_metrics(self, sampled: int, accepted: int, target: int, rounds: int) -> dict[str, float]:
+    def _filter_metrics(self, record: StepRecord) -> dict[str, float]:
         """FILTER's counts over every rank: one all-reduce, after the fact, so no controller waits for
         another while sampling."""
+        n, target = self.sampling.n, len(record.prompts)
+        sampled, accepted = len(record.samples) // n, record.groups_accepted
         sums = self._all_reduce(torch.tensor([sampled, accepted, min(accepted, target)], dtype=torch.float64), "sum")
-        most_rounds = self._all_reduce(torch.tensor([float(rounds)], dtype=torch.float64), "max")
+        most_rounds = self._all_reduce(torch.tensor([float(record.rounds)], dtype=torch.float64), "max")
         return {
             "filter/groups_sampled": float(sums[0]),
             "filter/groups_dropped": float(sums[0] - sums[1]),
@@ -264,8 +303,9 @@ class Controller:
                 kept.extend(members)
         return kept
 
-    def _global_sample_metrics(self, samples: list[Sample], kept: int) -> dict[str, float]:
+    def _global_sample_metrics(self, record: StepRecord) -> dict[str, float]:
         """Reward and length statistics over every rank's samples (one all-reduce)."""
+        samples = record.samples
         raw = torch.tensor([s.reward_info["raw"] for s in samples], dtype=torch.float64)
         lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
         local = torch.tensor([
@@ -274,8 +314,8 @@ class Controller:
             raw.pow(2).sum(),
             lengths.sum(),
             sum(not s.finished for s in samples),
-            kept,
-            self._reward_errors,
+            len(record.kept),
+            record.reward_errors,
         ], dtype=torch.float64)
         total = self._all_reduce(local, "sum")
         count = max(float(total[0]), 1.0)
@@ -293,30 +333,16 @@ class Controller:
             "samples/trained": float(total[5]),
         }
 
-    def _telemetry(self, step: int, seconds: dict[str, float]) -> dict[str, float]:
-        """Every rank's stage times; logged as the slowest rank's, with the imbalance between ranks."""
-        names = (*STAGES, "step", *self.placement.telemetry_keys)
-        local = torch.tensor([*(seconds.get(s, 0.0) for s in names), _peak_rss_gb()], dtype=torch.float64)
-        if self.fabric.world_size > 1:
-            gathered = self.fabric.all_gather(local).reshape(self.fabric.world_size, len(names) + 1)
-        else:
-            gathered = local.unsqueeze(0)
-        rss, gathered = gathered[:, -1], gathered[:, :-1]
-        per_rank = [dict(zip(names, row.tolist(), strict=False)) for row in gathered]
-        updates = self.placement.update(Telemetry(step, per_rank))
-        metrics = {f"time/{name}": float(gathered[:, i].max()) for i, name in enumerate(names)}
-        # busy time: the stages a controller runs alone (the step time also holds the waits in collectives)
-        busy = sum(gathered[:, names.index(stage)] for stage in LOCAL_STAGES)
-        metrics["time/imbalance"] = float(busy.max() / busy.mean().clamp(min=1e-9))
-        metrics.update({k if k.startswith("placement/") else f"placement/{k}": v for k, v in updates.items()})
-        metrics["memory/peak_rss_gb"] = float(rss.max())  # the busiest process's high-water mark
-        metrics["memory/rank0_peak_rss_gb"] = float(rss[0])
-        return metrics
-
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         if self.fabric.world_size == 1:
             return tensor
-        return self.fabric.all_reduce(tensor, reduce_op=op)
+        return _tensor(self.fabric.all_reduce(tensor, reduce_op=op))
+
+
+def _tensor(result: object) -> torch.Tensor:
+    """A Fabric collective's result for one tensor (Fabric types it for collections of tensors too)."""
+    assert isinstance(result, torch.Tensor)
+    return result
 
 
 def _peak_rss_gb() -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -12,7 +13,7 @@ import torch
 from gcore.balance import LengthPredictor, imbalance, karmarkar_karp, round_robin
 from gcore.errors import DataError
 from gcore.tasks import TASKS
-from gcore.types import Prompt
+from gcore.types import Prompt, Sample
 
 
 @dataclass
@@ -278,3 +279,19 @@ class CostBalancer:
 
     def observe(self, index: int, mean_response_length: float) -> None:
         self.predictor.observe(index, self.prompt_lengths[index], mean_response_length)
+
+    def learn(self, samples: list[Sample], per_step: int,
+              all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Learn the response lengths of a step's ``samples`` (at most ``per_step`` prompts); with
+        ``all_gather`` (several controllers), every rank learns every rank's rows, so that all
+        predict alike: one all-gather of (prompt, mean length) rows."""
+        by_prompt: dict[int, list[int]] = {}
+        for sample in samples:
+            by_prompt.setdefault(sample.prompt.index, []).append(len(sample.response_ids))
+        rows = torch.full((per_step, 2), -1.0, dtype=torch.float64)
+        for row, (index, lengths) in enumerate(sorted(by_prompt.items())[:per_step]):
+            rows[row, 0], rows[row, 1] = index, sum(lengths) / len(lengths)
+        gathered = all_gather(rows).reshape(-1, 2) if all_gather is not None else rows
+        for index, length in gathered.tolist():
+            if index >= 0:
+                self.observe(int(index), length)

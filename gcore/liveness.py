@@ -25,6 +25,7 @@ store first (``mark``), so it is not mistaken for a lost one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -32,7 +33,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from types import FrameType
+from typing import NoReturn
+
+from gcore.errors import GcoreError, Interrupted
 
 PREFIX = "gcore/watch"
 EXIT_LOST = 3  # exit status of a controller stopped because another one was lost
@@ -254,6 +260,85 @@ class ControllerWatch:
             if proc.poll() is None:
                 proc.kill()  # a controller blocked in a collective does not answer SIGTERM
         os._exit(EXIT_LOST)
+
+
+def report_rank_failure(rank: int, err: Exception, watch: ControllerWatch | None = None) -> NoReturn:
+    """Say which controller failed and why, and raise; a controller that only lost its peers (its
+    error came out of a collective, or is a connection or timeout error) names the lost one."""
+    message = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if from_collective(err) and not isinstance(err, GcoreError):
+        found = watch.wait_for_loss(timeout=10.0) if watch is not None else {}
+        if watch is not None:
+            watch.mark(f"failed: lost contact ({message})")
+        if watch is not None and found:
+            raise GcoreError(
+                f"controller {rank}: {watch.describe(found)}; the run stopped at the broken collective "
+                f"({message}). Continue it from the last complete checkpoint with --trainer.resume auto"
+            ) from err
+        raise GcoreError(
+            f"controller {rank}: lost contact with another controller ({message}); that controller's own "
+            "error is reported above"
+        ) from err
+    if watch is not None:
+        watch.mark(f"failed: {type(err).__name__}: {message}")
+    print(f"gcore: controller {rank} failed: {type(err).__name__}: {message}", file=sys.stderr, flush=True)
+    raise err
+
+
+def from_collective(err: BaseException) -> bool:
+    """Whether ``err`` says that the other controllers are out of reach: a ``torch.distributed``
+    error, a connection or timeout error, or any error raised inside ``torch.distributed`` (gloo
+    reports a peer gone as a plain ``RuntimeError`` from the collective)."""
+    import torch.distributed as dist
+
+    if isinstance(err, (dist.DistError, ConnectionError, TimeoutError)):
+        return True
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith("torch.distributed")
+
+
+class Signals:
+    """SIGINT and SIGTERM raise ``KeyboardInterrupt`` / ``Interrupted`` in the main thread, so that a run
+    finishes its save in flight and says where to continue; ``deferred()`` holds one signal back
+    while a save is being started (a second one goes through at once)."""
+
+    def __init__(self) -> None:
+        self._deferring = False
+        self._held: int | None = None
+
+    def install(self) -> Callable[[], object]:
+        """Take over both signals; returns the function that gives them back."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._deferring and self._held is None:
+            self._held = signum
+            return
+        self._raise(signum)
+
+    @staticmethod
+    def _raise(signum: int) -> None:
+        raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Hold one SIGINT or SIGTERM until the block ends, then raise it."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+            held, self._held = self._held, None
+            if held is not None:
+                self._raise(held)
+
+
+SIGNALS = Signals()
 
 
 def _first_line(err: BaseException) -> str:

@@ -28,7 +28,7 @@ LOCAL_STAGES = ("generate", "reward", "swap", "prepare")  # no collective inside
 class Decoder(Protocol):
     """What a job needs of a tokenizer (a ``transformers`` tokenizer is one)."""
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str | list[str]: ...
 
 
 class StageTimer:
@@ -86,7 +86,7 @@ class RolloutJob:
                 group=first + group,
                 response_ids=g.token_ids,
                 response_logprobs=g.logprobs,
-                response_text=self.tokenizer.decode(g.token_ids, skip_special_tokens=True),
+                response_text=str(self.tokenizer.decode(g.token_ids, skip_special_tokens=True)),  # ids -> one str
                 finished=g.finished,
                 policy_version=self.policy_version,
             )

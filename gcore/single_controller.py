@@ -19,7 +19,7 @@ from dataclasses import fields
 import torch
 import torch.distributed as dist
 
-from gcore.controller import Controller, StageTimer
+from gcore.controller import Controller, StepRecord
 from gcore.engines.base import Engine
 from gcore.model import ModelSource
 from gcore.types import Generation, Prompt, RolloutBatch, Sample, SamplingParams
@@ -113,7 +113,7 @@ def _decode_batch(message: list[torch.Tensor]) -> RolloutBatch:
     present, temperature, *values = message
     tensors = iter(values)
     kwargs = {name: (next(tensors) if on else None) for name, on in zip(_BATCH_FIELDS, present.tolist(), strict=False)}
-    return RolloutBatch(temperature=float(temperature), **kwargs)
+    return RolloutBatch(temperature=float(temperature), **kwargs)  # type: ignore[arg-type]  # the required ones are set
 
 
 def _rows(batch: RolloutBatch, index: torch.Tensor) -> RolloutBatch:
@@ -148,7 +148,7 @@ class RemoteEngines(Engine):
             index = parts[rank].tolist()
             features = self.features[parts[rank]] if self.features is not None else None
             self.sent_bytes += send_tensors(_encode_prompts([prompts[i] for i in index], features), rank)
-        outputs = _generate(self.local, [prompts[i] for i in parts[0].tolist()], params)
+        outputs = _generate(self.local, [list(prompts[i]) for i in parts[0].tolist()], params)
         for rank in range(1, self.world_size):
             outputs.extend(_decode_generations(recv_tensors(rank), params.n))
         return outputs
@@ -184,66 +184,72 @@ class SingleController(Controller):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.rank, self.world = self.fabric.global_rank, self.fabric.world_size
-        if self.rank == 0:
-            self.engine = RemoteEngines(self.engine, self.world)
+        #: rank 0's view of every rank's engine (``None`` on the other ranks, which serve rank 0)
+        self.remote = RemoteEngines(self.engine, self.world) if self.rank == 0 else None
+        if self.remote is not None:
+            self.engine = self.remote
 
-    def rollout(self, prompts: list[Prompt], timer: StageTimer, first_group: int = 0) -> list[Sample]:
+    def rollout(self, record: StepRecord, prompts: list[Prompt], first_group: int = 0) -> list[Sample]:
         """Rank 0: the rollout of ``Controller`` on every rank's engine (``RemoteEngines``); the other
         ranks generate what rank 0 sends them until it says the rollout is over."""
-        if self.rank == 0:
-            features = [p.metadata.get("feature") for p in prompts]
-            self.engine.features = torch.stack(features) if prompts and features[0] is not None else None
-            return super().rollout(prompts, timer, first_group)
-        with timer("generate"):
+        if self.remote is not None:
+            features = [p.metadata["feature"] for p in prompts if p.metadata.get("feature") is not None]
+            self.remote.features = torch.stack(features) if prompts and len(features) == len(prompts) else None
+            return super().rollout(record, prompts, first_group)
+        with record.timer("generate"):
             self.placement.before_generate(self.engine)
             self._serve_generation()
-        with timer("swap"):
+        with record.timer("swap"):
             self.placement.after_generate(self.engine)
         return []
 
-    def _end_rollout(self) -> None:
-        if self.rank == 0:
-            self.engine.finish_rollout()
+    def end_rollout(self, record: StepRecord) -> None:
+        """Rank 0 tells the other ranks that this step's generation is over."""
+        if self.remote is not None:
+            self.remote.finish_rollout()
 
-    def prepare(self, kept: list[Sample], samples: list[Sample], timer: StageTimer) -> RolloutBatch:
+    def prepare(self, record: StepRecord) -> RolloutBatch:
         """Rank 0 collates every sample and computes advantages; each rank gets its rows, computes the
         log-probabilities and values the algorithm needs on its own shard, and sends them back first
         when the advantages depend on them."""
-        with timer("prepare"):
-            algorithm = self.algorithm
-            needs_model = algorithm.needs_critic or algorithm.needs_old_logprobs or algorithm.needs_reference
-            if self.rank == 0:
-                batch = self._collate(kept, samples)
-                parts = list(torch.arange(len(batch)).tensor_split(self.world))  # contiguous rows per rank
-                if not needs_model:
-                    batch.advantages = algorithm.advantages(batch)
-                    return self._scatter(batch, parts)
-                own = self._scatter(batch, parts)
-            else:
-                own = _decode_batch(recv_tensors(0))
-                if not needs_model:
-                    return own
-            self._model_outputs(own)
-            computed = [getattr(own, name) if getattr(own, name) is not None else torch.empty(0)
-                        for name in _MODEL_FIELDS]
-            if self.rank != 0:
-                send_tensors(computed, 0)
+        with record.timer("prepare"):
+            if self.remote is not None:
+                return self._prepare_everyone(self.remote, self._collate(record.kept, record.samples))
+            own = _decode_batch(recv_tensors(0))
+            if self._needs_model():
+                self._model_outputs(own)
+                send_tensors([_field_or_empty(own, name) for name in _MODEL_FIELDS], 0)
                 return _decode_batch(recv_tensors(0))
-            pieces = [computed] + [recv_tensors(rank) for rank in range(1, self.world)]
-            for i, name in enumerate(_MODEL_FIELDS):
-                if getattr(own, name) is not None:
-                    setattr(batch, name, torch.cat([piece[i] for piece in pieces]))
-            batch.advantages = algorithm.advantages(batch)
-            return self._scatter(batch, parts)
+            return own
 
-    def log(self, step: int, timer: StageTimer, step_start: float, samples: list[Sample], kept: int,
-            parts: list[dict[str, float]], synced_bytes: int) -> dict[str, float]:
-        metrics = super().log(step, timer, step_start, samples, kept, parts, synced_bytes)
+    def log(self, record: StepRecord) -> None:
+        """LOG, and the bytes rank 0 sent to the other ranks this step (``controller/sent_gb``)."""
+        super().log(record)
         sent = 0
-        if self.rank == 0:
-            sent, self.engine.sent_bytes = self.engine.sent_bytes, 0
-        metrics["controller/sent_gb"] = float(self._all_reduce(torch.tensor([float(sent)]), "sum")[0]) / 1e9
-        return metrics
+        if self.remote is not None:
+            sent, self.remote.sent_bytes = self.remote.sent_bytes, 0
+        record.metrics["controller/sent_gb"] = float(self._all_reduce(torch.tensor([float(sent)]), "sum")[0]) / 1e9
+
+    def _needs_model(self) -> bool:
+        algorithm = self.algorithm
+        return algorithm.needs_critic or algorithm.needs_old_logprobs or algorithm.needs_reference
+
+    def _prepare_everyone(self, remote: RemoteEngines, batch: RolloutBatch) -> RolloutBatch:
+        """Rank 0's part of PREPARE: scatter the rows, gather what the other ranks computed on theirs,
+        compute the advantages over the whole batch and scatter again; returns rank 0's rows."""
+        parts = list(torch.arange(len(batch)).tensor_split(self.world))  # contiguous rows per rank
+        if not self._needs_model():
+            batch.advantages = self.algorithm.advantages(batch)
+            return self._scatter(remote, batch, parts)
+        own = self._scatter(remote, batch, parts)
+        self._model_outputs(own)
+        pieces = [[_field_or_empty(own, name) for name in _MODEL_FIELDS]]
+        pieces += [recv_tensors(rank) for rank in range(1, self.world)]
+        for i, name in enumerate(_MODEL_FIELDS):
+            if getattr(own, name) is not None:
+                setattr(batch, name, torch.cat([piece[i] for piece in pieces]))
+        batch.advantages = self.algorithm.advantages(batch)
+        return self._scatter(remote, batch, parts)
 
     def _serve_generation(self) -> None:
         """Generate what rank 0 sends until it says the rollout is over."""
@@ -255,7 +261,7 @@ class SingleController(Controller):
             outputs = _generate(self.engine, token_ids, self.sampling)
             send_tensors(_encode_generations(outputs), 0)
 
-    def _scatter(self, batch: RolloutBatch, parts: list[torch.Tensor]) -> RolloutBatch:
+    def _scatter(self, remote: RemoteEngines, batch: RolloutBatch, parts: list[torch.Tensor]) -> RolloutBatch:
         """Send every other rank its rows; return rank 0's own. A rank without rows gets one row with a
         zero mask, so that it still joins every collective of the training step."""
         own = None
@@ -266,8 +272,14 @@ class SingleController(Controller):
             if rank == 0:
                 own = rows
             else:
-                self.engine.sent_bytes += send_tensors(_encode_batch(rows), rank)
+                remote.sent_bytes += send_tensors(_encode_batch(rows), rank)
+        assert own is not None  # rank 0 is among the parts
         return own
 
 
-_MODEL_FIELDS = ("values", "old_logprobs", "ref_logprobs")
+_MODEL_FIELDS = ("values", "old_logprobs", "ref_logprobs")  # what ``Controller._model_outputs`` sets
+
+
+def _field_or_empty(batch: RolloutBatch, name: str) -> torch.Tensor:
+    value = getattr(batch, name)
+    return value if value is not None else torch.empty(0)

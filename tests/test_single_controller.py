@@ -12,11 +12,11 @@ from conftest import FAST, RECORDING_REWARD, spawn
 from lightning.fabric import Fabric
 
 from gcore import GRPO, PPO, ModelConfig, TorchBackend
+from gcore.controller import StageTimer, StepRecord
 from gcore.engines.hf import HFEngine
 from gcore.model import ModelSource, char_tokenizer, materialize
 from gcore.placement.static import StaticPlacement
 from gcore.rewards.rule import TargetCharReward
-from gcore.rollout import StageTimer
 from gcore.single_controller import SingleController, recv_tensors, send_tensors
 from gcore.testing import set_up
 from gcore.types import Prompt, Sample, SamplingParams, collate
@@ -94,7 +94,8 @@ def _one_controller(fabric, model_dir, out, name):
     controller = SingleController(fabric, HFEngine(), TargetCharReward(), algorithm, backend, StaticPlacement(),
                                   tokenizer, sampling)
     samples = _samples(tokenizer) if fabric.global_rank == 0 else []
-    batch = controller.prepare(samples, samples, StageTimer())
+    record = StepRecord(0, [], StageTimer(), samples=samples, kept=samples)
+    batch = controller.prepare(record)
     metrics = backend.train(batch, set_up(algorithm, 6))
     torch.save({"metrics": metrics, "weights": {k: v.clone() for k, v in backend.named_weights()},
                 "features": batch.features}, out % fabric.global_rank)
