@@ -121,27 +121,47 @@ def test_weight_sync_across_processes_in_small_and_large_buckets(tmp_path):
         engine.shutdown()
 
 
-def test_cross_process_sync_times_out_clearly_when_the_receiver_never_joins():
-    """No worker ever joins the group: the sender gives up within the timeout, naming the flag."""
-    import time
+def _record_waits(monkeypatch):
+    """The sync's waits, in order, as (thread name, join timeout, thread still running after the join).
 
+    Every wait of ``BroadcastSender`` is a join on a thread of ``gcore.engines.vllm_sync``; recording
+    them checks "gives up within the timeout" without reading a clock (no test decides from wall-clock
+    time): each wait was bounded by ``timeout_s``, and the error came from the wait that expired.
+    """
+    import threading
+    import types
+
+    from gcore.engines import vllm_sync
+
+    waits = []
+
+    class RecordingThread(threading.Thread):
+        def join(self, timeout=None):
+            super().join(timeout)
+            waits.append((self.name, timeout, self.is_alive()))
+
+    monkeypatch.setattr(vllm_sync, "threading", types.SimpleNamespace(**{**vars(threading), "Thread": RecordingThread}))
+    return waits
+
+
+def test_cross_process_sync_times_out_clearly_when_the_receiver_never_joins(monkeypatch):
+    """No worker ever joins the group: the sender gives up within the timeout, naming the flag."""
     from gcore.engines.vllm_sync import BroadcastSender
     from gcore.errors import GcoreError
 
     calls = []
     sender = BroadcastSender(lambda method, **kw: calls.append(method), torch.device("cpu"), timeout_s=3,
                              bucket_bytes=2**20)
-    start = time.perf_counter()
+    waits = _record_waits(monkeypatch)
     with pytest.raises(GcoreError, match=r"opening the sync group .* within 3 s \(--engine.sync_timeout_s\)"):
         sender.connect()
-    assert time.perf_counter() - start < 3 + 2
+    # one wait, bounded by the timeout, that expired with the rendezvous still blocked: the timeout path
+    assert waits == [("gcore-vllm-sync", 3, True)]
     assert calls == ["init_weight_transfer_engine"]
 
 
-def test_cross_process_bucket_times_out_clearly_when_the_receiver_does_not_receive():
+def test_cross_process_bucket_times_out_clearly_when_the_receiver_does_not_receive(monkeypatch):
     """The group is open but the receiving side never takes the bucket: the send fails within the timeout."""
-    import time
-
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
     from gcore.engines.vllm_sync import BroadcastSender
@@ -159,10 +179,12 @@ def test_cross_process_bucket_times_out_clearly_when_the_receiver_does_not_recei
     sender.connect()
     assert joined
     weights = [(f"w{i}", torch.randn(256, 1024)) for i in range(4)]  # 1 MiB each
-    start = time.perf_counter()
+    waits = _record_waits(monkeypatch)
     with pytest.raises(GcoreError, match=r"bucket 1 .* within 3 s \(--engine.sync_timeout_s\)"):
         sender.send(weights)
-    assert time.perf_counter() - start < 3 + 2
+    # every wait bounded by the timeout; the last one expired with the broadcast still blocked
+    assert waits and all(timeout == 3 for _, timeout, _ in waits), waits
+    assert waits[-1] == ("gcore-vllm-sync", 3, True), waits
 
 
 @pytest.mark.slow
