@@ -101,8 +101,8 @@ class RolloutJob:
         raw = reward.score(samples)
         if len(raw) != len(samples):
             raise RewardError(f"{type(reward).__name__} returned {len(raw)} rewards for {len(samples)} samples")
-        self.reward_errors += getattr(reward, "last_errors", 0)
-        self.first_reward_error = self.first_reward_error or getattr(reward, "last_error", None)
+        self.reward_errors += reward.last_errors
+        self.first_reward_error = self.first_reward_error or reward.last_error
         for sample, value in zip(samples, raw, strict=False):
             try:  # any reward model, not only the rule-based ones (which check their own values)
                 value = as_reward(value)

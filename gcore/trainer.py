@@ -22,7 +22,7 @@ from gcore.checkpointer import Checkpointer, version_number
 from gcore.controller import Controller
 from gcore.data import CostBalancer, DataConfig, PromptSampler, load_eval_prompts, load_prompts, with_synthetic_feature
 from gcore.engines.base import Engine
-from gcore.errors import ConfigError, GcoreError
+from gcore.errors import ConfigError, GcoreError, Interrupted
 from gcore.liveness import SIGNALS, ControllerWatch, report_rank_failure
 from gcore.loggers import LoggerName, continue_metrics, make_logger, quiet_dependencies
 from gcore.model import ModelConfig, ModelSource, load_tokenizer, make_workdir, materialize
@@ -420,7 +420,7 @@ class Trainer:
             bar.close()
             last = run.checkpointer.finish_for_exit()
             if rank == 0:
-                name = signal.Signals(getattr(interrupt, "signum", signal.SIGINT)).name
+                name = signal.Signals(interrupt.signum if isinstance(interrupt, Interrupted) else signal.SIGINT).name
                 where = (f"continue it from {last} with --trainer.resume auto" if last else
                          "no checkpoint was written (--trainer.checkpoint_every N writes them): a new run "
                          "starts from step 0")

@@ -46,8 +46,9 @@ RUNS: dict[str, list[str]] = {
 
 
 def clock_column(name: str) -> bool:
-    """Columns measured by a clock (or a memory high-water mark): never equal between two runs."""
-    return (name.startswith(("time/", "memory/")) or name.endswith(("_s", "gb_per_s"))
+    """Columns measured by a clock, a memory high-water mark or the machine's load (the thread
+    governor's ``threads/*``: what other processes used): never equal between two runs."""
+    return (name.startswith(("time/", "memory/", "threads/")) or name.endswith(("_s", "gb_per_s"))
             or name.startswith("placement/idle_"))
 
 
