@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from gcore.algorithms.base import (
@@ -22,8 +24,10 @@ class GRPO(Algorithm):
     same prompt), divided by the group's std when ``scale_rewards``; every token of the sample gets
     it (outcome supervision). The loss is PPO's clipped surrogate, plus ``kl_coef`` times a KL
     estimate to the reference model (k3 in the paper, which uses ``kl_coef`` 0.04; gcore defaults to
-    0, as TRL and Dr. GRPO/DAPO do: measured here, 0.04 cut the embedded task's reward after 30 steps
-    from 0.45 to 0.11, and 0 needs no reference model).
+    0, as TRL and Dr. GRPO/DAPO do, and 0 needs no reference model: docs/algorithms.md).
+
+    The options every algorithm has are ``Algorithm``'s; GRPO re-declares those it documents in the
+    paper's terms and passes them, and ``**options`` (``behaviour_is_cap``, any later one), on by keyword.
 
     Args:
         clip_eps: clip range of the probability ratio (lower side, and upper unless ``clip_eps_high``).
@@ -36,12 +40,12 @@ class GRPO(Algorithm):
         epochs: passes over each step's batch (the paper's mu).
         mini_batches: optimizer steps per pass.
         entropy_coef: entropy bonus weight (not in the paper; 0 by default).
-        behaviour_is_cap: cap of the behaviour importance weight for off-policy samples
-            (``--trainer.max_staleness`` >= 1; see ``behaviour_weight``).
+        **options: the other options of ``Algorithm`` (``behaviour_is_cap``).
     """
 
     def __init__(
         self,
+        *,
         clip_eps: float = 0.2,
         clip_eps_high: float | None = None,
         scale_rewards: bool = True,
@@ -51,9 +55,10 @@ class GRPO(Algorithm):
         epochs: int = 1,
         mini_batches: int = 1,
         entropy_coef: float = 0.0,
-        behaviour_is_cap: float = 2.0,
+        **options: Any,  # noqa: ANN401  Algorithm's other arguments, checked there
     ) -> None:
-        super().__init__(kl_coef, kl_estimator, loss_agg, epochs, mini_batches, entropy_coef, behaviour_is_cap)
+        super().__init__(kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg, epochs=epochs,
+                         mini_batches=mini_batches, entropy_coef=entropy_coef, **options)
         self.clip_eps = clip_eps
         self.clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
         self.scale_rewards = scale_rewards

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -11,9 +11,9 @@ from gcore.algorithms.base import (
     KLEstimator,
     LossAggregation,
     LossScale,
-    _check,
-    _check_choice,
     aggregate,
+    check,
+    check_choice,
     clipped_surrogate,
     clipped_value_loss,
     gae,
@@ -59,12 +59,12 @@ class PPO(Algorithm):
         epochs: PPO epochs over each step's batch.
         mini_batches: optimizer steps per epoch.
         entropy_coef: entropy bonus weight.
-        behaviour_is_cap: cap of the behaviour importance weight for off-policy samples
-            (``--trainer.max_staleness`` >= 1; see ``behaviour_weight``).
+        **options: the other options of ``Algorithm`` (``behaviour_is_cap``), passed on by keyword.
     """
 
     def __init__(
         self,
+        *,
         gamma: float = 1.0,
         lam: float = 0.95,
         clip_eps: float = 0.2,
@@ -78,12 +78,13 @@ class PPO(Algorithm):
         epochs: int = 2,
         mini_batches: int = 2,
         entropy_coef: float = 0.0,
-        behaviour_is_cap: float = 2.0,
+        **options: Any,  # noqa: ANN401  Algorithm's other arguments, checked there
     ) -> None:
-        super().__init__(kl_coef, kl_estimator, loss_agg, epochs, mini_batches, entropy_coef, behaviour_is_cap)
-        _check(0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0,
-               f"--algorithm.gamma and lam must be in [0, 1], got {gamma}, {lam}")
-        _check_choice("kl_penalty", kl_penalty, KLPenalty)
+        super().__init__(kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg, epochs=epochs,
+                         mini_batches=mini_batches, entropy_coef=entropy_coef, **options)
+        check(0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0,
+              f"--algorithm.gamma and lam must be in [0, 1], got {gamma}, {lam}")
+        check_choice("kl_penalty", kl_penalty, KLPenalty)
         self.gamma, self.lam = gamma, lam
         self.clip_eps = clip_eps
         self.clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
