@@ -38,3 +38,22 @@ def test_every_shared_option_reaches_the_cli_and_the_instance(cls):
     given = cls(**{name: VALUES[name] for name in taken})
     for name in taken:  # forwarded by keyword, not by position
         assert getattr(given, name) == VALUES[name], (cls.__name__, name)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "rloo", "ppo"])
+def test_clip_ratio_c_from_the_command_line(name):
+    from gcore import cli
+
+    parser = cli.build_fit_parser()
+    argv = cli.resolve_argv(["--algorithm", name, "--algorithm.clip_ratio_c", "3"])
+    config = parser.parse_args(cli.with_default_plugins(argv))
+    assert parser.instantiate_classes(config)["algorithm"].clip_ratio_c == 3.0
+
+
+def test_a_bad_clip_ratio_c_is_one_line_naming_the_flag():
+    from gcore import cli
+    from gcore.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:  # raised before anything is built or trained
+        cli.fit_main(["--algorithm", "ppo", "--algorithm.clip_ratio_c", "1"])
+    assert str(caught.value) == "--algorithm.clip_ratio_c must be > 1, got 1.0"

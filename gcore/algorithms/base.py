@@ -32,7 +32,8 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, scale: LossScale, mod
     """This micro-batch's share of the mini-batch loss.
 
     - ``token_mean``: every response token of the mini-batch weighs the same (DAPO).
-    - ``seq_mean_token_mean``: mean over tokens per sequence, then over sequences (GRPO paper).
+    - ``seq_mean_token_mean``: mean over tokens per sequence, then over sequences (GRPO paper);
+      ``scale.sequences`` counts every row, also one with no loss token (it adds 0: docs/algorithms.md).
     - ``seq_mean_token_sum_norm``: token sums divided by a constant budget (Dr. GRPO).
     """
     masked = per_token * mask
@@ -150,6 +151,21 @@ def clipped_surrogate(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     return torch.maximum(unclipped, clipped), (clipped > unclipped).float(), ratio
+
+
+def dual_clip(loss: torch.Tensor, advantages: torch.Tensor, clip_ratio_c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729): where ``A < 0`` the clipped surrogate's loss
+    ``max(-A r, -A clip(r))`` grows without bound with the ratio ``r``; bound it by ``-A * clip_ratio_c``
+    (``c > 1``), with no gradient where the bound holds, as verl's ``compute_policy_loss``. Returns
+    (the bounded loss, the indicator of the tokens it bounded)."""
+    bound = -advantages * clip_ratio_c
+    capped = (advantages < 0) & (loss > bound)
+    return torch.where(capped, bound, loss), capped.float()
+
+
+def check_clip_ratio_c(clip_ratio_c: float | None) -> None:
+    """Refuse a dual-clip bound that is not above 1 (``None``: off)."""
+    check(clip_ratio_c is None or clip_ratio_c > 1.0, f"--algorithm.clip_ratio_c must be > 1, got {clip_ratio_c}")
 
 
 def behaviour_weight(

@@ -10,7 +10,9 @@ from gcore.algorithms.base import (
     Algorithm,
     KLEstimator,
     LossAggregation,
+    check_clip_ratio_c,
     clipped_surrogate,
+    dual_clip,
     group_normalize,
     token_advantages,
 )
@@ -32,6 +34,8 @@ class GRPO(Algorithm):
     Args:
         clip_eps: clip range of the probability ratio (lower side, and upper unless ``clip_eps_high``).
         clip_eps_high: upper clip range when it differs (DAPO's clip-higher).
+        clip_ratio_c: dual-clip bound for negative advantages: where ``A < 0`` a token's loss is at
+            most ``-A * clip_ratio_c`` (dual-clip PPO, as verl); must be > 1; ``None``: off.
         scale_rewards: divide by the group's std (off: Dr. GRPO's unscaled advantages).
         kl_coef: weight of the KL term in the loss (0 skips the reference model entirely).
         kl_estimator: ``k1``, ``k2`` or ``k3``.
@@ -48,6 +52,7 @@ class GRPO(Algorithm):
         *,
         clip_eps: float = 0.2,
         clip_eps_high: float | None = None,
+        clip_ratio_c: float | None = None,
         scale_rewards: bool = True,
         kl_coef: float = 0.0,
         kl_estimator: KLEstimator = "k3",
@@ -59,8 +64,10 @@ class GRPO(Algorithm):
     ) -> None:
         super().__init__(kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg, epochs=epochs,
                          mini_batches=mini_batches, entropy_coef=entropy_coef, **options)
+        check_clip_ratio_c(clip_ratio_c)
         self.clip_eps = clip_eps
         self.clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+        self.clip_ratio_c = clip_ratio_c
         self.scale_rewards = scale_rewards
 
     @property
@@ -76,4 +83,7 @@ class GRPO(Algorithm):
         assert batch.advantages is not None  # set by the controller before the loss
         adv = token_advantages(batch.advantages, logprobs)
         loss, clipped, ratio = clipped_surrogate(logprobs, old, adv, self.clip_eps, self.clip_eps_high)
-        return loss, {"clip_frac": clipped, "ratio": ratio.detach()}
+        diagnostics = {"clip_frac": clipped, "ratio": ratio.detach()}
+        if self.clip_ratio_c is not None:
+            loss, diagnostics["clip_frac_lower"] = dual_clip(loss, adv, self.clip_ratio_c)
+        return loss, diagnostics
