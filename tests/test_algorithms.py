@@ -10,6 +10,7 @@ from gcore.algorithms.base import (
     aggregate,
     clipped_surrogate,
     clipped_value_loss,
+    dual_clip,
     gae,
     group_normalize,
     kl_estimate,
@@ -72,6 +73,25 @@ def test_aggregations_by_hand():
     assert float(aggregate(loss, mask, scale, "seq_mean_token_sum_norm")) == pytest.approx(10 / 6)
 
 
+def test_seq_mean_token_mean_counts_rows_without_loss_tokens():
+    # a row with no loss token (DAPO's filter_truncated, or a controller's zero-weight placeholder) adds 0
+    # to the sum but still counts in G, as the backends count every row of the mini-batch (docs/algorithms.md)
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    scale = LossScale(tokens=4, sequences=3, max_length=3)
+    assert float(aggregate(loss, mask, scale, "seq_mean_token_mean")) == pytest.approx((2 + 4 + 0) / 3)
+    assert float(aggregate(loss, mask, scale, "token_mean")) == pytest.approx(10 / 4)  # no weight at all there
+    # the same through DAPO's overlong filter: the truncated row's loss is dropped, its row still counted
+    algo = DAPO(filter_truncated=True, loss_agg="seq_mean_token_mean")
+    batch = _batch([1.0, 0.0], [0, 0])
+    batch.truncated = torch.tensor([True, False])
+    batch.response_mask = algo.loss_mask(batch)  # as the controller does
+    batch.advantages = torch.tensor([1.0, -1.0])
+    logp = torch.zeros(2, 3)
+    loss, _ = algo.loss(logp, batch, LossScale(tokens=3, sequences=2, max_length=3))
+    assert float(loss) == pytest.approx((0.0 + 1.0) / 2)  # not 1.0: the masked row counts in G
+
+
 def test_micro_batch_shares_add_up_to_the_batch_loss():
     torch.manual_seed(1)
     loss = torch.randn(6, 5)
@@ -93,6 +113,37 @@ def test_clipped_surrogate_by_hand():
     assert loss.tolist() == pytest.approx([-1.2, -0.5, 1.1, 0.8])
     assert clipped.tolist() == [1.0, 0.0, 0.0, 1.0]
     assert ratio.tolist() == pytest.approx([1.5, 0.5, 1.1, 0.7])
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages_only():
+    logp = torch.log(torch.tensor([10.0, 10.0, 1.1, 0.5])).requires_grad_()
+    adv = torch.tensor([-1.0, 1.0, -2.0, -1.0])
+    surrogate, _, _ = clipped_surrogate(logp, torch.zeros(4), adv, 0.2, 0.2)
+    assert surrogate.tolist() == pytest.approx([10.0, -1.2, 2.2, 0.8])  # A<0: grows with the ratio
+    loss, capped = dual_clip(surrogate, adv, 3.0)
+    # verl: A<0 -> min(max(-A r, -A clip(r)), -A c); the bound -A c = 3, 6, 3 holds only for the first
+    assert loss.tolist() == pytest.approx([3.0, -1.2, 2.2, 0.8])
+    assert capped.tolist() == [1.0, 0.0, 0.0, 0.0]
+    loss.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([0.0, 0.0, 2.2, 0.0])  # no gradient where bounded (or clipped)
+
+
+@pytest.mark.parametrize("make", [
+    lambda c: GRPO(clip_ratio_c=c), lambda c: DAPO(clip_ratio_c=c), lambda c: RLOO(clip_ratio_c=c, epochs=2),
+    lambda c: PPO(clip_ratio_c=c),
+])
+def test_dual_clip_in_the_clipped_surrogate_algorithms(make):
+    batch = _batch([1.0, 0.0], [0, 0], length=2)
+    batch.advantages = torch.tensor([[-1.0], [1.0]])
+    batch.old_logprobs = torch.zeros(2, 1)
+    logp = torch.log(torch.tensor([[10.0], [10.0]]))
+    off, off_diagnostics = make(None).policy_loss(logp, batch)
+    on, diagnostics = make(3.0).policy_loss(logp, batch)
+    upper = -(1 + make(None).clip_eps_high)  # A > 0: the upper clip (DAPO's clip_high 0.28)
+    assert off.squeeze(-1).tolist() == pytest.approx([10.0, upper])  # off (the default): unbounded
+    assert on.squeeze(-1).tolist() == pytest.approx([3.0, upper])  # the positive advantage is untouched
+    assert diagnostics["clip_frac_lower"].squeeze(-1).tolist() == [1.0, 0.0]
+    assert "clip_frac_lower" not in off_diagnostics and make(None).clip_ratio_c is None
 
 
 def _batch(rewards, groups, length=4):
@@ -318,11 +369,15 @@ def test_rloo_leave_one_out_advantages():
         (lambda: PPO(lam=1.5), r"gamma and lam must be in \[0, 1\]"),
         (lambda: DAPO(max_rounds=0), r"max_rounds must be >= 1"),
         (lambda: GRPO(epochs=0), r"epochs and mini_batches must be >= 1"),
+        (lambda: GRPO(clip_ratio_c=1.0), r"^--algorithm.clip_ratio_c must be > 1, got 1.0$"),
+        (lambda: DAPO(clip_ratio_c=0.5), r"^--algorithm.clip_ratio_c must be > 1, got 0.5$"),
+        (lambda: PPO(clip_ratio_c=-3.0), r"^--algorithm.clip_ratio_c must be > 1, got -3.0$"),
     ],
 )
 def test_bad_options_fail_with_one_line(build, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message) as caught:
         build()
+    assert "\n" not in str(caught.value)
 
 
 def test_dapo_buffer_must_fit_the_budget():

@@ -32,7 +32,8 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, scale: LossScale, mod
     """This micro-batch's share of the mini-batch loss.
 
     - ``token_mean``: every response token of the mini-batch weighs the same (DAPO).
-    - ``seq_mean_token_mean``: mean over tokens per sequence, then over sequences (GRPO paper).
+    - ``seq_mean_token_mean``: mean over tokens per sequence, then over sequences (GRPO paper);
+      ``scale.sequences`` counts every row, also one with no loss token (it adds 0: docs/algorithms.md).
     - ``seq_mean_token_sum_norm``: token sums divided by a constant budget (Dr. GRPO).
     """
     masked = per_token * mask
@@ -152,6 +153,21 @@ def clipped_surrogate(
     return torch.maximum(unclipped, clipped), (clipped > unclipped).float(), ratio
 
 
+def dual_clip(loss: torch.Tensor, advantages: torch.Tensor, clip_ratio_c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729): where ``A < 0`` the clipped surrogate's loss
+    ``max(-A r, -A clip(r))`` grows without bound with the ratio ``r``; bound it by ``-A * clip_ratio_c``
+    (``c > 1``), with no gradient where the bound holds, as verl's ``compute_policy_loss``. Returns
+    (the bounded loss, the indicator of the tokens it bounded)."""
+    bound = -advantages * clip_ratio_c
+    capped = (advantages < 0) & (loss > bound)
+    return torch.where(capped, bound, loss), capped.float()
+
+
+def check_clip_ratio_c(clip_ratio_c: float | None) -> None:
+    """Refuse a dual-clip bound that is not above 1 (``None``: off)."""
+    check(clip_ratio_c is None or clip_ratio_c > 1.0, f"--algorithm.clip_ratio_c must be > 1, got {clip_ratio_c}")
+
+
 def behaviour_weight(
     proximal: torch.Tensor, behaviour: torch.Tensor, cap: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,6 +195,14 @@ class Algorithm(ABC):
     - ``policy_loss``: the per-token loss before aggregation.
     - ``value_loss``: the critic's per-token loss (only when ``needs_critic``).
 
+    The options below are every algorithm's, declared here only. A subclass takes its own options,
+    re-declares one of these only where it gives it another default or help text (the CLI's
+    ``--algorithm.help`` shows the subclass's), and passes the rest on with ``**options``, by keyword:
+    an option added here reaches every algorithm's CLI with no other edit. Off-policy samples
+    (``--trainer.max_staleness`` >= 1): each token's loss is weighed by proximal / behaviour
+    probability, truncated at ``behaviour_is_cap`` (``behaviour_weight``); no effect in the
+    synchronous loop.
+
     Args:
         kl_coef: weight of KL(policy || reference); 0 disables the reference model.
         kl_estimator: ``k1``, ``k2`` or ``k3`` (low-variance, non-negative).
@@ -186,9 +210,8 @@ class Algorithm(ABC):
         epochs: passes over each step's batch.
         mini_batches: optimizer steps per pass (the batch is split into this many parts).
         entropy_coef: weight of the entropy bonus (subtracted from the loss); 0 disables it.
-        behaviour_is_cap: when the samples may be off-policy (``--trainer.max_staleness`` >= 1), each
-            token's loss is weighed by proximal / behaviour probability, truncated at this cap
-            (``behaviour_weight``); no effect in the synchronous loop.
+        behaviour_is_cap: cap of the behaviour importance weight for off-policy samples
+            (``--trainer.max_staleness`` >= 1; see ``behaviour_weight``).
     """
 
     #: generation rounds a controller may run per step to fill its share of the batch after
@@ -197,6 +220,7 @@ class Algorithm(ABC):
 
     def __init__(
         self,
+        *,
         kl_coef: float = 0.0,
         kl_estimator: KLEstimator = "k3",
         loss_agg: LossAggregation = "seq_mean_token_mean",
@@ -205,17 +229,17 @@ class Algorithm(ABC):
         entropy_coef: float = 0.0,
         behaviour_is_cap: float = 2.0,
     ) -> None:
-        _check(epochs >= 1 and mini_batches >= 1, f"epochs and mini_batches must be >= 1, got {epochs}, {mini_batches}")
-        _check_choice("kl_estimator", kl_estimator, KLEstimator)
-        _check_choice("loss_agg", loss_agg, LossAggregation)
-        _check(kl_coef >= 0, f"--algorithm.kl_coef must be >= 0, got {kl_coef}")
+        check(epochs >= 1 and mini_batches >= 1, f"epochs and mini_batches must be >= 1, got {epochs}, {mini_batches}")
+        check_choice("kl_estimator", kl_estimator, KLEstimator)
+        check_choice("loss_agg", loss_agg, LossAggregation)
+        check(kl_coef >= 0, f"--algorithm.kl_coef must be >= 0, got {kl_coef}")
         self.kl_coef = kl_coef
         self.kl_estimator = kl_estimator
         self.loss_agg = loss_agg
         self.epochs = epochs
         self.mini_batches = mini_batches
         self.entropy_coef = entropy_coef
-        _check(behaviour_is_cap >= 1.0, f"--algorithm.behaviour_is_cap must be >= 1, got {behaviour_is_cap}")
+        check(behaviour_is_cap >= 1.0, f"--algorithm.behaviour_is_cap must be >= 1, got {behaviour_is_cap}")
         self.behaviour_is_cap = behaviour_is_cap
         self.max_new_tokens: int | None = None
 
@@ -337,14 +361,16 @@ class Algorithm(ABC):
         return loss, shares
 
 
-def _check(ok: bool, message: str) -> None:
+def check(ok: bool, message: str) -> None:
+    """Raise a one-line ``ConfigError`` with ``message`` unless ``ok`` (the options' checks)."""
     if not ok:
         raise ConfigError(message)
 
 
-def _check_choice(name: str, value: str, choices: object) -> None:
+def check_choice(name: str, value: str, choices: object) -> None:
+    """Refuse ``--algorithm.<name> value`` unless ``value`` is one of the ``Literal`` ``choices``."""
     valid = get_args(choices)
-    _check(value in valid, f"--algorithm.{name} {value!r}: valid choices: {', '.join(valid)}")
+    check(value in valid, f"--algorithm.{name} {value!r}: valid choices: {', '.join(valid)}")
 
 
 def token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

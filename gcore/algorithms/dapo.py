@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from gcore.algorithms.base import KLEstimator, LossAggregation, _check, overlong_penalty
+from gcore.algorithms.base import KLEstimator, LossAggregation, check, overlong_penalty
 from gcore.algorithms.grpo import GRPO
 from gcore.types import RolloutBatch, Sample
 
@@ -20,7 +22,9 @@ class DAPO(GRPO):
     - **Dynamic sampling**: groups whose rewards are all equal (zero advantage) are dropped, and the
       controller samples more prompts, up to ``max_rounds`` generation rounds, to fill its share.
 
-    No KL term by default (the paper removes it).
+    No KL term by default (the paper removes it). GRPO's options are DAPO's (with their help),
+    ``loss_agg`` defaulting to ``token_mean``; ``scale_rewards``, ``kl_coef`` and ``kl_estimator`` are
+    re-declared only to keep their place before it in ``--algorithm.help``.
 
     Args:
         clip_low: lower clip range (``1 - clip_low``).
@@ -30,12 +34,12 @@ class DAPO(GRPO):
         filter_truncated: mask responses that hit the length limit out of the loss.
         dynamic_sampling: drop groups with equal rewards and re-sample to fill the batch.
         max_rounds: generation rounds per step at most (1: drop without re-sampling).
-        behaviour_is_cap: cap of the behaviour importance weight for off-policy samples
-            (``--trainer.max_staleness`` >= 1; see ``behaviour_weight``).
+        **options: GRPO's other options, and ``Algorithm``'s, passed on by keyword.
     """
 
     def __init__(
         self,
+        *,
         clip_low: float = 0.2,
         clip_high: float = 0.28,
         overlong_buffer: int = 0,
@@ -47,15 +51,12 @@ class DAPO(GRPO):
         kl_coef: float = 0.0,
         kl_estimator: KLEstimator = "k3",
         loss_agg: LossAggregation = "token_mean",
-        epochs: int = 1,
-        mini_batches: int = 1,
-        entropy_coef: float = 0.0,
-        behaviour_is_cap: float = 2.0,
+        **options: Any,  # noqa: ANN401  GRPO's and Algorithm's other arguments, checked there
     ) -> None:
-        super().__init__(clip_low, clip_high, scale_rewards, kl_coef, kl_estimator, loss_agg, epochs, mini_batches,
-                         entropy_coef, behaviour_is_cap)
-        _check(max_rounds >= 1, f"--algorithm.max_rounds must be >= 1, got {max_rounds}")
-        _check(overlong_buffer >= 0, f"--algorithm.overlong_buffer must be >= 0, got {overlong_buffer}")
+        super().__init__(clip_eps=clip_low, clip_eps_high=clip_high, scale_rewards=scale_rewards, kl_coef=kl_coef,
+                         kl_estimator=kl_estimator, loss_agg=loss_agg, **options)
+        check(max_rounds >= 1, f"--algorithm.max_rounds must be >= 1, got {max_rounds}")
+        check(overlong_buffer >= 0, f"--algorithm.overlong_buffer must be >= 0, got {overlong_buffer}")
         self.clip_low, self.clip_high = clip_low, clip_high
         self.overlong_buffer, self.overlong_penalty = overlong_buffer, overlong_penalty
         self.filter_truncated = filter_truncated
@@ -64,8 +65,8 @@ class DAPO(GRPO):
 
     def setup(self, max_new_tokens: int) -> None:
         super().setup(max_new_tokens)
-        _check(self.overlong_buffer < max_new_tokens, f"--algorithm.overlong_buffer {self.overlong_buffer} must be "
-               f"< --sampling.max_new_tokens {max_new_tokens}")
+        check(self.overlong_buffer < max_new_tokens, f"--algorithm.overlong_buffer {self.overlong_buffer} must be "
+              f"< --sampling.max_new_tokens {max_new_tokens}")
 
     def shape_reward(self, sample: Sample) -> float:
         if self.max_new_tokens is None:

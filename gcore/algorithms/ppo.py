@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -11,11 +11,13 @@ from gcore.algorithms.base import (
     KLEstimator,
     LossAggregation,
     LossScale,
-    _check,
-    _check_choice,
     aggregate,
+    check,
+    check_choice,
+    check_clip_ratio_c,
     clipped_surrogate,
     clipped_value_loss,
+    dual_clip,
     gae,
     kl_estimate,
     masked_whiten,
@@ -49,6 +51,8 @@ class PPO(Algorithm):
         lam: GAE lambda.
         clip_eps: policy ratio clip range (lower, and upper unless ``clip_eps_high``).
         clip_eps_high: upper clip range when it differs.
+        clip_ratio_c: dual-clip bound for negative advantages: where ``A < 0`` a token's loss is at
+            most ``-A * clip_ratio_c`` (dual-clip PPO, as verl); must be > 1; ``None``: off.
         value_clip: clip range of the value update around the old values; ``None`` disables it.
         kl_coef: weight of the KL penalty to the frozen reference (0, the default: no reference
             model is built; typical values 0.001-0.05).
@@ -59,16 +63,17 @@ class PPO(Algorithm):
         epochs: PPO epochs over each step's batch.
         mini_batches: optimizer steps per epoch.
         entropy_coef: entropy bonus weight.
-        behaviour_is_cap: cap of the behaviour importance weight for off-policy samples
-            (``--trainer.max_staleness`` >= 1; see ``behaviour_weight``).
+        **options: the other options of ``Algorithm`` (``behaviour_is_cap``), passed on by keyword.
     """
 
     def __init__(
         self,
+        *,
         gamma: float = 1.0,
         lam: float = 0.95,
         clip_eps: float = 0.2,
         clip_eps_high: float | None = None,
+        clip_ratio_c: float | None = None,
         value_clip: float | None = 0.2,
         kl_coef: float = 0.0,
         kl_estimator: KLEstimator = "k1",
@@ -78,15 +83,18 @@ class PPO(Algorithm):
         epochs: int = 2,
         mini_batches: int = 2,
         entropy_coef: float = 0.0,
-        behaviour_is_cap: float = 2.0,
+        **options: Any,  # noqa: ANN401  Algorithm's other arguments, checked there
     ) -> None:
-        super().__init__(kl_coef, kl_estimator, loss_agg, epochs, mini_batches, entropy_coef, behaviour_is_cap)
-        _check(0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0,
-               f"--algorithm.gamma and lam must be in [0, 1], got {gamma}, {lam}")
-        _check_choice("kl_penalty", kl_penalty, KLPenalty)
+        super().__init__(kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg, epochs=epochs,
+                         mini_batches=mini_batches, entropy_coef=entropy_coef, **options)
+        check(0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0,
+              f"--algorithm.gamma and lam must be in [0, 1], got {gamma}, {lam}")
+        check_choice("kl_penalty", kl_penalty, KLPenalty)
+        check_clip_ratio_c(clip_ratio_c)
         self.gamma, self.lam = gamma, lam
         self.clip_eps = clip_eps
         self.clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+        self.clip_ratio_c = clip_ratio_c
         self.value_clip = value_clip
         self.kl_penalty = kl_penalty
         self.whiten_advantages = whiten_advantages
@@ -123,7 +131,10 @@ class PPO(Algorithm):
         old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
         assert batch.advantages is not None  # set by the controller before the loss
         loss, clipped, ratio = clipped_surrogate(logprobs, old, batch.advantages, self.clip_eps, self.clip_eps_high)
-        return loss, {"clip_frac": clipped, "ratio": ratio.detach()}
+        diagnostics = {"clip_frac": clipped, "ratio": ratio.detach()}
+        if self.clip_ratio_c is not None:
+            loss, diagnostics["clip_frac_lower"] = dual_clip(loss, batch.advantages, self.clip_ratio_c)
+        return loss, diagnostics
 
     def value_loss(
         self, values: torch.Tensor, batch: RolloutBatch, scale: LossScale

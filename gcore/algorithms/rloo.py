@@ -7,6 +7,8 @@ surrogate is kept (with one epoch and one mini-batch the ratio is 1, so it is pl
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from gcore.algorithms.base import KLEstimator, LossAggregation, group_normalize
@@ -19,20 +21,23 @@ class RLOO(GRPO):
 
     ``r_i - mean_{j != i} r_j = k / (k - 1) * (r_i - mean_j r_j)`` for a group of ``k`` samples; a
     group of one sample gets advantage 0.
+
+    Options: GRPO's (their help is GRPO's), ``loss_agg`` defaulting to ``token_mean``; no
+    ``clip_eps_high``, ``scale_rewards`` (off) or ``entropy_coef`` (0). The rest (``**options``) pass
+    on to GRPO by keyword.
     """
 
     def __init__(
         self,
+        *,
         clip_eps: float = 0.2,
         kl_coef: float = 0.0,
         kl_estimator: KLEstimator = "k3",
         loss_agg: LossAggregation = "token_mean",
-        epochs: int = 1,
-        mini_batches: int = 1,
-        behaviour_is_cap: float = 2.0,
+        **options: Any,  # noqa: ANN401  GRPO's and Algorithm's other arguments, checked there
     ) -> None:
-        super().__init__(clip_eps, None, False, kl_coef, kl_estimator, loss_agg, epochs, mini_batches,
-                         behaviour_is_cap=behaviour_is_cap)
+        super().__init__(clip_eps=clip_eps, clip_eps_high=None, scale_rewards=False, kl_coef=kl_coef,
+                         kl_estimator=kl_estimator, loss_agg=loss_agg, entropy_coef=0.0, **options)
 
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
         centered = group_normalize(batch.rewards, batch.group_ids, scale=False)
