@@ -263,22 +263,28 @@ class ControllerWatch:
 
 
 def report_rank_failure(rank: int, err: Exception, watch: ControllerWatch | None = None) -> NoReturn:
-    """Say which controller failed and why, and raise; a controller that only lost its peers (its
-    error came out of a collective, or is a connection or timeout error) names the lost one."""
+    """Say which controller failed and why, and raise.
+
+    An error of the types a broken collective raises (``RuntimeError``, which gloo and DDP's
+    gradient hooks raise for a peer gone, ``torch.distributed``'s own errors, connection and
+    timeout errors) first asks the watch whether another controller was lost; if one was, the error
+    names it. Other errors are this controller's own."""
     message = str(err).splitlines()[0] if str(err) else type(err).__name__
-    if from_collective(err) and not isinstance(err, GcoreError):
+    if isinstance(err, (RuntimeError, ConnectionError, TimeoutError)) and not isinstance(err, GcoreError):
         found = watch.wait_for_loss(timeout=10.0) if watch is not None else {}
-        if watch is not None:
-            watch.mark(f"failed: lost contact ({message})")
         if watch is not None and found:
+            watch.mark(f"failed: lost contact ({message})")
             raise GcoreError(
                 f"controller {rank}: {watch.describe(found)}; the run stopped at the broken collective "
                 f"({message}). Continue it from the last complete checkpoint with --trainer.resume auto"
             ) from err
-        raise GcoreError(
-            f"controller {rank}: lost contact with another controller ({message}); that controller's own "
-            "error is reported above"
-        ) from err
+        if from_collective(err):
+            if watch is not None:
+                watch.mark(f"failed: lost contact ({message})")
+            raise GcoreError(
+                f"controller {rank}: lost contact with another controller ({message}); that controller's own "
+                "error is reported above"
+            ) from err
     if watch is not None:
         watch.mark(f"failed: {type(err).__name__}: {message}")
     print(f"gcore: controller {rank} failed: {type(err).__name__}: {message}", file=sys.stderr, flush=True)
@@ -286,9 +292,9 @@ def report_rank_failure(rank: int, err: Exception, watch: ControllerWatch | None
 
 
 def from_collective(err: BaseException) -> bool:
-    """Whether ``err`` says that the other controllers are out of reach: a ``torch.distributed``
-    error, a connection or timeout error, or any error raised inside ``torch.distributed`` (gloo
-    reports a peer gone as a plain ``RuntimeError`` from the collective)."""
+    """Whether ``err`` came out of ``torch.distributed``: one of its error types, a connection or
+    timeout error, or an error raised inside it (gloo reports a peer gone as a plain
+    ``RuntimeError`` from the collective)."""
     import torch.distributed as dist
 
     if isinstance(err, (dist.DistError, ConnectionError, TimeoutError)):
