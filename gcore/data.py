@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -74,10 +76,20 @@ def with_synthetic_feature(prompt: Prompt, megabytes: float) -> Prompt:
     return replace(prompt, metadata={**prompt.metadata, "feature": feature})
 
 
+#: what ``stat`` calls the kinds of file that are not regular files or folders
+_FILE_KINDS = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISSOCK, "a socket"))
+
+
 def read_rows(path: str) -> list[tuple[dict, str]]:
     """Rows of a jsonl or parquet file, each with its source (``file:line``)."""
     if not os.path.exists(path):
         raise DataError(f"--data.path {path}: no such file")
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):  # reading a pipe or a device could block forever
+        kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+        raise DataError(f"--data.path {path}: {kind}, not a regular file; give a .jsonl or .parquet file (or a "
+                        "folder saved with datasets' save_to_disk)")
     if os.path.isdir(path):
         try:
             import datasets
@@ -96,8 +108,12 @@ def read_rows(path: str) -> list[tuple[dict, str]]:
     if path.endswith((".jsonl", ".json")):
         rows = []
         try:
-            with open(path, encoding="utf-8") as f:
+            # undecodable bytes become lone surrogates here, found per line below: an error names the line
+            with open(path, encoding="utf-8", errors="surrogateescape") as f:
                 for line_no, line in enumerate(f, start=1):
+                    _check_utf8(path, line_no, line)
+                    if line_no == 1:
+                        line = line.removeprefix("\ufeff")  # a UTF-8 byte order mark
                     if not line.strip():
                         continue
                     try:
@@ -107,7 +123,7 @@ def read_rows(path: str) -> list[tuple[dict, str]]:
                     if not isinstance(row, dict):
                         raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
                     rows.append((row, f"{path}:{line_no}"))
-        except (OSError, UnicodeDecodeError) as err:
+        except OSError as err:
             raise DataError(f"--data.path {path}: cannot read: {err}") from None
         return rows
     if path.endswith(".parquet"):
@@ -119,6 +135,18 @@ def read_rows(path: str) -> list[tuple[dict, str]]:
             raise DataError(f"--data.path {path}: cannot read parquet: {err}") from None
         return [(row, f"{path}:row {i + 1}") for i, row in enumerate(table.to_pylist())]
     raise DataError(f"--data.path {path}: unknown format; expected .jsonl or .parquet")
+
+
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
+
+
+def _check_utf8(path: str, line_no: int, line: str) -> None:
+    """A ``DataError`` naming the line and column of the first byte of ``line`` that was not UTF-8 (read
+    with ``errors="surrogateescape"``, which turns such a byte into a lone surrogate)."""
+    bad = None if line.isascii() else _ESCAPED_BYTE.search(line)
+    if bad is not None:
+        raise DataError(f"{path}:{line_no}: not valid UTF-8 (byte 0x{ord(bad.group()) - 0xDC00:02x} at character "
+                        f"{bad.start() + 1}); save the file as UTF-8")
 
 
 def embedded_rows(task: str, num_prompts: int, split: Literal["train", "test"],

@@ -148,7 +148,7 @@ def load_tokenizer(config: ModelConfig):  # noqa: ANN201
     try:
         if is_gguf(config.path):
             tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(config.path)),
-                                                      gguf_file=os.path.basename(config.path))
+                                                      gguf_file=os.path.basename(config.path), trust_remote_code=False)
         else:
             tokenizer = AutoTokenizer.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
     except Exception as err:
@@ -280,14 +280,15 @@ def import_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float32
     _check_path(gguf_path)
     folder, name = os.path.dirname(os.path.abspath(gguf_path)), os.path.basename(gguf_path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+        # a GGUF file holds weights and metadata only: no code of its own to trust
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, trust_remote_code=False)
     except Exception as err:
         raise ConfigError(f"{gguf_path}: cannot load as a GGUF model: {type(err).__name__}: {err}") from err
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     model.load_state_dict(loaded.state_dict(), strict=True)
     model.generation_config = loaded.generation_config
     del loaded

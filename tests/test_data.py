@@ -115,3 +115,41 @@ def test_saved_datasets_folder_and_chat_template(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="not a folder saved with datasets"):
         load_prompts(DataConfig(path=str(tmp_path / "empty")), tokenizer, 4, 64)
+
+
+def test_invalid_utf8_names_the_file_and_line(tmp_path):
+    # before: "cannot read: 'utf-8' codec can't decode byte 0xe9 in position 27" (a byte offset, no line)
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "fine"}\r\n{"prompt": "also fine"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"^\S+d\.jsonl:3: not valid UTF-8 \(byte 0xe9 at character 16\); save the "
+                                        r"file as UTF-8$"):
+        read_rows(str(path))
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "caf\xc3\xa9"}\n')  # valid UTF-8, with a byte order mark
+    assert [row for row, _ in read_rows(str(path))] == [{"prompt": "café"}]
+
+
+def test_a_data_path_that_is_not_a_regular_file_is_refused_without_reading_it(tmp_path):
+    import os
+    import threading
+
+    # before: a named pipe was opened and read (blocking until a writer came); here a writer is waiting
+    fifo = tmp_path / "d.jsonl"
+    os.mkfifo(fifo)
+
+    def write():
+        with open(fifo, "w") as f:  # blocks until the pipe is opened for reading
+            f.write('{"prompt": "from a pipe"}\n')
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        with pytest.raises(DataError, match=r"^--data.path \S+d\.jsonl: a named pipe, not a regular file; give a "):
+            read_rows(str(fifo))
+    finally:  # let the writer finish
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        writer.join()
+        os.close(reader)
+    device = tmp_path / "dev.jsonl"
+    device.symlink_to("/dev/null")
+    with pytest.raises(DataError, match=r"dev\.jsonl: a character device, not a regular file"):
+        read_rows(str(device))

@@ -184,3 +184,134 @@ def test_generative_retries_then_fails_clearly(judge_dir):
     reward.setup("cpu")
     with pytest.raises(RewardError, match="failed 2 times"):
         reward.score([sample("r", "1")])
+
+
+class Calls(RuleReward):
+    """A rule reward that runs ``fn(sample)``, as a user's reward function would."""
+
+    def __init__(self, fn, **options):
+        super().__init__(**options)
+        self.fn = fn
+
+    def score_one(self, sample):
+        return self.fn(sample)
+
+
+def _exits(_):
+    import sys
+
+    sys.exit(0)
+
+
+def _interrupts(_):
+    raise KeyboardInterrupt
+
+
+class _Odd(BaseException):
+    pass
+
+
+def _odd(_):
+    raise _Odd("not an Exception")
+
+
+@pytest.mark.parametrize(("fn", "raised"), [
+    (_exits, "raised SystemExit: 0"), (_interrupts, "raised KeyboardInterrupt"),
+    (_odd, "raised _Odd: not an Exception"),
+])
+def test_a_reward_that_exits_or_interrupts_itself_is_its_error_on_that_sample(fn, raised):
+    # before: SystemExit and KeyboardInterrupt left score() (a run exited 0 or read it as Ctrl-C)
+    samples = [sample("bad response", prompt="the prompt")]
+    samples[0].prompt.source = "data.jsonl:3"
+    with pytest.raises(RewardError, match=rf"^Calls {raised} on sample \(prompt data.jsonl:3: 'the prompt', "
+                                          r"response: 'bad response'\); pass --reward.on_error zero"):
+        Calls(fn).score(samples)
+    zero = Calls(lambda s: fn(s) if s.response_text == "bad" else 1.0, on_error="zero")
+    assert zero.score([sample("bad"), sample("good")]) == [0.0, 1.0]
+    assert zero.last_errors == 1 and raised in zero.last_error
+
+
+def test_a_reward_that_does_not_return_is_ended_by_its_timeout_naming_the_sample():
+    import threading
+
+    def spins(_):  # pure Python: stopped once given up on
+        while True:
+            pass
+
+    with pytest.raises(RewardError, match=r"^Calls did not return within 0.5 s \(--reward.timeout\) on sample "
+                                          r"\(prompt 0: 'q', response: 'stuck'\); pass --reward.on_error zero"):
+        Calls(spins, timeout=0.5).score([sample("stuck")])
+    release = threading.Event()  # blocked in C (a lock): cannot be stopped, runs on until released
+    reward = Calls(lambda s: release.wait() if s.response_text == "stuck" else 0.5, timeout=0.5, on_error="zero")
+    try:
+        assert reward.score([sample("a"), sample("stuck"), sample("b")]) == [0.5, 0.0, 0.5]
+        assert reward.last_errors == 1 and "did not return within 0.5 s" in reward.last_error
+    finally:
+        release.set()
+    with pytest.raises(ConfigError, match="--reward.timeout must be >= 0"):
+        Calls(spins, timeout=-1)
+
+
+def test_timed_out_calls_that_cannot_be_stopped_stop_the_run_before_they_pile_up(monkeypatch):
+    import threading
+
+    from gcore.rewards import base
+
+    monkeypatch.setattr(base, "MAX_STUCK_CALLS", 2)
+    release = threading.Event()
+    reward = Calls(lambda s: release.wait(), timeout=0.2, on_error="zero")
+    try:
+        with pytest.raises(RewardError, match=r"calls of Calls that ran past --reward.timeout are still running"):
+            reward.score([sample(str(i)) for i in range(4)])
+    finally:
+        release.set()
+
+
+def test_ctrl_c_while_a_reward_runs_still_stops_the_run():
+    import os
+    import signal
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+
+    def slow(_):
+        started.set()
+        release.wait()
+        return 1.0
+
+    def press_ctrl_c():
+        while not started.wait(0.05):
+            if release.is_set():  # the reward never started
+                return
+        os.kill(os.getpid(), signal.SIGINT)
+
+    reward = Calls(slow, timeout=0)
+    presser = threading.Thread(target=press_ctrl_c)
+    presser.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):  # the signal, not the reward's error: no RewardError
+            reward.score([sample("a")])
+    finally:
+        release.set()
+        presser.join()
+
+
+def test_a_reward_model_whose_score_exits_is_a_reward_error():
+    # a plugin's own score(): before, SystemExit went through (exit 0 with nothing saved)
+    from gcore.rewards.base import RewardModel
+
+    class Exits(RewardModel):
+        def score(self, samples):
+            raise SystemExit(0)
+
+    with pytest.raises(RewardError, match=r"^Exits.score raised SystemExit: 0 on 2 samples; the first: prompt 0"):
+        Exits().score([sample("a"), sample("b")])
+
+
+def test_a_reward_too_large_for_float32_is_named_with_its_value():
+    # before: 10**400 raised OverflowError from float(), 1e300 passed and became inf in the float32 batch
+    for value, shown in ((10**400, "an int of about 401 digits"), (1e300, "1e+300"), (-(10**39), "-1e+39")):
+        with pytest.raises(RewardError, match=rf"^Returns returned .*: a reward must be within float32's range "
+                                              rf"\(\+-3.403e\+38\), got {shown.replace('+', '[+]')} on sample"):
+            Returns([value]).score([sample("x")])
+    assert as_reward(3.0e38) == 3.0e38

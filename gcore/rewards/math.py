@@ -6,7 +6,7 @@ import re
 from typing import Literal
 
 from gcore.errors import ConfigError
-from gcore.rewards.base import RuleReward
+from gcore.rewards.base import DEFAULT_TIMEOUT, RuleReward
 from gcore.types import Sample
 
 _ANSWER_IS = re.compile(r"answer is[:\s]*\$?([^\n$]+?)\$?\s*(?:\.\s|\.?$|\n)", re.IGNORECASE)
@@ -51,13 +51,16 @@ class MathReward(RuleReward):
         wrong_score: float = 0.0,
         missing_score: float = 0.0,
         on_error: Literal["raise", "zero"] = "raise",
+        timeout: float | None = DEFAULT_TIMEOUT,
     ) -> None:
-        super().__init__(on_error)
+        super().__init__(on_error, timeout)
         try:
             import math_verify  # noqa: F401
         except ImportError as err:
             raise ConfigError("--reward math needs the math-verify package: pip install 'gcore[math]'") from err
         self.correct_score, self.wrong_score, self.missing_score = correct_score, wrong_score, missing_score
+        if self.timeout:  # math-verify's own timeouts need the main thread (SIGALRM); --reward.timeout stands in
+            _quiet_math_verify_timeout_warning()
 
     def score_one(self, sample: Sample) -> float:
         if sample.prompt.answer is None:
@@ -68,13 +71,25 @@ class MathReward(RuleReward):
         return self.correct_score if answers_match(answer, sample.prompt.answer) else self.wrong_score
 
 
+def _quiet_math_verify_timeout_warning() -> None:
+    """math-verify warns once that it runs without a timeout when called off the main thread: the rule
+    rewards' calls run in a worker thread of their own, bounded by ``--reward.timeout`` instead."""
+    import math_verify.grader
+    import math_verify.parser
+
+    for module in (math_verify.parser, math_verify.grader):
+        if hasattr(module, "TIMEOUT_WARNING_SHOWN"):
+            module.TIMEOUT_WARNING_SHOWN = True
+
+
 def answers_match(answer: str, reference: str) -> bool:
     """Whether two final answers are mathematically equal according to math-verify."""
     import threading
 
     from math_verify import parse, verify
 
-    # math-verify's timeouts use SIGALRM, which works only in the main thread
+    # math-verify's timeouts use SIGALRM, which works only in the main thread; a rule reward's calls run in
+    # a worker thread, bounded by --reward.timeout
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
 
     def parsed(text: str):  # noqa: ANN202

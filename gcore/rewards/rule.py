@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from gcore.errors import ConfigError
-from gcore.rewards.base import RuleReward
+from gcore.rewards.base import DEFAULT_TIMEOUT, RuleReward
 from gcore.types import Sample
 
 
@@ -21,8 +21,9 @@ class TargetCharReward(RuleReward):
     response that stops early scores less than one that fills all ``length`` characters.
     """
 
-    def __init__(self, length: int = 16, on_error: Literal["raise", "zero"] = "raise") -> None:
-        super().__init__(on_error)
+    def __init__(self, length: int = 16, on_error: Literal["raise", "zero"] = "raise",
+                 timeout: float | None = DEFAULT_TIMEOUT) -> None:
+        super().__init__(on_error, timeout)
         if length <= 0:
             raise ValueError("length must be positive")
         self.length = length
@@ -45,8 +46,9 @@ class RegexReward(RuleReward):
         match_score: float = 1.0,
         miss_score: float = 0.0,
         on_error: Literal["raise", "zero"] = "raise",
+        timeout: float | None = DEFAULT_TIMEOUT,
     ) -> None:
-        super().__init__(on_error)
+        super().__init__(on_error, timeout)
         try:
             re.compile(pattern.replace("{answer}", "x"))
         except re.error as err:
@@ -93,8 +95,9 @@ class CallableReward(RuleReward):
         function: ``package.module:function`` or ``path/to/file.py:function``.
     """
 
-    def __init__(self, function: str, on_error: Literal["raise", "zero"] = "raise") -> None:
-        super().__init__(on_error)
+    def __init__(self, function: str, on_error: Literal["raise", "zero"] = "raise",
+                 timeout: float | None = DEFAULT_TIMEOUT) -> None:
+        super().__init__(on_error, timeout)
         self.function = function
         self._fn = load_callable(function)
 
