@@ -104,6 +104,28 @@ class TrainerConfig:
     eval_every: int = 0
     max_staleness: int = 0
 
+    def validate(self) -> None:
+        """A one-line ``ConfigError`` for the first flag out of its range."""
+        checks = [
+            (self.max_steps >= 1, f"--trainer.max_steps must be >= 1, got {self.max_steps}"),
+            (self.devices >= 1, f"--trainer.devices must be >= 1, got {self.devices}"),
+            (self.checkpoint_every >= 0,
+             f"--trainer.checkpoint_every must be >= 0 (0: no checkpoints), got {self.checkpoint_every}"),
+            (self.keep_checkpoints >= 1, f"--trainer.keep_checkpoints must be >= 1, got {self.keep_checkpoints}"),
+            (self.heartbeat_timeout > 0,
+             f"--trainer.heartbeat_timeout must be > 0 seconds, got {self.heartbeat_timeout}"),
+            (self.collective_timeout > 0,
+             f"--trainer.collective_timeout must be > 0 seconds, got {self.collective_timeout}"),
+            (self.max_skipped_updates >= 0,
+             f"--trainer.max_skipped_updates must be >= 0, got {self.max_skipped_updates}"),
+            (self.eval_every >= 0, f"--trainer.eval_every must be >= 0, got {self.eval_every}"),
+            (self.max_staleness in (0, 1), f"--trainer.max_staleness {self.max_staleness}: valid choices are 0 "
+             "(synchronous) and 1 (the next step's rollout runs while this one trains)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
 
 @dataclass
 class FitResult:
@@ -179,29 +201,9 @@ class Trainer:
 
     def _validate(self) -> None:
         """Every check that needs no process: the trainer's own flags, then the plugins' (``validate``)."""
-        c, s = self.config, self.sampling
-        checks = [
-            (c.max_steps >= 1, f"--trainer.max_steps must be >= 1, got {c.max_steps}"),
-            (c.devices >= 1, f"--trainer.devices must be >= 1, got {c.devices}"),
-            (c.checkpoint_every >= 0,
-             f"--trainer.checkpoint_every must be >= 0 (0: no checkpoints), got {c.checkpoint_every}"),
-            (c.keep_checkpoints >= 1, f"--trainer.keep_checkpoints must be >= 1, got {c.keep_checkpoints}"),
-            (c.heartbeat_timeout > 0, f"--trainer.heartbeat_timeout must be > 0 seconds, got {c.heartbeat_timeout}"),
-            (c.collective_timeout > 0, f"--trainer.collective_timeout must be > 0 seconds, got {c.collective_timeout}"),
-            (c.max_skipped_updates >= 0, f"--trainer.max_skipped_updates must be >= 0, got {c.max_skipped_updates}"),
-            (c.eval_every >= 0, f"--trainer.eval_every must be >= 0, got {c.eval_every}"),
-            (s.n >= 1, f"--sampling.n must be >= 1, got {s.n}"),
-            (s.max_new_tokens >= 1, f"--sampling.max_new_tokens must be >= 1, got {s.max_new_tokens}"),
-            (s.temperature > 0, f"--sampling.temperature must be > 0 for RL sampling, got {s.temperature}"),
-            (0 < s.top_p <= 1, f"--sampling.top_p must be in (0, 1], got {s.top_p}"),
-            (s.top_k >= 0, f"--sampling.top_k must be >= 0 (0: no top-k), got {s.top_k}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
-        if c.max_staleness not in (0, 1):
-            raise ConfigError(f"--trainer.max_staleness {c.max_staleness}: valid choices are 0 (synchronous) and 1 "
-                              "(the next step's rollout runs while this one trains)")
+        c = self.config
+        c.validate()
+        self.sampling.validate_for_training()
         if c.max_staleness and not self.placement.supports_overlap:
             raise ConfigError(f"--trainer.max_staleness {c.max_staleness} needs engine worker processes to generate "
                               f"while the controller trains: --placement dynamic, or --placement static with "

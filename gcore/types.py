@@ -7,6 +7,8 @@ from typing import Any, cast
 
 import torch
 
+from gcore.errors import ConfigError
+
 
 @dataclass
 class Prompt:
@@ -39,6 +41,20 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 disables top-k
     stop_token_ids: tuple[int, ...] = ()
+
+    def validate_for_training(self) -> None:
+        """A one-line ``ConfigError`` for the first value RL sampling cannot use (evaluation may
+        sample greedily: temperature 0 is refused only here)."""
+        checks = [
+            (self.n >= 1, f"--sampling.n must be >= 1, got {self.n}"),
+            (self.max_new_tokens >= 1, f"--sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}"),
+            (self.temperature > 0, f"--sampling.temperature must be > 0 for RL sampling, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"--sampling.top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"--sampling.top_k must be >= 0 (0: no top-k), got {self.top_k}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
 
 
 @dataclass
