@@ -82,15 +82,15 @@ class Checkpointer:
         resume: ``None``, ``auto`` or a checkpoint folder (``--trainer.resume``).
         seed: the run's seed (a resharded resume reseeds from it).
         signature: what a checkpoint must match to be resumed by this run (algorithm, backend,
-            model shape), as ``Trainer`` describes the run.
+            model shape, and unless ``allow_changed_run``, seed and data), as ``Trainer`` describes the run.
         collective_timeout: seconds the background save's own process group may wait.
     """
 
     def __init__(self, root: str, *, every: int, keep: int, asynchronous: bool, resume: str | None, seed: int,
-                 signature: dict[str, Any], collective_timeout: float) -> None:
+                 signature: dict[str, Any], collective_timeout: float, allow_changed_run: bool = False) -> None:
         self.root, self.every, self.keep, self.asynchronous = root, every, keep, asynchronous
         self.resume, self.seed, self.signature = resume, seed, signature
-        self.collective_timeout = collective_timeout
+        self.collective_timeout, self.allow_changed_run = collective_timeout, allow_changed_run
         self.resume_from: str | None = None  # the checkpoint ``load`` continues (``pick``)
         self.max_steps = 0  # the run's ``--trainer.max_steps`` (``pick``)
         self._manifest: dict[str, Any] | None = None
@@ -114,10 +114,12 @@ class Checkpointer:
                     print(f"gcore: warning: {note}", file=sys.stderr, flush=True)
         if self.resume_from is not None:
             try:
-                start = int(self._trainer_state(self.resume_from)["step"]) + 1
+                state = self._trainer_state(self.resume_from)
+                start = int(state["step"]) + 1
             except Exception:  # noqa: BLE001  a broken one: ``load`` itself says which file
                 return
             self._check_steps(start)
+            self._check_signature(self.resume_from, state.get("run"))
 
     def resumed_log_version(self) -> int | None:
         """The ``version_N`` a resumed run continues: the one its checkpoint names, else the newest."""
@@ -289,6 +291,13 @@ class Checkpointer:
         if differ:
             raise CheckpointError(f"{path} was written with another model: {', '.join(differ)}; resume with the "
                                   "same model options, or start a new run (another --trainer.name)")
+        changed = [f"{flag} {saved[key]} (this run: {mine[key]})" for key, flag in
+                   (("seed", "--trainer.seed"), ("data", "--data"))
+                   if key in saved and saved[key] != mine.get(key)]  # older checkpoints record neither
+        if changed and not self.allow_changed_run:
+            raise CheckpointError(f"{path} was written by another run: {', '.join(changed)}; resume with the same "
+                                  "options, start a new run (another --trainer.name), or pass "
+                                  "--trainer.resume_changed_run true to continue it anyway")
 
     def _elastic_note(self, saved_world: int) -> str:
         world = self.fabric.world_size

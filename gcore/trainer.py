@@ -29,6 +29,7 @@ from gcore.model import ModelConfig, ModelSource, load_tokenizer, make_workdir, 
 from gcore.placement.base import PlacementPolicy
 from gcore.rendezvous import loopback_store
 from gcore.rewards.base import RewardModel
+from gcore.run_lock import RunLock
 from gcore.types import Prompt, SamplingParams
 
 if TYPE_CHECKING:
@@ -61,7 +62,10 @@ class TrainerConfig:
         resume: ``auto`` (the latest complete checkpoint that verifies, if any: a corrupt newer one is
             passed over with a one-line note) or a checkpoint folder; it may have been written by
             another number of controllers (elastic resume). A resumed run appends to its own
-            ``metrics.csv`` (the steps it redoes are replaced).
+            ``metrics.csv`` (the steps it redoes are replaced). A checkpoint written with another
+            seed or other data is refused in one line (see ``resume_changed_run``).
+        resume_changed_run: resume even though this run's seed or data differ from those of the run
+            that wrote the checkpoint (another algorithm, backend or model is always refused).
         collective_timeout: seconds a collective may wait for the other controllers before the run
             fails (instead of hanging when one of them died). A controller that is killed is named at
             once; one that is frozen is found by ``heartbeat_timeout``, usually much sooner.
@@ -97,6 +101,7 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     async_checkpoint: bool = True
     resume: str | None = None
+    resume_changed_run: bool = False
     collective_timeout: float = 600.0
     heartbeat_timeout: float = 30.0
     max_skipped_updates: int = 3
@@ -252,10 +257,20 @@ class Trainer:
         quiet_dependencies()
         threads.warn_if_spinning()
         _check_writable(c.default_root_dir)
+        lock = RunLock(os.path.join(c.default_root_dir, c.name))
+        if _launching_process():  # one run per run folder; the controllers it launches share its lock
+            lock.acquire()
+        try:
+            return self._fit()
+        finally:
+            lock.release()
+
+    def _fit(self) -> FitResult:
+        c = self.config
         checkpointer = Checkpointer(os.path.join(c.default_root_dir, c.name, "checkpoints"),
                                     every=c.checkpoint_every, keep=c.keep_checkpoints, asynchronous=c.async_checkpoint,
                                     resume=c.resume, seed=c.seed, signature=self._run_signature(),
-                                    collective_timeout=c.collective_timeout)
+                                    collective_timeout=c.collective_timeout, allow_changed_run=c.resume_changed_run)
         checkpointer.pick(c.max_steps)  # before anything is built: nothing to do fails at once
         fabric, device_type = self._fabric(checkpointer.resumed_log_version())
         # invalid combinations failed in __init__ (``_validate``); the placement's fit to the devices fails
@@ -493,7 +508,10 @@ class Trainer:
         def name(obj: object) -> str:
             return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
-        return {"algorithm": name(self.algorithm), "backend": name(self.backend), "model": model}
+        d = self.data_config
+        data = {"path": os.path.abspath(d.path) if d.path else None, "task": None if d.path else d.task}
+        return {"algorithm": name(self.algorithm), "backend": name(self.backend), "model": model,
+                "seed": self.config.seed, "data": data}
 
     def hyperparameters(self) -> dict:
         """The run's configuration as plain values, for loggers."""
@@ -524,6 +542,11 @@ def _check_writable(root: str) -> None:
             pass
     except OSError as err:
         raise ConfigError(f"--trainer.default_root_dir {root}: cannot write there ({err.strerror or err})") from None
+
+
+def _launching_process() -> bool:
+    """Whether this is the process that launches the run (not a controller Fabric or torchrun started)."""
+    return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID"))
 
 
 def _progress(total: int, enabled: bool) -> tqdm:

@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "gcore"
 LAYERS: list[tuple[str, ...]] = [
     ("gcore.errors", "gcore.types", "gcore.balance", "gcore.tasks", "gcore.liveness", "gcore.rendezvous",
      "gcore.registry", "gcore.report", "gcore.checkpoint", "gcore.model", "gcore.data", "gcore.assets",
-     "gcore.threads", "gcore.environ", "gcore.loggers", "gcore.checkpointer"),
+     "gcore.threads", "gcore.environ", "gcore.loggers", "gcore.checkpointer", "gcore.run_lock"),
     ("gcore.engines",),
     ("gcore.rewards", "gcore.algorithms"),
     ("gcore.backends", "gcore.rollout", "gcore.evaluation"),
