@@ -546,7 +546,8 @@ def _check_writable(root: str) -> None:
 
 def _launching_process() -> bool:
     """Whether this is the process that launches the run (not a controller Fabric or torchrun started)."""
-    return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID"))
+    ranks = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID")
+    return all(os.environ.get(var, "0") == "0" for var in ranks)
 
 
 def _progress(total: int, enabled: bool) -> tqdm:
