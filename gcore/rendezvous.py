@@ -11,12 +11,14 @@ outside launcher (torchrun, SLURM) keep torch's default: see docs/failure-modes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 from collections.abc import Iterator
 from datetime import timedelta
 
 from gcore.environ import environ_set
+from gcore.errors import ConfigError
 
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
@@ -40,7 +42,17 @@ def loopback_store(fabric, num_nodes: int, timeout_s: float) -> Iterator[object 
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     port = fabric.strategy.cluster_environment.main_port  # $MASTER_PORT, or a free port Fabric picks
-    listener.bind(("127.0.0.1", port))
+    try:
+        listener.bind(("127.0.0.1", port))
+    except OSError as err:
+        listener.close()
+        if err.errno != errno.EADDRINUSE:
+            raise
+        if "MASTER_PORT" in os.environ:
+            raise ConfigError(f"MASTER_PORT={port} is already in use on this machine (another run or service): "
+                              "unset MASTER_PORT and gcore picks a free port, or set another one") from None
+        raise ConfigError(f"port {port}, free a moment ago, was taken before the controllers could use it: "
+                          "run again (or set MASTER_PORT to a port you keep free)") from None
     listener.listen(512)
     store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=timeout_s),
                           wait_for_workers=False, master_listen_fd=listener.fileno())

@@ -67,3 +67,18 @@ def test_resume_of_another_seed_is_refused_unless_told(tmp_path):
         _trainer(tmp_path, steps=3, seed=7, resume="auto").fit()
     result = _trainer(tmp_path, steps=3, seed=7, resume="auto", resume_changed_run=True).fit()
     assert [row["step"] for row in result.history] == [2.0]  # it continued from the checkpoint
+
+
+def test_master_port_in_use_is_one_line_naming_it(tmp_path, monkeypatch):
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    try:
+        with pytest.raises(ConfigError, match=rf"MASTER_PORT={port} is already in use on this machine"):
+            _trainer(tmp_path, devices=2, accelerator="cpu").fit()
+    finally:
+        busy.close()
