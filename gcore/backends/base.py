@@ -17,6 +17,7 @@ from gcore.model import ModelSource
 from gcore.types import RolloutBatch
 
 if TYPE_CHECKING:
+    from lightning.fabric import Fabric
     from lightning.fabric.strategies import Strategy
 
 
@@ -57,7 +58,7 @@ class TrainingBackend(ABC):
                               f"{type(self).__name__} does not provide (use --backend torch)")
 
     @abstractmethod
-    def setup(self, fabric, source: ModelSource, algorithm: Algorithm, embedded: bool) -> None:  # noqa: ANN001
+    def setup(self, fabric: Fabric, source: ModelSource, algorithm: Algorithm, embedded: bool) -> None:
         """Load the policy from ``source``, the reference model if ``algorithm.needs_reference``, and the critic if
         ``algorithm.needs_critic``; nothing is built for a role the algorithm does not use."""
 

@@ -21,13 +21,17 @@ forward pass reaches the attention function as the keyword argument ``sp_layout`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from gcore.backends.common import concat_batches
 from gcore.errors import ConfigError
+from gcore.types import RolloutBatch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ATTENTION_NAME = "gcore_sp"
 QUERY_TILE = 256  # ring attention: local queries per score matrix
@@ -342,7 +346,7 @@ def register_attention() -> str:
     return ATTENTION_NAME
 
 
-def use_sequence_parallel_attention(model) -> None:  # noqa: ANN001
+def use_sequence_parallel_attention(model: PreTrainedModel) -> None:
     """Make an HF model call ``gcore_sp`` (which falls back to SDPA without a layout)."""
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
@@ -438,7 +442,7 @@ def gather_per_token(values: torch.Tensor, rows: ShardedRows) -> torch.Tensor:
     return torch.stack(out)
 
 
-def sequence_parallel_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,  # noqa: ANN001
+def sequence_parallel_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                temperature: float, sp: SequenceParallelGroup, pack: bool,
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probabilities and entropies ``[B, L-1]`` of a right-padded batch, computed with
@@ -449,7 +453,7 @@ def sequence_parallel_logprobs(model, input_ids: torch.Tensor, attention_mask: t
     return gather_per_token(logprobs, rows), gather_per_token(entropy, rows)
 
 
-def sequence_parallel_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor,  # noqa: ANN001
+def sequence_parallel_values(critic: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                              sp: SequenceParallelGroup, pack: bool) -> torch.Tensor:
     """A value model's ``[B, L-1]`` values (position t: the state before token t+1) with 1/K of every row's
     tokens on this rank; ``critic(input_ids, position_ids=..., sp_layout=...)`` returns one value per token."""
@@ -463,7 +467,7 @@ def sequence_parallel_values(critic, input_ids: torch.Tensor, attention_mask: to
 # ---------------------------------------------------------------------------------------------
 
 
-def gather_group_batch(batch, sp: SequenceParallelGroup):  # noqa: ANN001, ANN201
+def gather_group_batch(batch: RolloutBatch, sp: SequenceParallelGroup) -> tuple[RolloutBatch, int, int]:
     """Every rank of the group gets the union of the group's batches (rank order, ``concat_batches``);
     returns ``(union, row offset of this rank's rows, their count)``."""
     if sp.size == 1:

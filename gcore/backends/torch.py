@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch.distributed.constants import default_pg_timeout
@@ -23,7 +23,11 @@ from gcore.model import ModelSource, check_compiler
 from gcore.types import RolloutBatch
 
 if TYPE_CHECKING:
+    from lightning.fabric import Fabric
     from lightning.fabric.strategies import Strategy
+    from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
 
 
 class ValueModel(torch.nn.Module):
@@ -70,7 +74,7 @@ def compile_blocks(model: torch.nn.Module) -> None:
         block.compile(dynamic=True)
 
 
-def shard_per_layer(model: torch.nn.Module, device_mesh) -> torch.nn.Module:  # noqa: ANN001
+def shard_per_layer(model: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
     """``ModelParallelStrategy``'s ``parallelize_fn``: FSDP2 ``fully_shard`` on every transformer block
     (transformers names them ``*DecoderLayer``), then on the root, which holds the rest (embeddings,
     final norm, LM or value head; tied embeddings stay one parameter). Each block's parameters are
@@ -148,6 +152,16 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
 
     supports_critic = True
 
+    # built by ``setup`` (reading one before is an AttributeError)
+    fabric: Fabric
+    hf_model: PreTrainedModel  # the policy's parameters, unwrapped, with HF names
+    policy: _FabricModule  # the same parameters, Fabric-wrapped: the module that trains
+    optimizer: _FabricOptimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    reference: torch.nn.Module | None  # only for algorithms that need a reference model
+    critic: _FabricModule | None  # the Fabric-wrapped ValueModel, only for algorithms with a critic
+    critic_optimizer: _FabricOptimizer  # only with a critic
+
     def __init__(
         self,
         gradient_checkpointing: bool = False,
@@ -165,51 +179,42 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         compile: bool = False,
         **optimizer: Any,  # noqa: ANN401  OptimizerOptions's arguments, checked there
     ) -> None:
+        self.fsdp = strategy == "fsdp"
+        self.sequence_parallel_size, self.sequence_parallel_mode = sequence_parallel_size, sequence_parallel_mode
+        self.packing, self.skip_inert_rows, self.share_prompts = packing, skip_inert_rows, share_prompts
+        self.lora_rank, self.lora_alpha, self.lora_target_modules = lora_rank, lora_alpha, lora_target_modules
+        self.gradient_checkpointing, self.critic_lr = gradient_checkpointing, critic_lr
+        self.attn_implementation, self.compile = attn_implementation, compile
+        self._check_options(strategy)
+        super().__init__(**optimizer)  # the optimizer options: lr, ..., micro_batch_size, warmup_steps (checked there)
+        self.sp: seqpar.SequenceParallelGroup | None = None  # set by setup when sequence parallel
+        self._lora_synced: list[str] = []  # LoRA: the linear modules the engine sync sends
+        self._synced: dict[str, torch.Tensor] | None = None  # FSDP: the full weights of the last sync
+
+    def _check_options(self, strategy: str) -> None:
+        """Refuse an invalid or untested combination of the options (one ``ConfigError`` naming the flags)."""
         if strategy not in ("ddp", "fsdp"):
             raise ConfigError(f"--backend.strategy {strategy!r}: valid choices: ddp, fsdp")
-        self.fsdp = strategy == "fsdp"
-        self._synced: dict[str, torch.Tensor] | None = None  # FSDP: the full weights of the last sync
-        if sequence_parallel_size < 1:
-            raise seqpar.ConfigError(f"--backend.sequence_parallel_size {sequence_parallel_size} must be >= 1")
-        if self.fsdp and sequence_parallel_size > 1:
+        size = self.sequence_parallel_size
+        if size < 1:
+            raise seqpar.ConfigError(f"--backend.sequence_parallel_size {size} must be >= 1")
+        if self.fsdp and size > 1:
             raise ConfigError(
-                f"--backend.strategy fsdp does not support --backend.sequence_parallel_size {sequence_parallel_size} "
+                f"--backend.strategy fsdp does not support --backend.sequence_parallel_size {size} "
                 "(untested: the sequence-parallel groups' collectives would interleave with FSDP's over all ranks); "
                 "use --backend.strategy ddp with sequence parallelism, or --backend.sequence_parallel_size 1 with fsdp"
             )
-        lora.check_options(lora_rank, lora_alpha, lora_target_modules)
-        if lora_rank and (self.fsdp or sequence_parallel_size > 1):
+        lora.check_options(self.lora_rank, self.lora_alpha, self.lora_target_modules)
+        if self.lora_rank and (self.fsdp or size > 1):
             flag = "--backend.strategy fsdp" if self.fsdp else "--backend.sequence_parallel_size > 1"
-            raise ConfigError(f"--backend.lora_rank {lora_rank} does not support {flag} (untested); use "
+            raise ConfigError(f"--backend.lora_rank {self.lora_rank} does not support {flag} (untested); use "
                               "--backend.strategy ddp and --backend.sequence_parallel_size 1, or --backend.lora_rank 0")
-        self.lora_rank, self.lora_alpha, self.lora_target_modules = lora_rank, lora_alpha, lora_target_modules
-        if attn_implementation is not None and (sequence_parallel_size > 1 or packing):
-            flag = (f"--backend.sequence_parallel_size {sequence_parallel_size}" if sequence_parallel_size > 1
-                    else "--backend.packing true")
-            raise ConfigError(f"--backend.attn_implementation {attn_implementation} does not apply with {flag}: it "
-                              "brings its own attention; leave --backend.attn_implementation unset")
-        self.attn_implementation = attn_implementation
-        if compile:
-            _check_compile(strategy, sequence_parallel_size, packing, lora_rank, gradient_checkpointing)
-        self.compile = compile
-        self._lora_synced: list[str] = []  # LoRA: the linear modules the engine sync sends
-        self.sequence_parallel_size = sequence_parallel_size
-        self.sequence_parallel_mode = sequence_parallel_mode
-        self.packing = packing
-        self.skip_inert_rows = skip_inert_rows
-        self.share_prompts = share_prompts
-        self.sp: seqpar.SequenceParallelGroup | None = None  # set by setup when sequence parallel
-        super().__init__(**optimizer)  # the optimizer options: lr, ..., micro_batch_size, warmup_steps
-        self.gradient_checkpointing = gradient_checkpointing
-        self.critic_lr = critic_lr
-        self.fabric = None
-        self.policy = None  # the Fabric-wrapped module that trains
-        self.hf_model = None  # the same parameters, unwrapped, with HF names
-        self.reference = None
-        self.critic = None  # the Fabric-wrapped ValueModel, only for algorithms with a critic
-        self.critic_optimizer = None
-        self.optimizer = None
-        self.scheduler = None
+        if self.attn_implementation is not None and (size > 1 or self.packing):
+            flag = f"--backend.sequence_parallel_size {size}" if size > 1 else "--backend.packing true"
+            raise ConfigError(f"--backend.attn_implementation {self.attn_implementation} does not apply with {flag}: "
+                              "it brings its own attention; leave --backend.attn_implementation unset")
+        if self.compile:
+            _check_compile(strategy, size, self.packing, self.lora_rank, self.gradient_checkpointing)
 
     def strategy(self, world_size: int, device_type: str, timeout: timedelta = default_pg_timeout) -> str | Strategy:
         if not self.fsdp:
@@ -225,7 +230,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         super().validate(algorithm, world_size, single_controller)
         check_sequence_parallel_controllers(self.sequence_parallel_size, single_controller)
 
-    def setup(self, fabric, source: ModelSource, algorithm: Algorithm, embedded: bool) -> None:  # noqa: ANN001
+    def setup(self, fabric: Fabric, source: ModelSource, algorithm: Algorithm, embedded: bool) -> None:
         from transformers import AutoModelForCausalLM
 
         self.fabric = fabric
@@ -246,12 +251,18 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             self.hf_model, lambda params: _adamw((p for p in params if p.requires_grad) if self.lora_rank else params,
                                                  lr=lr, betas=self.betas, weight_decay=self.weight_decay)
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: self.warmup_factor(step))
+        # Fabric's optimizer wrapper is an instance of the optimizer's class (it subclasses it at run time)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(cast(torch.optim.Optimizer, self.optimizer),
+                                                           lambda step: self.warmup_factor(step))
+        self.reference = None
+        hf_models = [self.hf_model]  # the HF models this backend runs
         if algorithm.needs_reference:
             reference = _load(AutoModelForCausalLM, source, self.attn_implementation)
             reference.eval().requires_grad_(False)
             # under FSDP sharded like the policy (ModelParallelStrategy moves no unsharded module to the device)
             self.reference = fabric.setup_module(reference) if self.fsdp else fabric.to_device(reference)
+            hf_models.append(reference)
+        self.critic = None
         if algorithm.needs_critic:
             critic = ValueModel(source, self.attn_implementation)
             if self.gradient_checkpointing:
@@ -262,18 +273,23 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
                 critic,
                 lambda params: _adamw(params, lr=critic_lr, betas=self.betas, weight_decay=self.weight_decay),
             )
-        self._setup_sequence_parallel()
+            hf_models.append(critic.trunk)
+        self._setup_sequence_parallel(hf_models)
 
-    def _setup_trained(self, module: torch.nn.Module, make_optimizer):  # noqa: ANN001, ANN202
+    def _setup_trained(
+        self, module: torch.nn.Module, make_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+    ) -> tuple[_FabricModule, _FabricOptimizer]:
         """Fabric-wrap a trained module and its AdamW. FSDP2 replaces the parameters with sharded ones
         (DTensors), so under FSDP the optimizer is built after the module is set up."""
         if self.fsdp:
             wrapped = self.fabric.setup_module(module)
-            return wrapped, self.fabric.setup_optimizers(make_optimizer(wrapped.parameters()))
+            optimizer = self.fabric.setup_optimizers(make_optimizer(wrapped.parameters()))
+            return wrapped, cast("_FabricOptimizer", optimizer)  # one optimizer in, one out (not a tuple)
         return self.fabric.setup(module, make_optimizer(module.parameters()))
 
-    def _setup_sequence_parallel(self) -> None:
-        """Create the sequence-parallel groups and switch the models to the distributed attention."""
+    def _setup_sequence_parallel(self, hf_models: list[PreTrainedModel]) -> None:
+        """Create the sequence-parallel groups and switch the models (the policy, the reference model, the
+        critic's trunk) to the distributed attention."""
         if self.sequence_parallel_size == 1 and not self.packing:
             return
         self.sp = seqpar.SequenceParallelGroup.create(self.sequence_parallel_size, self.sequence_parallel_mode)
@@ -283,11 +299,11 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
                 f"--backend.sequence_parallel_mode ulysses needs the model's {heads} attention heads divisible by "
                 f"--backend.sequence_parallel_size {self.sequence_parallel_size}; use ring"
             )
-        for model in (self.hf_model, self.reference, self.critic.module.trunk if self.critic is not None else None):
-            if model is not None:
-                seqpar.use_sequence_parallel_attention(model)
+        for model in hf_models:
+            seqpar.use_sequence_parallel_attention(model)
 
-    def _forward_logprobs(self, model, micro: RolloutBatch, temperature: float):  # noqa: ANN001, ANN202
+    def _forward_logprobs(self, model: torch.nn.Module, micro: RolloutBatch,
+                          temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``token_logprobs`` of a micro-batch, through sequence parallelism / packing when set up."""
         input_ids = self.fabric.to_device(micro.input_ids)
         if self.sp is None:
@@ -310,19 +326,19 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], use_cache=False).logits
             return seqpar.next_token_logprobs(logits, input_ids[:, 1:], temperature)
         return seqpar.sequence_parallel_logprobs(model, input_ids, micro.attention_mask, temperature, self.sp,
-                                                 self._pack())
+                                                 self._pack(self.sp))
 
-    def _forward_values(self, micro: RolloutBatch) -> torch.Tensor:
+    def _forward_values(self, critic: torch.nn.Module, micro: RolloutBatch) -> torch.Tensor:
         """The critic's values ``[B, L-1]`` of a micro-batch, through sequence parallelism / packing when set up."""
         input_ids = self.fabric.to_device(micro.input_ids)
         if self.sp is None:
-            return self.critic(input_ids=input_ids, attention_mask=self.fabric.to_device(micro.attention_mask))
-        return seqpar.sequence_parallel_values(self.critic, input_ids, micro.attention_mask, self.sp, self._pack())
+            return critic(input_ids=input_ids, attention_mask=self.fabric.to_device(micro.attention_mask))
+        return seqpar.sequence_parallel_values(critic, input_ids, micro.attention_mask, self.sp, self._pack(self.sp))
 
-    def _pack(self) -> bool:
-        return self.packing if self.packing is not None else self.sp.size > 1
+    def _pack(self, sp: seqpar.SequenceParallelGroup) -> bool:
+        return self.packing if self.packing is not None else sp.size > 1
 
-    def _per_row_pass(self, batch: RolloutBatch, forward) -> torch.Tensor:  # noqa: ANN001
+    def _per_row_pass(self, batch: RolloutBatch, forward: Callable[[RolloutBatch], torch.Tensor]) -> torch.Tensor:
         """``forward(micro)`` over the batch in micro-batches, masked to the response: ``[B, L-1]``. Under
         sequence parallelism the group runs on the union of its members' batches; each rank gets its own rows."""
         own, offset, count = batch, 0, len(batch)
@@ -352,21 +368,27 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
 
     @torch.no_grad()
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
-        if self.critic is None:
+        critic = self.critic
+        if critic is None:
             raise RuntimeError("no critic: it was not set up (the algorithm's needs_critic was False)")
-        return self._per_row_pass(batch, self._forward_values)
+        return self._per_row_pass(batch, lambda micro: self._forward_values(critic, micro))
 
     # TRAIN -----------------------------------------------------------------------------------
+
+    def _all_reduce(self, values: torch.Tensor, reduce_op: Literal["sum", "max"]) -> torch.Tensor:
+        reduced = self.fabric.all_reduce(values, reduce_op=reduce_op)
+        assert isinstance(reduced, torch.Tensor)  # a tensor in, a tensor out
+        return reduced
 
     def _global_sums(self, values: list[float]) -> list[float]:
         if self.fabric.world_size == 1:
             return [float(v) for v in values]
-        return self.fabric.all_reduce(torch.tensor(values, dtype=torch.float64), reduce_op="sum").tolist()
+        return self._all_reduce(torch.tensor(values, dtype=torch.float64), "sum").tolist()
 
     def _global_max(self, value: int) -> int:
         if self.fabric.world_size == 1:
             return int(value)
-        return int(self.fabric.all_reduce(torch.tensor(float(value)), reduce_op="max"))
+        return int(self._all_reduce(torch.tensor(float(value)), "max"))
 
     def train(self, batch: RolloutBatch, algorithm: Algorithm) -> dict[str, float]:
         if self.sp is not None:  # the group trains on the union of its members' batches
@@ -379,7 +401,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             error_if_nonfinite=False,
         ))
         if self.critic is not None:
-            stats.update(self._critic_step(stats))
+            stats.update(self._critic_step(self.critic, stats))
         stepped = math.isfinite(grad_norm) and loss_finite
         if stepped:
             self.optimizer.step()
@@ -390,10 +412,10 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
     def learning_rate(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 
-    def _critic_step(self, stats: dict[str, float]) -> dict[str, float]:
+    def _critic_step(self, critic: _FabricModule, stats: dict[str, float]) -> dict[str, float]:
         """Clip and apply the critic's accumulated gradients (skipped when non-finite)."""
         grad_norm = _norm_value(self.fabric.clip_gradients(
-            self.critic, self.critic_optimizer, max_norm=self.max_grad_norm or math.inf,
+            critic, self.critic_optimizer, max_norm=self.max_grad_norm or math.inf,
             error_if_nonfinite=False,
         ))
         skipped = 0.0
@@ -433,8 +455,8 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
                 fabric.backward(loss * world)  # DDP averages over ranks; the loss is already a global sum
             if self.critic is not None:
                 with fabric.no_backward_sync(self.critic, enabled=i < n_micro - 1):
-                    values = self._forward_values(micro)
-                    value_loss, value_shares = algorithm.value_loss(values, micro, scale)
+                    predicted = self._forward_values(self.critic, micro)
+                    value_loss, value_shares = algorithm.value_loss(predicted, micro, scale)
                     fabric.backward(value_loss * (world if real else 0.0))
                 shares.update(value_shares)
             shares["entropy"] = (entropy.detach() * micro.response_mask).sum() / max(scale.tokens, 1.0)
@@ -446,7 +468,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         keys = sorted(set(local) | {"loss", "entropy"})
         values = [local.get(k, 0.0) for k in keys]
         if world > 1:
-            values = [v / replicas for v in fabric.all_reduce(torch.tensor(values), reduce_op="sum").tolist()]
+            values = [v / replicas for v in self._all_reduce(torch.tensor(values), "sum").tolist()]
         metrics = dict(zip(keys, values, strict=False))
         # token means over the rows that ran (the shares were divided by every row's tokens); 0 when no
         # row ran (trained_rows_frac 0), so that every metric stays finite and comparable across resumes
@@ -461,7 +483,8 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         """FSDP: the policy's full (unsharded) weights with HF names on every rank (a collective)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        weights = get_model_state_dict(self.policy.module, options=StateDictOptions(full_state_dict=True))
+        weights = cast("dict[str, torch.Tensor]",  # full_state_dict: plain tensors
+                       get_model_state_dict(self.policy.module, options=StateDictOptions(full_state_dict=True)))
         if getattr(self.hf_model.config, "tie_word_embeddings", False) and "lm_head.weight" not in weights:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
         return weights
@@ -521,7 +544,8 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
                            model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
 
 
-def _load(auto_class, source: ModelSource, attn_implementation: str | None) -> torch.nn.Module:  # noqa: ANN001
+def _load(auto_class: type[AutoModel] | type[AutoModelForCausalLM], source: ModelSource,
+          attn_implementation: str | None) -> PreTrainedModel:
     """``auto_class.from_pretrained`` of the checkpoint, with ``--backend.attn_implementation`` when set."""
     kwargs: dict[str, Any] = dict(dtype=source.dtype, trust_remote_code=source.trust_remote_code)
     if attn_implementation is None:
@@ -547,27 +571,30 @@ def _check_compile(strategy: str, sequence_parallel_size: int, packing: bool | N
             raise ConfigError(f"--backend.compile true does not support {flag} (untested); use --backend.compile false")
 
 
-def _adamw(params: Iterator[torch.nn.Parameter], **kwargs: object) -> torch.optim.AdamW:
+def _adamw(params: Iterable[torch.nn.Parameter], *, lr: float, betas: tuple[float, float],
+           weight_decay: float) -> torch.optim.AdamW:
     """AdamW with torch's fused kernel where it has one (floating-point parameters on CPU or CUDA): one
     op per parameter instead of a dozen, the default of transformers' Trainer (and so of TRL). Under FSDP
     the parameters are DTensors, which torch's fused AdamW takes (it runs on each rank's shard; checked
     on torch 2.13, CPU); where a torch lacks the DTensor rule, the default (foreach) implementation runs."""
-    params = list(params)
-    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    if fused and any(hasattr(p, "full_tensor") for p in params):
+    parameters = list(params)
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in parameters)
+    if fused and any(hasattr(p, "full_tensor") for p in parameters):
         fused = _fused_adamw_takes_dtensor()
-    return torch.optim.AdamW(params, fused=True if fused else None, **kwargs)
+    return torch.optim.AdamW(parameters, fused=True if fused else None, lr=lr, betas=betas, weight_decay=weight_decay)
 
 
-def _norm_value(norm: torch.Tensor) -> float:
-    """A gradient norm as a float. Under FSDP ``clip_grad_norm_`` returns a replicated DTensor: the global
-    norm over every rank's shards (torch reduces the per-shard norms), the same value on every rank."""
+def _norm_value(norm: torch.Tensor | None) -> float:
+    """A gradient norm (``Fabric.clip_gradients``'s, which is ``None`` only with ``clip_val``) as a float. Under
+    FSDP ``clip_grad_norm_`` returns a replicated DTensor: the global norm over every rank's shards (torch reduces
+    the per-shard norms), the same value on every rank."""
+    assert norm is not None  # clipped by max_norm
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)
 
 
-def _to_device(batch: RolloutBatch, fabric) -> RolloutBatch:  # noqa: ANN001
+def _to_device(batch: RolloutBatch, fabric: Fabric) -> RolloutBatch:
     from dataclasses import fields, replace
 
     moved = {

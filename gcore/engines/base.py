@@ -4,11 +4,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Final, Literal, TypeAlias
 
 import torch
 
 from gcore.model import ModelSource
 from gcore.types import Generation, SamplingParams
+
+#: the roles an engine worker process holds (``gcore/engines/pool.py``; the placement policies assign them): the
+#: policy's engine, the generative judge's engine, or a rule-based reward. Spelled here, not in ``pool.py``, so
+#: that naming one loads no ``PoolEngine`` (an ``Engine`` the CLI would then list among the ``--engine`` choices)
+Role: TypeAlias = Literal["policy", "judge", "reward"]
+POLICY: Final = "policy"
+JUDGE: Final = "judge"
+REWARD: Final = "reward"
 
 
 class Engine(ABC):

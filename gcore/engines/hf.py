@@ -9,7 +9,7 @@ the tiny model's forward. ``use_generate=True`` goes back to ``model.generate``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import torch
 
@@ -19,7 +19,8 @@ from gcore.model import DTYPES, ModelSource, check_compiler
 from gcore.types import Generation, SamplingParams
 
 if TYPE_CHECKING:
-    from transformers import DynamicCache
+    from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+    from transformers.cache_utils import DynamicLayer
 
 
 class HFEngine(Engine):
@@ -71,7 +72,7 @@ class HFEngine(Engine):
                               "--engine.static_cache true and --engine.use_generate false")
         self.compile = compile
         self._decoder: StaticCacheDecoder | None = None
-        self.model: torch.nn.Module | None = None
+        self.model: PreTrainedModel | None = None
         self.device = torch.device("cpu")
         self.pad_id = 0
         self.eos_ids: tuple[int, ...] = ()
@@ -88,14 +89,16 @@ class HFEngine(Engine):
                 raise ConfigError("--engine.compile true with --engine.cuda_graphs true on a GPU is untested (the CUDA "
                                   "graph already replays the step without launches): use one of them")
             check_compiler("--engine.compile", device)
-        self.model = AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             source.path, dtype=source.dtype if self.dtype == "auto" else DTYPES[self.dtype],
             trust_remote_code=source.trust_remote_code,
-        ).to(device)
-        self.model.eval()
-        self.model.requires_grad_(False)
-        config = self.model.config
-        generation = getattr(self.model, "generation_config", None) or GenerationConfig()
+        )
+        _move(model, device)
+        model.eval()
+        model.requires_grad_(False)
+        self.model = model
+        config = model.config
+        generation = getattr(model, "generation_config", None) or GenerationConfig()
         eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
         self.eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         pad = generation.pad_token_id if generation.pad_token_id is not None else config.pad_token_id
@@ -108,14 +111,15 @@ class HFEngine(Engine):
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
-        if self.model is None:
+        model = self.model
+        if model is None:
             raise RuntimeError("HFEngine.generate called before setup")
         flat = [list(p) for p in prompts for _ in range(params.n)]
         chunk = self.max_batch_size or len(flat)
         generations: list[Generation] = []
         sample = self._generate if self.use_generate else self._sample
         for start in range(0, len(flat), chunk):
-            generations.extend(sample(flat[start : start + chunk], params))
+            generations.extend(sample(model, flat[start : start + chunk], params))
         return [generations[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,21 +131,21 @@ class HFEngine(Engine):
             attention_mask[row, width - len(p) :] = 1
         return input_ids, attention_mask
 
-    def _static_decoder(self) -> StaticCacheDecoder | None:
+    def _static_decoder(self, model: PreTrainedModel) -> StaticCacheDecoder | None:
         """The static-cache decoder of the model, (re)built when missing or stale; ``None`` when the
         architecture has none (then decoding runs through the model's forward with a ``DynamicCache``)."""
         if not self.static_cache:
             return None
         if self._decoder is None or not self._decoder.is_current():
             with torch.inference_mode(False), torch.no_grad():  # the fused weights must stay writable by syncs
-                self._decoder = StaticCacheDecoder.build(self.model)
+                self._decoder = StaticCacheDecoder.build(model)
         return self._decoder
 
-    def _sample(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def _sample(self, model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """Batched sampling: one prefill per distinct prompt, then one decode step and one draw per token."""
         from transformers import DynamicCache
 
-        model, device = self.model, self.device
+        device = self.device
         distinct = {p: i for i, p in enumerate(dict.fromkeys(tuple(p) for p in prompts))}
         rows = torch.tensor([distinct[tuple(p)] for p in prompts], dtype=torch.long, device=device)
         input_ids, attention_mask = self._left_pad([list(p) for p in distinct])
@@ -159,7 +163,7 @@ class HFEngine(Engine):
             past_key_values=cache, use_cache=True, logits_to_keep=1,
         ).logits[:, -1][rows]
         prompt_lengths = attention_mask.sum(-1)[rows]
-        decoder = self._static_decoder()
+        decoder = self._static_decoder(model)
         if decoder is not None:
             decoder.start(cache, rows, attention_mask, budget)
             if self.cuda_graphs and device.type == "cuda":
@@ -170,7 +174,7 @@ class HFEngine(Engine):
             def advance(chosen: torch.Tensor, t: int) -> torch.Tensor:
                 return step(chosen, prompt_lengths + t, width + t)
         else:
-            cache.reorder_cache(rows)
+            cache.reorder_cache(cast("torch.LongTensor", rows))  # int64 row indices
             mask = torch.ones((batch, width + budget), dtype=attention_mask.dtype, device=device)
             mask[:, :width] = attention_mask[rows]
 
@@ -209,18 +213,18 @@ class HFEngine(Engine):
             if t + 1 < budget:
                 logits = advance(chosen, t)
         finished = done.cpu().tolist() if stop is not None else [False] * batch
-        tokens, logprobs, lengths = tokens.cpu(), logprobs.cpu(), lengths.cpu().tolist()
+        tokens, logprobs, kept = tokens.cpu(), logprobs.cpu(), lengths.cpu().tolist()
         return [
-            Generation(tokens[row, : lengths[row]].tolist(), logprobs[row, : lengths[row]].tolist(), finished[row])
+            Generation(tokens[row, : kept[row]].tolist(), logprobs[row, : kept[row]].tolist(), finished[row])
             for row in range(batch)
         ]
 
-    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def _generate(self, model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         input_ids, attention_mask = self._left_pad(prompts)
         width = input_ids.shape[1]
         stop_ids = tuple(dict.fromkeys(self.eos_ids + tuple(params.stop_token_ids)))
         greedy = params.temperature == 0
-        out = self.model.generate(
+        out = cast("GenerationMixin", model).generate(  # AutoModelForCausalLM's models are GenerationMixins
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
             do_sample=not greedy,
@@ -273,18 +277,24 @@ class HFEngine(Engine):
     def sleep(self) -> None:
         if self.model is not None and self.offload_when_asleep and self.device.type != "cpu" and not self.asleep:
             self._decoder = None  # its KV buffers and CUDA graph; moving the weights makes it stale anyway
-            self.model.to("cpu")
+            _move(self.model, torch.device("cpu"))
             torch.cuda.empty_cache()
             self.asleep = True
 
     def wake_up(self) -> None:
         if self.model is not None and self.asleep:
-            self.model.to(self.device)
+            _move(self.model, self.device)
             self.asleep = False
 
     def shutdown(self) -> None:
         self.model = None
         self._decoder = None
+
+
+def _move(model: torch.nn.Module, device: torch.device) -> None:
+    """``model.to(device)`` (in place). Typed as a torch ``Module``'s: transformers' stub of ``PreTrainedModel.to``
+    (a ``functools.wraps`` of ``Module.to``) asks for ``self`` again; the call still runs ``PreTrainedModel.to``."""
+    model.to(device)
 
 
 def _sample_rows(probs: torch.Tensor) -> torch.Tensor:
@@ -325,19 +335,22 @@ class StaticCacheDecoder:
     MODEL_TYPES = ("llama", "qwen2")
     ROPE_TYPES = ("default", "linear", "llama3")  # tables that do not depend on the sequence length
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
-        base = model.model
-        self.embed = base.embed_tokens
-        self.norm = base.norm
-        self.lm_head = model.lm_head
-        self.rotary = base.rotary_emb
+        # the HF modules are reached by name (torch types a submodule attribute as ``Tensor | Module``); ``build``
+        # checked what the decoder relies on
+        hf: Any = model
+        base = hf.model
+        self.embed: torch.nn.Embedding = base.embed_tokens
+        self.norm: _RMSNorm = base.norm
+        self.lm_head: torch.nn.Linear = hf.lm_head
+        self.rotary: torch.nn.Module = base.rotary_emb
         self.layers = [_FusedLayer(layer) for layer in base.layers]
         attention = base.layers[0].self_attn
-        self.head_dim = attention.head_dim
-        self.heads = model.config.num_attention_heads
-        self.kv_heads = model.config.num_key_value_heads
-        self.scaling = attention.scaling
+        self.head_dim: int = attention.head_dim
+        self.heads: int = model.config.num_attention_heads
+        self.kv_heads: int = model.config.num_key_value_heads
+        self.scaling: float = attention.scaling
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.shape: tuple[int, ...] = ()
@@ -345,7 +358,7 @@ class StaticCacheDecoder:
         self._compiled: Callable[..., torch.Tensor] | None = None  # ``step`` under torch.compile, made once
 
     @classmethod
-    def build(cls, model: torch.nn.Module) -> StaticCacheDecoder | None:
+    def build(cls, model: PreTrainedModel) -> StaticCacheDecoder | None:
         """The decoder for ``model``, or ``None`` when its architecture is not one this class implements."""
         config = model.config
         base = getattr(model, "model", None)
@@ -378,7 +391,7 @@ class StaticCacheDecoder:
         shape as the last call's are reused (a captured CUDA graph reads them where they are)."""
         batch, width = len(rows), mask.shape[1]
         shape = (batch, self.kv_heads, width + budget, self.head_dim)
-        reference = cache.layers[0].keys
+        reference, _ = _prefilled(cache, 0)
         if self.shape != shape or self.keys[0].dtype != reference.dtype or self.keys[0].device != reference.device:
             self._graph = None
             self.shape = shape
@@ -390,8 +403,9 @@ class StaticCacheDecoder:
             self.cos = reference.new_zeros((width + budget, self.head_dim))
             self.sin = reference.new_zeros((width + budget, self.head_dim))
         for index, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
-            keys[:, :, :width] = cache.layers[index].keys[rows]
-            values[:, :, :width] = cache.layers[index].values[rows]
+            prefilled_keys, prefilled_values = _prefilled(cache, index)
+            keys[:, :, :width] = prefilled_keys[rows]
+            values[:, :, :width] = prefilled_values[rows]
         # additive attention bias: -inf on the left padding of each prompt
         self.bias.zero_()
         self.bias[:, 0, 0, :width].masked_fill_(mask[rows] == 0, float("-inf"))
@@ -461,6 +475,22 @@ class StaticCacheDecoder:
         return self._graph
 
 
+def _prefilled(cache: DynamicCache, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values the prefill wrote into layer ``index`` of ``cache`` (``StaticCacheDecoder.build`` admits
+    full-attention layers only: each a ``DynamicLayer``)."""
+    layer = cast("DynamicLayer", cache.layers[index])
+    if layer.keys is None or layer.values is None:
+        raise RuntimeError(f"layer {index} of the prefill's KV cache holds no keys or values")
+    return layer.keys, layer.values
+
+
+class _RMSNorm(Protocol):
+    """What the decoder reads of a Llama-style RMSNorm module."""
+
+    weight: torch.nn.Parameter
+    variance_epsilon: float
+
+
 class _CudaGraphStep:
     """A decoder's fixed-shape step captured once as a CUDA graph; calling it copies the inputs into the
     graph's input buffers and replays it."""
@@ -493,12 +523,15 @@ class _FusedLayer:
     """A decoder layer's weights, with q/k/v and gate/up fused (the module parameters become views)."""
 
     def __init__(self, layer: torch.nn.Module) -> None:
-        attention, mlp = layer.self_attn, layer.mlp
-        self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        hf: Any = layer  # HF's decoder layer: its modules reached by name (``StaticCacheDecoder.build`` checked them)
+        attention, mlp = hf.self_attn, hf.mlp
+        self.norm1: _RMSNorm = hf.input_layernorm
+        self.norm2: _RMSNorm = hf.post_attention_layernorm
         self.eps1, self.eps2 = self.norm1.variance_epsilon, self.norm2.variance_epsilon
-        self.o_proj, self.down_proj = attention.o_proj, mlp.down_proj
-        self.qkv = (attention.q_proj, attention.k_proj, attention.v_proj)
-        self.gate_up = (mlp.gate_proj, mlp.up_proj)
+        self.o_proj: torch.nn.Linear = attention.o_proj
+        self.down_proj: torch.nn.Linear = mlp.down_proj
+        self.qkv: tuple[torch.nn.Linear, ...] = (attention.q_proj, attention.k_proj, attention.v_proj)
+        self.gate_up: tuple[torch.nn.Linear, ...] = (mlp.gate_proj, mlp.up_proj)
         self.qkv_weight, self.qkv_bias = _fuse(self.qkv)
         self.gate_up_weight, self.gate_up_bias = _fuse(self.gate_up)
 
@@ -522,7 +555,7 @@ def _fuse(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tenso
     for linear in linears:
         end = start + linear.out_features
         linear.weight.data = weight[start:end]
-        if linear.bias is not None:
+        if bias is not None and linear.bias is not None:
             linear.bias.data = bias[start:end]
         start = end
     return weight, bias

@@ -26,6 +26,9 @@ one; after ``retries`` further attempts the request fails with a ``GcoreError`` 
 is used.
 """
 
+# the role names and request kinds are Literal types: comparing one with another spelling is an error
+# mypy: strict-equality
+
 from __future__ import annotations
 
 import itertools
@@ -37,19 +40,32 @@ import time
 import traceback
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, SupportsInt, TypeAlias, assert_never, cast
 
 import torch
 
-from gcore.engines.base import Engine
+from gcore.engines.base import JUDGE, POLICY, REWARD, Engine, Role
 from gcore.errors import GcoreError
 from gcore.model import ModelSource
 from gcore.threads import spawning, worker_threads
 from gcore.types import Generation, Sample, SamplingParams
 
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.queues import Queue
+
 log = logging.getLogger(__name__)
 
-POLICY, JUDGE, REWARD = "policy", "judge", "reward"
+__all__ = ["JUDGE", "POLICY", "REWARD", "Job", "JobKind", "PoolEngine", "Reply", "Role", "RoleSpec", "Scorer",
+           "SharedWeights", "WorkerPool"]
+
+#: what a request asks of a worker (``_worker_main``): sample with its engine, score with its reward, take a
+#: role, load the shared weights; ``stop`` (no ``Job``) ends the worker
+JobKind: TypeAlias = Literal["generate", "score", "role", "sync"]
+#: what a worker answers: it started, it could not start, a request's result, a request's error
+ReplyKind: TypeAlias = Literal["ready", "fatal", "result", "error"]
+#: a worker's answer: (kind, worker index, job id or ``None``, payload: (result, busy seconds) or a traceback)
+Reply: TypeAlias = tuple[ReplyKind, int, int | None, object]
 
 
 class Scorer(Protocol):
@@ -85,7 +101,10 @@ class SharedWeights:
         out = []
         for name, dtype, shape, offset in self.layout:
             item = torch.empty((), dtype=dtype).element_size()
-            out.append((name, torch.empty(0, dtype=dtype).set_(storage, offset // item, shape)))
+            # torch's stub lists set_(storage, offset, size) only with a stride; without one torch takes the
+            # contiguous strides
+            view = torch.empty(0, dtype=dtype).set_(storage, offset // item, shape)  # type: ignore[call-overload]
+            out.append((name, view))
         return out
 
     def ref(self) -> tuple[str, int, list, int]:
@@ -97,10 +116,10 @@ class Job:
     """One request to a worker; ``workers`` are the ones allowed to serve it."""
 
     id: int
-    kind: str  # generate | score | role | sync
+    kind: JobKind
     args: tuple
     workers: tuple[int, ...]
-    role: str = ""
+    role: Role | Literal[""] = ""  # "": a request that serves no role (a weight sync)
     worker: int | None = None
     sent: float = 0.0
     attempts: int = 0
@@ -112,9 +131,10 @@ class Job:
     failed_on: set[int] = field(default_factory=set)
 
 
-def _worker_main(index: int, threads: int, seed: int, specs: bytes, role: str, weights: tuple | None,
-                 release: bool, device: str, requests, replies) -> None:  # noqa: ANN001 - a queue in, this worker's own pipe out
-    """The worker's loop: build its engine, then serve requests until told to stop."""
+def _worker_main(index: int, threads: int, seed: int, specs: bytes, role: Role, weights: tuple | None,
+                 release: bool, device: str, requests: Queue[tuple], replies: Connection) -> None:
+    """The worker's loop: build its engine, then serve requests until told to stop. A request is
+    ``(kind, job id, *args)`` (``("stop", None)`` ends the loop); ``replies`` is this worker's own pipe."""
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     try:
@@ -125,41 +145,59 @@ def _worker_main(index: int, threads: int, seed: int, specs: bytes, role: str, w
         runtime = _WorkerRuntime(pickle.loads(specs), release, torch.device(device))
         runtime.switch(role, weights)
     except BaseException:  # noqa: BLE001  report why it could not start, whatever it was, then exit
-        replies.send(("fatal", index, None, traceback.format_exc()))
+        _send(replies, ("fatal", index, None, traceback.format_exc()))
         return
-    replies.send(("ready", index, None, None))
+    _send(replies, ("ready", index, None, None))
     while True:
         message = requests.get()
-        kind, job_id = message[0], message[1]
-        if kind == "stop":
+        if message[0] == "stop":
             return
+        kind: JobKind = message[0]
+        job_id: int = message[1]
         try:
             started = time.perf_counter()
-            if kind == "generate":
-                expected, prompts, params = message[2:]
-                result = runtime.generate(expected, prompts, params)
-            elif kind == "score":
-                result = runtime.score(*message[2:])
-            elif kind == "role":
-                result = runtime.switch(*message[2:])
-            elif kind == "sync":
-                result = runtime.sync(message[2])
-            else:
-                raise ValueError(f"unknown request {kind!r}")
-            replies.send(("result", index, job_id, (result, time.perf_counter() - started)))
+            result = _serve(runtime, kind, message[2:])
+            _send(replies, ("result", index, job_id, (result, time.perf_counter() - started)))
         except Exception:  # noqa: BLE001  an engine may fail in any way: the pool retries elsewhere or reports it
-            replies.send(("error", index, job_id, traceback.format_exc()))
+            _send(replies, ("error", index, job_id, traceback.format_exc()))
+
+
+def _send(replies: Connection, reply: Reply) -> None:
+    """Answer the pool (a ``Reply``: its kind is checked where it is written)."""
+    replies.send(reply)
+
+
+def _serve(runtime: _WorkerRuntime, kind: JobKind, args: tuple) -> object:
+    """One request in the worker: its result, which the pool reads as ``kind`` says."""
+    if kind == "generate":
+        role, prompts, params = args
+        return runtime.generate(role, prompts, params)
+    if kind == "score":
+        return runtime.score(*args)
+    if kind == "role":
+        return runtime.switch(*args)
+    if kind == "sync":
+        (weights,) = args
+        return runtime.sync(weights)
+    assert_never(kind)
 
 
 class _WorkerRuntime:
     """Inside a worker: its engines, which one is awake, and how roles are swapped."""
 
-    def __init__(self, specs: dict[str, RoleSpec], release: bool, device: torch.device) -> None:
+    def __init__(self, specs: dict[Role, RoleSpec], release: bool, device: torch.device) -> None:
         self.specs, self.release, self.device = specs, release, device
-        self.engines: dict[str, Engine | Scorer] = {}
-        self.role: str | None = None
+        self.engines: dict[Role, Engine | Scorer] = {}
+        self.role: Role | None = None
 
-    def _load(self, role: str, weights: tuple | None) -> Engine | Scorer:
+    def _engine(self, role: Role) -> Engine:
+        """The engine ``role`` holds (not a rule-based reward's)."""
+        held = self.engines[role]
+        if not isinstance(held, Engine):
+            raise RuntimeError(f"the {role} role holds a rule-based reward, not an engine")
+        return held
+
+    def _load(self, role: Role, weights: tuple | None) -> Engine | Scorer:
         spec = self.specs[role]
         if spec.reward is not None:
             reward = pickle.loads(pickle.dumps(spec.reward))
@@ -172,7 +210,7 @@ class _WorkerRuntime:
             engine.update_weights(SharedWeights(*weights).views())
         return engine
 
-    def switch(self, role: str, weights: tuple | None) -> tuple[str, ...]:
+    def switch(self, role: Role, weights: tuple | None) -> tuple[Role, ...]:
         """Make ``role`` the awake engine (sleep/release the other one); returns the engines held."""
         if role == self.role:
             return tuple(sorted(self.engines))
@@ -185,32 +223,34 @@ class _WorkerRuntime:
                     old.shutdown()
                 del self.engines[self.role]
         if role in self.engines:
-            if isinstance(self.engines[role], Engine):
-                self.engines[role].wake_up()
+            held = self.engines[role]
+            if isinstance(held, Engine):
+                held.wake_up()
             if role == POLICY and weights is not None:
-                self.engines[role].update_weights(SharedWeights(*weights).views())
+                self._engine(role).update_weights(SharedWeights(*weights).views())
         else:
             self.engines[role] = self._load(role, weights)
         self.role = role
         return tuple(sorted(self.engines))
 
-    def generate(self, role: str, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+    def generate(self, role: Role, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
         if role != self.role:
             raise RuntimeError(f"worker holds the {self.role} engine, asked to run the {role} engine")
-        return self.engines[role].generate(prompts, params)
+        return self._engine(role).generate(prompts, params)
 
-    def score(self, role: str, samples: list[Sample]) -> tuple[list[float], int]:
+    def score(self, role: Role, samples: list[Sample]) -> tuple[list[float], int]:
         """The reward of each sample, and how many failed (``Scorer.last_errors``)."""
         if role != self.role:
             raise RuntimeError(f"worker holds the {self.role} role, asked to score as {role}")
         reward = self.engines[role]
+        if isinstance(reward, Engine):
+            raise RuntimeError(f"the {role} role holds an engine, not a rule-based reward")
         return reward.score(samples), reward.last_errors
 
     def sync(self, weights: tuple) -> int:
-        engine = self.engines.get(POLICY)
-        if engine is None:  # released: it loads the latest weights when it wakes up
+        if POLICY not in self.engines:  # released: it loads the latest weights when it wakes up
             return 0
-        return engine.update_weights(SharedWeights(*weights).views())
+        return self._engine(POLICY).update_weights(SharedWeights(*weights).views())
 
 
 class WorkerPool:
@@ -230,7 +270,7 @@ class WorkerPool:
         device: where the workers' engines run: ``cpu``, or one GPU (``cuda:0``) that they share.
     """
 
-    def __init__(self, size: int, specs: dict[str, RoleSpec], roles: Sequence[str], threads: int = 0, seed: int = 0,
+    def __init__(self, size: int, specs: dict[Role, RoleSpec], roles: Sequence[Role], threads: int = 0, seed: int = 0,
                  release: bool = True, job_timeout_s: float = 600.0, retries: int = 2,
                  startup_timeout_s: float = 900.0, device: str = "cpu") -> None:
         if size < 1 or len(roles) != size:
@@ -245,8 +285,9 @@ class WorkerPool:
         self.device = device
         self._specs = pickle.dumps(specs)
         self._ctx = mp.get_context("spawn")
-        self._replies: list = [None] * size  # one pipe per worker: a worker killed mid-reply blocks no other
-        self.roles: list[str] = list(roles)
+        # one pipe per worker: a worker killed mid-reply blocks no other
+        self._replies: list[Connection | None] = [None] * size
+        self.roles: list[Role] = list(roles)
         self.processes: list = [None] * size
         self._requests: list = [None] * size
         self._ready = [False] * size
@@ -262,7 +303,7 @@ class WorkerPool:
         self.retried = 0
         self.respawned = 0
         self.swaps = 0  # role changes done by workers
-        self.held: list[tuple[str, ...]] = [(role,) for role in roles]  # engines resident in each worker
+        self.held: list[tuple[Role, ...]] = [(role,) for role in roles]  # engines resident in each worker
         self._fatal: dict[int, str] = {}  # why a worker could not start
         self.closed = False
         self._spawn(range(size))
@@ -271,8 +312,9 @@ class WorkerPool:
     # -- processes ---------------------------------------------------------------------------
     def _spawn(self, indices: Iterable[int]) -> None:
         for i in indices:
-            if self._replies[i] is not None:  # a dead worker's pipe
-                self._replies[i].close()
+            dead = self._replies[i]
+            if dead is not None:  # a dead worker's pipe
+                dead.close()
             self._requests[i] = self._ctx.Queue()
             self._replies[i], writer = self._ctx.Pipe(duplex=False)
             self._ready[i] = False
@@ -347,7 +389,7 @@ class WorkerPool:
             pass
 
     # -- requests ----------------------------------------------------------------------------
-    def submit(self, kind: str, args: tuple, workers: Sequence[int], role: str = "") -> Job:
+    def submit(self, kind: JobKind, args: tuple, workers: Sequence[int], role: Role | Literal[""] = "") -> Job:
         """Queue a request for any of ``workers``; it is sent as soon as one of them is free."""
         if not workers:
             raise GcoreError(f"no engine worker to run a {kind} request for role {role!r}")
@@ -369,12 +411,12 @@ class WorkerPool:
                 return done
             self._pump(0.2)
 
-    def generate(self, role: str, prompts: Sequence[Sequence[int]], params: SamplingParams,
+    def generate(self, role: Role, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  workers: Sequence[int]) -> list[list[Generation]]:
         """``prompts`` split into one request per worker; the results in the order of ``prompts``."""
         return self.collect_generate(self.submit_generate(role, prompts, params, workers))
 
-    def submit_generate(self, role: str, prompts: Sequence[Sequence[int]], params: SamplingParams,
+    def submit_generate(self, role: Role, prompts: Sequence[Sequence[int]], params: SamplingParams,
                         workers: Sequence[int]) -> list[Job]:
         """Send ``generate``'s requests and return at once; ``collect_generate`` waits for them."""
         if not prompts:
@@ -386,9 +428,9 @@ class WorkerPool:
     def collect_generate(self, jobs: list[Job]) -> list[list[Generation]]:
         """Wait for requests of ``submit_generate``; their results in the order of its prompts."""
         self.wait(jobs)
-        return [out for job in jobs for out in job.result]
+        return [out for job in jobs for out in cast("list[list[Generation]]", job.result)]
 
-    def assign(self, roles: Sequence[str]) -> float:
+    def assign(self, roles: Sequence[Role]) -> float:
         """Give worker ``i`` the role ``roles[i]`` (a real swap where it changes); returns seconds."""
         started = time.perf_counter()
         weights = self.weights.ref() if self.weights is not None else None
@@ -428,7 +470,7 @@ class WorkerPool:
             loaded = self.weights.nbytes * len(jobs)
         else:
             self.wait(jobs)
-            loaded = sum(int(j.result) for j in jobs)
+            loaded = sum(int(cast(SupportsInt, j.result)) for j in jobs)  # the bytes each worker loaded
         end = time.perf_counter()
         return {"bytes": float(loaded), "shm_bytes": float(self.weights.nbytes), "copy_s": copied - started,
                 "load_s": end - copied, "s": end - started}
@@ -470,7 +512,8 @@ class WorkerPool:
 
         while True:
             readers = {conn: i for i, conn in enumerate(self._replies) if conn is not None}
-            ready = wait(list(readers), timeout) if readers else []
+            # the connections it was given, those with something to read
+            ready = cast("list[Connection]", wait(list(readers), timeout)) if readers else []
             if not ready:
                 return
             for conn in ready:
@@ -483,28 +526,28 @@ class WorkerPool:
                 self._handle(reply)
             timeout = 0
 
-    def _handle(self, reply: tuple) -> None:
+    def _handle(self, reply: Reply) -> None:
         kind, i, job_id, payload = reply
         if kind == "ready":
             self._ready[i] = True
             return
         if kind == "fatal":
             log.error("engine worker %d failed to start:\n%s", i, payload)
-            self._fatal[i] = payload
+            self._fatal[i] = cast(str, payload)  # the traceback
             self._ready[i] = False
             return
-        job = self._jobs.get(job_id)
+        job = self._jobs.get(job_id) if job_id is not None else None
         if job is None or job.done or job.worker != i:
             return  # a late answer to a request that was already sent elsewhere
         self._busy_with[i] = None
         if kind == "result":
-            job.result, job.busy_s = payload
+            job.result, job.busy_s = cast("tuple[object, float]", payload)
             job.done = job.ok = True
             if job.kind in ("generate", "score"):
                 self.busy[job.role] = self.busy.get(job.role, 0.0) + job.busy_s
             elif job.kind == "role":
                 self.swaps += 1
-                self.held[i] = job.result
+                self.held[i] = cast("tuple[Role, ...]", job.result)  # ``_WorkerRuntime.switch``'s
             del self._jobs[job.id]
         else:
             self._retry(job, i, f"engine worker {i} raised:\n{payload}")
@@ -566,7 +609,7 @@ class PoolEngine(Engine):
     shared memory to every worker that holds it.
     """
 
-    def __init__(self, pool: WorkerPool, role: str, workers: Sequence[int]) -> None:
+    def __init__(self, pool: WorkerPool, role: Role, workers: Sequence[int]) -> None:
         self.pool, self.role, self.workers = pool, role, list(workers)
         self.last_sync: dict[str, float] = {}
 

@@ -37,8 +37,11 @@ class PlacementPolicy(ABC):
     computed identically on every rank from the same telemetry: there is no master.
     """
 
-    #: extra per-rank numbers this policy writes into the step's timer; gathered and logged as ``time/<key>``
-    telemetry_keys: tuple[str, ...] = ()
+    @property
+    def telemetry_keys(self) -> tuple[str, ...]:
+        """Extra per-rank numbers this policy writes into the step's timer; gathered and logged as
+        ``time/<key>``. Default: none."""
+        return ()
 
     @property
     def supports_overlap(self) -> bool:

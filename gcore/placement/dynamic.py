@@ -1,5 +1,8 @@
 """``dynamic`` placement: generation and the reward on two partitions sized from utilization."""
 
+# the role names and request kinds are Literal types: comparing one with another spelling is an error
+# mypy: strict-equality
+
 from __future__ import annotations
 
 import math
@@ -10,7 +13,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from gcore.engines.base import Engine
+from gcore.engines.base import JUDGE, POLICY, REWARD, Engine, Role
 from gcore.errors import ConfigError
 from gcore.model import ModelSource
 from gcore.placement.base import PlacementPolicy, Telemetry
@@ -23,7 +26,8 @@ if TYPE_CHECKING:
     from gcore.engines.pool import Job, PoolEngine, WorkerPool
     from gcore.placement.launch import PoolReward
 
-GENERATE, JUDGE = "generate", "reward"
+#: the rollout stages (``gcore.rollout.STAGES``) whose busy seconds ``update`` balances
+GENERATE_STAGE, REWARD_STAGE = "generate", "reward"
 
 
 class DynamicPlacement(PlacementPolicy):
@@ -69,8 +73,6 @@ class DynamicPlacement(PlacementPolicy):
         retries: further attempts for a failed worker request before the step fails.
     """
 
-    telemetry_keys = ("rollout", "idle_generate", "idle_reward")
-
     def __init__(
         self,
         devices: int = 0,
@@ -98,12 +100,16 @@ class DynamicPlacement(PlacementPolicy):
         self.total = 0
         self.device_type = "cpu"
         self.judge_devices = 0
-        self.reward_role = "judge"  # or "reward": worker processes running a rule-based reward
+        self.reward_role: Role = JUDGE  # or REWARD: worker processes running a rule-based reward
         self.min_reward_devices = self.max_reward_devices = 0
         self.pool: WorkerPool | None = None
         self.policy_engine: PoolEngine | None = None
         self.judge_engine: PoolEngine | None = None
         self.reward_pool: PoolReward | None = None
+
+    @property
+    def telemetry_keys(self) -> tuple[str, ...]:
+        return ("rollout", "idle_generate", "idle_reward")
 
     @property
     def generate_devices(self) -> int:
@@ -120,8 +126,6 @@ class DynamicPlacement(PlacementPolicy):
 
     def setup(self, world_size: int, device_type: str, reward: RewardModel | None = None) -> None:
         """``reward`` ``None`` (``gcore simulate``) or one with a generative judge: a judge partition."""
-        from gcore.engines.pool import JUDGE, REWARD
-
         if device_type not in ("simulated", "cpu", "cuda"):
             raise ConfigError(f"--placement dynamic runs on the CPU, a CUDA GPU or in `gcore simulate`, not on "
                               f"{device_type}: use --placement static")
@@ -148,7 +152,7 @@ class DynamicPlacement(PlacementPolicy):
         gpu = self.device_type == "cuda"
         workers = (f"{self.total} engine worker process{'es' if self.total != 1 else ''} per controller"
                    + (" sharing its GPU" if gpu else ""))
-        if self.reward_role == "judge":
+        if self.reward_role == JUDGE:
             return (f"dynamic placement: {workers}, {self.generate_devices} generating and {self.judge_devices} "
                     "judging at once; the split is re-sized every step from the measured stage times "
                     "(placement/* in metrics.csv)")
@@ -165,7 +169,6 @@ class DynamicPlacement(PlacementPolicy):
     def launch(self, engine: Engine, reward: RewardModel, source: ModelSource, device: torch.device,
                seed: int) -> Engine:
         """Start ``devices`` engine workers: the first ``generate_devices`` hold the policy, the rest the judge."""
-        from gcore.engines.pool import REWARD
         from gcore.placement.launch import PoolReward, launch_workers
 
         if self.total == 0:
@@ -178,10 +181,9 @@ class DynamicPlacement(PlacementPolicy):
             self.reward_pool = PoolReward(self.pool, [])
         return self.policy_engine
 
-    def _roles(self) -> list[str]:
-        from gcore.engines.pool import POLICY
-
-        return [POLICY] * self.generate_devices + [self.reward_role] * self.judge_devices
+    def _roles(self) -> list[Role]:
+        generating: list[Role] = [POLICY] * self.generate_devices
+        return generating + [self.reward_role] * self.judge_devices
 
     @property
     def supports_overlap(self) -> bool:
@@ -201,8 +203,6 @@ class DynamicPlacement(PlacementPolicy):
         """Swap the workers that changed partition and send the generation requests; the judging runs
         when the result is asked for. While rollouts overlap training (``allow_overlap``), one request
         per generation worker, so that every worker is busy while no one dispatches requests."""
-        from gcore.engines.pool import POLICY
-
         pool, prompts, timer = self.pool, job.prompts, job.timer
         if pool is None:
             raise RuntimeError("DynamicPlacement.rollout called before launch")
@@ -227,8 +227,6 @@ class DynamicPlacement(PlacementPolicy):
 
     def _finish_rollout(self, job: RolloutJob, requests: dict[int, Job], scorers: list[int],
                         started: float) -> list[Sample]:
-        from gcore.engines.pool import POLICY
-
         pool, timer = self.pool, job.timer
         assert pool is not None  # set by launch
         reward = self.reward_pool if scorers and self.reward_pool is not None else None  # None: in the controller
@@ -249,8 +247,8 @@ class DynamicPlacement(PlacementPolicy):
         busy_generate = pool.busy.get(POLICY, 0.0)
         busy_judge = pool.busy.get(self.reward_role, 0.0) if scorers else in_controller
         generate_devices = self.total - len(scorers)  # the split when the rollout started
-        timer.add("generate", busy_generate / generate_devices)
-        timer.add("reward", busy_judge / max(len(scorers), 1))
+        timer.add(GENERATE_STAGE, busy_generate / generate_devices)
+        timer.add(REWARD_STAGE, busy_judge / max(len(scorers), 1))
         timer.add("rollout", wall)
         timer.add("idle_generate", generate_devices * wall - busy_generate)
         timer.add("idle_reward", len(scorers) * wall - busy_judge if scorers else 0.0)
@@ -314,7 +312,7 @@ class DynamicPlacement(PlacementPolicy):
         """
         if self.total == 0:
             raise RuntimeError("DynamicPlacement.update called before setup")
-        generate_busy, judge_busy = telemetry.busiest(GENERATE), telemetry.busiest(JUDGE)
+        generate_busy, judge_busy = telemetry.busiest(GENERATE_STAGE), telemetry.busiest(REWARD_STAGE)
         floors = (telemetry.busiest("generate_floor"), telemetry.busiest("reward_floor"))
         rollout = max(telemetry.busiest("rollout"), generate_busy, judge_busy)
         idle_generate, idle_judge = rollout - generate_busy, rollout - judge_busy

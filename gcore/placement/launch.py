@@ -5,6 +5,9 @@ judge (found through ``RewardModel.judges``) or a rule-based reward, and points 
 judge workers; ``PoolReward`` scores a rule-based reward on the ``reward`` workers.
 """
 
+# the role names and request kinds are Literal types: comparing one with another spelling is an error
+# mypy: strict-equality
+
 from __future__ import annotations
 
 import logging
@@ -15,8 +18,8 @@ from typing import cast
 
 import torch
 
-from gcore.engines.base import Engine
-from gcore.engines.pool import JUDGE, POLICY, REWARD, PoolEngine, RoleSpec, WorkerPool
+from gcore.engines.base import JUDGE, POLICY, REWARD, Engine, Role
+from gcore.engines.pool import PoolEngine, RoleSpec, WorkerPool
 from gcore.errors import ConfigError
 from gcore.model import ModelSource
 from gcore.rewards.base import RewardModel
@@ -51,7 +54,7 @@ def launch_workers(
     *,
     source: ModelSource,
     device: torch.device,
-    roles: Sequence[str],
+    roles: Sequence[Role],
     threads: int,
     seed: int,
     release: bool,
@@ -81,7 +84,7 @@ def launch_workers(
     judges = reward.judges()
     if len(judges) > 1:
         raise ConfigError(f"{option}: engine workers hold one generative judge, the reward has {len(judges)}")
-    specs = {POLICY: RoleSpec(engine, source)}
+    specs: dict[Role, RoleSpec] = {POLICY: RoleSpec(engine, source)}
     if judges:
         specs[JUDGE] = RoleSpec(judges[0].engine, judges[0].source)
     elif JUDGE in roles:

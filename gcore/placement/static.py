@@ -1,5 +1,8 @@
 """``static`` placement: every role on every device, time-shared."""
 
+# the role names and request kinds are Literal types: comparing one with another spelling is an error
+# mypy: strict-equality
+
 from __future__ import annotations
 
 import time
@@ -8,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gcore.engines.base import Engine
+from gcore.engines.base import JUDGE, POLICY, Engine
 from gcore.errors import ConfigError
 from gcore.model import ModelSource
 from gcore.placement.base import PlacementPolicy
@@ -56,7 +59,7 @@ class StaticPlacement(PlacementPolicy):
         self.judge_engine: PoolEngine | None = None
 
     @property
-    def telemetry_keys(self) -> tuple[str, ...]:  # type: ignore[override]
+    def telemetry_keys(self) -> tuple[str, ...]:
         return ("rollout", "idle_generate", "idle_reward") if self.workers else ()
 
     def validate(self, world_size: int, single_controller: bool) -> None:
@@ -71,7 +74,6 @@ class StaticPlacement(PlacementPolicy):
                seed: int) -> Engine:
         if not self.workers:
             return super().launch(engine, reward, source, device, seed)
-        from gcore.engines.pool import POLICY
         from gcore.placement.launch import launch_workers
 
         self.pool, policy, self.judge_engine = launch_workers(
@@ -98,8 +100,6 @@ class StaticPlacement(PlacementPolicy):
         (the judge swap and the scoring) runs when the result is asked for."""
         if self.pool is None:
             return super().start_rollout(job)
-        from gcore.engines.pool import POLICY
-
         pool = self.pool
         pool.revive()
         pool.busy.clear()
@@ -109,8 +109,6 @@ class StaticPlacement(PlacementPolicy):
         return lambda: self._finish_rollout(job, requests, started)
 
     def _finish_rollout(self, job: RolloutJob, requests: list[Job], started: float) -> list[Sample]:
-        from gcore.engines.pool import JUDGE, POLICY
-
         assert self.pool is not None  # set by launch
         pool, everyone, timer = self.pool, list(range(self.pool.size)), job.timer
         with timer("generate"):

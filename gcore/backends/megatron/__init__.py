@@ -144,7 +144,7 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
     def validate(self, algorithm: Algorithm, world_size: int, single_controller: bool) -> None:
         super().validate(algorithm, world_size, single_controller)
         check_sequence_parallel_controllers(self.sequence_parallel_size, single_controller)
-        if getattr(algorithm, "entropy_coef", 0.0) and self.tensor_parallel_size > 1:
+        if algorithm.entropy_coef and self.tensor_parallel_size > 1:
             raise ConfigError("--algorithm.entropy_coef with --backend megatron needs "
                               "--backend.tensor_parallel_size 1: "
                               "the vocabulary-parallel entropy is computed without its gradient")
