@@ -327,3 +327,11 @@ def check_compiler(flag: str, device: torch.device) -> None:
     if not any(c and shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++")):
         raise ConfigError(f"{flag} true needs a C++ compiler on CPU (TorchInductor builds its kernels with g++ or "
                           f"clang++; set CXX to one): install one, or use {flag} false")
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword a transformers model takes its KV cache by: ``cache`` where it has one (newer
+    releases deprecate ``past_key_values``, with a warning on every call), else ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

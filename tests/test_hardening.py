@@ -23,10 +23,7 @@ LOADERS = ("from_pretrained", "from_config")
 
 #: calls known to lack the keyword, in files this change could not edit, as (path under gcore/, the call as
 #: ``ast.unparse`` writes it). Each is reported to be fixed there; empty this list once they are.
-ALLOWED_WITHOUT_TRUST_REMOTE_CODE: set[tuple[str, str]] = {
-    # megatron's save_pretrained rebuilds the model from the config it loaded with trust_remote_code
-    ("backends/megatron/__init__.py", "AutoModelForCausalLM.from_config(self.hf_config)"),
-}
+ALLOWED_WITHOUT_TRUST_REMOTE_CODE: set[tuple[str, str]] = set()
 
 
 def _dicts_naming_trust(scope: ast.AST) -> set[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from gcore.model import cache_keyword
 from gcore.types import RolloutBatch
 
 
@@ -80,14 +81,15 @@ def shared_prompt_logits(model: torch.nn.Module, micro: RolloutBatch, first_row:
     if responses == 1:
         return first_logits.unsqueeze(1), targets
     cache = DynamicCache(config=model.config)  # type: ignore[arg-type]  # an HF model: its PretrainedConfig
-    for layer_index, layer in enumerate(prefix.past_key_values.layers):
+    prompt_cache = getattr(prefix, "cache", None) or prefix.past_key_values  # the output's name for it differs
+    for layer_index, layer in enumerate(prompt_cache.layers):  # across transformers releases
         cache.update(layer.keys[rows], layer.values[rows], layer_index)
     # the response tokens but the last (it predicts nothing), on top of their prompt's keys and values
     inputs = targets[:, :-1]
     positions = prompt_lengths.to(device).unsqueeze(1) + torch.arange(responses - 1, device=device)
     mask = torch.cat((prompt_mask[rows], response_mask[:, :-1]), dim=1)
-    rest = model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                 use_cache=False).logits
+    rest = model(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=False,
+                 **{cache_keyword(model): cache}).logits
     return torch.cat((first_logits.unsqueeze(1), rest), dim=1), targets
 
 

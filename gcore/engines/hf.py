@@ -15,7 +15,7 @@ import torch
 
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError
-from gcore.model import DTYPES, ModelSource, check_compiler
+from gcore.model import DTYPES, ModelSource, cache_keyword, check_compiler
 from gcore.types import Generation, SamplingParams
 
 if TYPE_CHECKING:
@@ -158,9 +158,10 @@ class HFEngine(Engine):
         # positions count real tokens only, so a left-padded row sees the positions it would see alone
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=model.config)
+        with_cache = {cache_keyword(model): cache}
         logits = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=cache, use_cache=True, logits_to_keep=1,
+            use_cache=True, logits_to_keep=1, **with_cache,
         ).logits[:, -1][rows]
         prompt_lengths = attention_mask.sum(-1)[rows]
         decoder = self._static_decoder(model)
@@ -181,8 +182,7 @@ class HFEngine(Engine):
             def advance(chosen: torch.Tensor, t: int) -> torch.Tensor:
                 return model(
                     input_ids=chosen.unsqueeze(-1), attention_mask=mask[:, : width + t + 1],
-                    position_ids=(prompt_lengths + t).unsqueeze(-1), past_key_values=cache, use_cache=True,
-                    logits_to_keep=1,
+                    position_ids=(prompt_lengths + t).unsqueeze(-1), use_cache=True, logits_to_keep=1, **with_cache,
                 ).logits[:, -1]
 
         tokens = torch.full((batch, budget), self.pad_id, dtype=torch.long, device=device)

@@ -170,6 +170,7 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
         self.validate(algorithm, fabric.world_size, single_controller=False)
         tp, pp, cp = self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size
         self.hf_config = AutoConfig.from_pretrained(source.path, trust_remote_code=source.trust_remote_code)
+        self.trust_remote_code = source.trust_remote_code  # save_pretrained rebuilds the model from the config
         self.layout = layout_from_hf(self.hf_config, tp)
         if cp > 1 and self.sequence_parallel_mode == "ulysses" and (self.layout.num_heads // tp) % cp:
             raise ConfigError(
@@ -292,7 +293,7 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
         else:
             raise RuntimeError("save_pretrained with tensor or pipeline parallelism needs a named_weights() call "
                                "on every rank after the last update")
-        model = AutoModelForCausalLM.from_config(self.hf_config)
+        model = AutoModelForCausalLM.from_config(self.hf_config, trust_remote_code=self.trust_remote_code)
         model.load_state_dict({k: v.cpu() for k, v in weights.items()}, strict=False)
         model.save_pretrained(path)
 
