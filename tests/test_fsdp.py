@@ -122,11 +122,17 @@ def test_checkpoints_get_a_gloo_group_in_a_one_rank_process_group(tmp_path, _one
     whenever a process group exists, checkpoints get a gloo group of their own (found on an H100, BENCHMARKS.md)."""
     from types import SimpleNamespace
 
-    from gcore import Trainer, TrainerConfig
+    from gcore.checkpointer import Checkpointer
 
-    trainer = Trainer(trainer=TrainerConfig(accelerator="cpu", default_root_dir=str(tmp_path), checkpoint_every=1))
     fabric = SimpleNamespace(world_size=1, global_rank=0, barrier=lambda: None)
-    assert trainer._checkpoint_manager(fabric).process_group is None  # no process group: nothing to add
+
+    def files():
+        checkpointer = Checkpointer(str(tmp_path / "ckpt"), every=1, keep=1, asynchronous=True, resume=None, seed=0,
+                                    signature={}, collective_timeout=60.0)
+        checkpointer.setup(fabric, backend=None, shared={}, own={})
+        return checkpointer.files
+
+    assert files().process_group is None  # no process group: nothing to add
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
-    group = trainer._checkpoint_manager(fabric).process_group
+    group = files().process_group
     assert group is not None and torch.distributed.get_backend(group) == "gloo"
