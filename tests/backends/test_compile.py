@@ -6,7 +6,7 @@ seconds, later ones reuse Inductor's on-disk cache.
 
 import pytest
 import torch
-from conftest import assert_same_run
+from conftest import HF_PROMPTS, assert_same_run, hf_checkpoint
 
 from gcore import GRPO, PPO, HFEngine, SamplingParams, TorchBackend
 from gcore.backends.torch import transformer_blocks
@@ -67,16 +67,14 @@ def test_compiled_blocks_train_the_same_run(share_prompts, attention):
 def test_the_compiled_decode_step_samples_what_the_eager_step_does(tmp_path):
     """The engine's compiled step: the same greedy tokens and log-probabilities as the eager step, over two batch
     shapes (a second shape recompiles once, with dynamic shapes) and after a weight update."""
-    from test_hf_engine import PROMPTS, _checkpoint
-
-    path = _checkpoint(tmp_path, "qwen2")
+    path = hf_checkpoint(tmp_path, "qwen2")
     engines = {}
     for compile_ in (True, False):
         engines[compile_] = HFEngine(compile=compile_)
         engines[compile_].setup(ModelSource(path), torch.device("cpu"))
     greedy = SamplingParams(n=2, max_new_tokens=12, temperature=0.0)
     shifted = {name: t + 0.01 for name, t in engines[False].model.state_dict().items()}
-    for prompts in (PROMPTS, PROMPTS[:3] + [[1, 4, 4, 4, 4, 4, 4]]):  # another width: another shape
+    for prompts in (HF_PROMPTS, HF_PROMPTS[:3] + [[1, 4, 4, 4, 4, 4, 4]]):  # another width: another shape
         for update in (False, True):
             if update:
                 for engine in engines.values():

@@ -3,7 +3,7 @@
 Fabric's FSDPStrategy (FSDP1) refuses the CPU accelerator; the backend uses ModelParallelStrategy with
 torch's ``fully_shard`` instead, which runs on CPU (gloo) and GPU. The fast tests here check the
 choices and errors and one single-rank step (FSDP over a mesh of one: the same update as plain
-training, the code path of the sharded one); tests/test_fsdp_cpu.py compares FSDP with DDP on two
+training, the code path of the sharded one); tests/backends/test_fsdp_cpu.py compares FSDP with DDP on two
 gloo ranks, and the GPU-marked tests below do it on CUDA.
 
 Tolerance: weights within 1e-5 after one AdamW step at lr 1e-3 (TF32 off on GPU).
@@ -44,6 +44,7 @@ def test_fsdp_with_sequence_parallelism_is_a_one_line_error():
         TorchBackend(strategy="fsdp", sequence_parallel_size=2)
 
 
+@pytest.mark.integration
 def test_cli_fsdp_with_sequence_parallelism_fails_with_the_message(gcore_cli):
     run = gcore_cli("--backend.strategy", "fsdp", "--backend.sequence_parallel_size", "2")
     assert run.returncode != 0
@@ -107,6 +108,7 @@ def test_fsdp_step_matches_ddp_on_gpu(tmp_path, _one_rank_group):
     _check_step_matches_ddp(tmp_path, "cuda")
 
 
+@pytest.mark.integration
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_cli_fit_under_fsdp_on_all_gpus(gcore_cli, tmp_path):

@@ -25,7 +25,7 @@ from gcore import GRPO, PPO, ModelConfig, TorchBackend
 from gcore.model import ModelSource, char_tokenizer, materialize
 from gcore.testing import make_batch, set_up
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 WEIGHT_ATOL = 2e-5
 METRIC_REL = 1e-5

@@ -105,6 +105,7 @@ def _fit(root, *args):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.integration
 def test_lora_checkpoint_resumes_exactly_and_exports_a_plain_checkpoint(tmp_path):
     whole = _fit(tmp_path, "--trainer.max_steps", "4", "--trainer.checkpoint_every", "2")
     assert whole.returncode == 0, whole.stderr
@@ -145,6 +146,7 @@ def test_a_target_that_matches_nothing_lists_the_linear_modules(tmp_path):
                               "modules: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj")
 
 
+@pytest.mark.integration
 def test_the_cli_refuses_lora_on_megatron(tmp_path):
     result = subprocess.run([sys.executable, "-m", "gcore", "fit", "--trainer.default_root_dir", str(tmp_path), *FAST,
                              "--backend", "megatron", "--backend.lora_rank", "4"], capture_output=True, text=True,
@@ -169,6 +171,7 @@ def test_gradient_checkpointing_trains_the_adapters(tmp_path):
     assert all(not torch.equal(before[k], after[k]) for k in before)  # every adapter got a gradient
 
 
+@pytest.mark.integration
 def test_lora_on_engine_workers_and_two_ranks(tmp_path):
     """Two DDP ranks train the adapters; the engine workers (``--placement dynamic``) get the partial merged
     sync through shared memory, and a worker that loads later takes the checkpoint plus that sync."""

@@ -221,6 +221,7 @@ def _compare_with_torch(fabric, model_dir, tp, pp, out):
     torch.save(result, f"{out}.{fabric.global_rank}")
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize(("tp", "pp", "tied", "ranks"),
                          [(1, 1, True, 2), (2, 1, True, 2), (1, 2, True, 2), (1, 2, False, 2), (1, 2, True, 4)])
@@ -271,6 +272,7 @@ def _compare_optimizers(fabric, model_dir, out):
     torch.save({k: {key: v for key, v in run.items()} for k, run in runs.items()}, f"{out}.{rank}")
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_distributed_optimizer_matches_adamw(tmp_path):
     _megatron()
@@ -306,7 +308,7 @@ def test_unsupported_parallel_sizes_are_one_line():
         backend_class(pipeline_parallel_size=0)
     with pytest.raises(ConfigError, match="sequence_parallel_size must be >= 1, got 0"):
         backend_class(sequence_parallel_size=0)
-    # context parallelism itself is tested in tests/test_megatron_cp.py
+    # context parallelism itself is tested in tests/backends/test_megatron_cp.py
 
 
 def test_the_trainer_asks_the_backend_what_it_cannot_run():
@@ -381,6 +383,7 @@ def _save_at(fabric, model_dir, root, tp, pp):
         torch.save({"weights": weights, "moments": moments}, os.path.join(root, "expected.pt"))
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
 def test_checkpoint_saved_at_tp2_or_pp2_loads_at_tp1(tmp_path, tp, pp):
@@ -427,6 +430,7 @@ def _save_without_a_peer(fabric, backend, model_dir, out):
     torch.save({"error": result, "seconds": time.monotonic() - start}, out)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_checkpoint_gather_without_a_peer_fails_within_the_timeout(tmp_path):
     """The issue's hung TP=2 save: a rank that never joins the state gathers now fails the others
@@ -464,6 +468,7 @@ def test_grpo_reward_rises_with_the_megatron_backend(tmp_path):
     assert last > 3 * first and last - first > 0.1, rewards
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
 def test_cli_fit_at_tensor_or_pipeline_parallel_2_saves_an_hf_model(gcore_cli, tmp_path, parallel):
@@ -477,6 +482,7 @@ def test_cli_fit_at_tensor_or_pipeline_parallel_2_saves_an_hf_model(gcore_cli, t
     AutoModelForCausalLM.from_pretrained(final)  # the gathered weights load as an HF checkpoint
 
 
+@pytest.mark.integration
 def test_cli_rejects_a_tensor_parallel_size_that_does_not_divide_the_ranks(gcore_cli):
     _megatron()
     run = gcore_cli("--backend", "megatron", "--backend.tensor_parallel_size", "2", "--trainer.accelerator", "cpu")
@@ -484,6 +490,7 @@ def test_cli_rejects_a_tensor_parallel_size_that_does_not_divide_the_ranks(gcore
     assert "tensor_parallel_size 2 does not divide the number of ranks (1)" in run.stderr
 
 
+@pytest.mark.integration
 def test_cli_rejects_a_sequence_parallel_size_that_does_not_divide_the_ranks(gcore_cli):
     _megatron()
     run = gcore_cli("--backend", "megatron", "--backend.sequence_parallel_size", "2", "--trainer.accelerator", "cpu")
@@ -492,6 +499,7 @@ def test_cli_rejects_a_sequence_parallel_size_that_does_not_divide_the_ranks(gco
         in run.stderr
 
 
+@pytest.mark.integration
 def test_cli_rejects_a_pipeline_size_that_does_not_divide_the_layers(gcore_cli):
     _megatron()
     run = gcore_cli("--backend", "megatron", "--backend.pipeline_parallel_size", "2", "--trainer.devices", "2",

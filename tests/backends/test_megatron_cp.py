@@ -5,7 +5,7 @@ With 2 gloo processes on CPU (CP=2, TP=1), on the same 7-row batch (rows of leng
 multiple of 2*CP, two of them padded shorter; each rank brings its own rows): per-token
 log-probabilities equal the one-process megatron backend's (CP=1) and the torch backend's within
 1e-5, and one train step gives the same loss, entropy and gradient norm (rel 1e-4) and the same
-weights: atol 2e-5 against the torch backend (as tests/test_sequence_parallel_training.py: 0.2 % of
+weights: atol 2e-5 against the torch backend (as tests/backends/test_sequence_parallel_training.py: 0.2 % of
 an lr-1e-2 AdamW step), 3e-5 against megatron at CP=1, whose local attention (baddbmm, then softmax)
 rounds differently from the SDPA / online-softmax kernels gcore's attention and torch use.
 Measured (2026-11-23, this 2-core CPU): log-probabilities <= 4.8e-7 off; weights 7.2e-6 off the torch
@@ -150,6 +150,7 @@ def references(tmp_path_factory):
     return {"megatron": megatron, "torch": torch_backend, "initial": initial, "model_dir": model_dir}
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize(("mode", "distributed", "tp"),
                          [("ring", False, 1), ("ulysses", False, 1), ("ring", True, 1), ("ring", False, 2)])
@@ -184,6 +185,7 @@ def test_context_parallel_step_matches_one_process(tmp_path, references, mode, d
             assert torch.equal(result["weights"][key], tensor), key
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_cli_fit_with_megatron_context_parallel(gcore_cli, tmp_path):
     """`gcore fit --backend megatron --backend.sequence_parallel_size 2` on 2 ranks trains and saves."""

@@ -78,6 +78,7 @@ def _compare(fabric, model_dir, tp, out, pp=1, distributed_optimizer=None):
                f"{out}.{fabric.global_rank}")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("tp", [1, 2])
 def test_train_step_matches_torch_on_gpus(tmp_path, tp):
     pytest.importorskip("megatron.core")
@@ -92,6 +93,7 @@ def test_train_step_matches_torch_on_gpus(tmp_path, tp):
         assert result["loss"] < 1e-4 and result["weights"] < 1e-4, result
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("pp", "distributed_optimizer"), [(1, True), (2, None)])
 def test_distributed_optimizer_and_pipeline_on_gpus(tmp_path, pp, distributed_optimizer):
     """megatron's own CUDA paths (no CPU adaptation): the distributed optimizer (forced on at DP=1 on

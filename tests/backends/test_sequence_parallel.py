@@ -109,6 +109,7 @@ def _assemble(results, key, total):
     return full[:, :, :total]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,heads,kv_heads,tile", [
     ("ring", 4, 2, 1024), ("ring", 3, 1, 3),  # tile 3: 8 local queries in tiles of 3, 3 and 2
@@ -203,6 +204,7 @@ def _sp_model(rank, mode, pack):
     return {"logprobs": logprobs.detach(), "grads": grads}
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,pack", [("ring", False), ("ring", True), ("ulysses", False), ("ulysses", True)])
 def test_model_logprobs_and_gradients_match_one_rank(mode, pack):
@@ -237,6 +239,7 @@ def _ulysses_bad_heads(rank):
     return ""
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_ulysses_with_indivisible_heads_is_a_config_error():
     messages = run_ranks(_ulysses_bad_heads)

@@ -15,7 +15,7 @@ from gcore import GRPO, PPO, ModelConfig, TorchBackend
 from gcore.model import ModelSource, char_tokenizer, materialize
 from gcore.testing import set_up
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 WEIGHT_ATOL = 2e-5
 METRIC_REL = 1e-4

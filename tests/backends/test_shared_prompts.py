@@ -89,6 +89,7 @@ def test_training_with_shared_prompts_gives_the_same_run():
     assert_same_run(results[True], results[False])
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_ranks_that_decide_differently_still_train_together(tmp_path, gcore_cli):
     """Two controllers where one shares its prompt (30 characters: half its tokens saved) and the other

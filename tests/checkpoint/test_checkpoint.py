@@ -119,6 +119,7 @@ def test_manifest_lists_every_file(tmp_path):
     assert manifest["step"] == 7
 
 
+@pytest.mark.integration
 def test_export_to_hf(tmp_path):
     from conftest import run_gcore
     from transformers import AutoModelForCausalLM

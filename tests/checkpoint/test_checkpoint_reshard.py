@@ -13,7 +13,7 @@ from gcore.checkpoint import CheckpointManager, latest_checkpoint
 from gcore.model import ModelSource, char_tokenizer, materialize
 from gcore.testing import make_batch, set_up
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
 def _setup(fabric, model_dir):

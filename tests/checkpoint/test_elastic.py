@@ -19,7 +19,7 @@ import pytest
 from conftest import FAST, RECORDING_REWARD
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 TWO = ["--trainer.accelerator", "cpu", "--trainer.collective_timeout", "120"]
 

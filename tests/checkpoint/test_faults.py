@@ -311,6 +311,7 @@ def test_temp_copies_of_dead_runs_are_removed(tmp_path, monkeypatch):
 
 # --- interrupts (a real process and signal) -----------------------------------------------------
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_finishes_the_save_and_says_where_to_resume(tmp_path, sig):

@@ -34,6 +34,7 @@ def _fit(root, *args, **kwargs):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kwargs)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])  # ppo: the critic and its optimizer come back too
 def test_resume_continues_exactly(tmp_path, algorithm):
     whole = _fit(tmp_path / "a", "--trainer.max_steps", "6", "--trainer.checkpoint_every", "3",
@@ -112,11 +113,13 @@ def test_algorithm_and_placement_state_come_back(tmp_path):
     assert (algorithm.batches, placement.updates) == (4, 4)  # 2 restored + steps 2 and 3
 
 
+@pytest.mark.integration
 def test_resume_auto_without_checkpoint_starts_fresh(tmp_path):
     result = _fit(tmp_path, "--trainer.resume", "auto")
     assert result.returncode == 0 and "starting from step 0" in result.stdout
 
 
+@pytest.mark.integration
 def test_killed_run_resumes_from_last_complete_checkpoint(tmp_path):
     cmd = [sys.executable, "-m", "gcore", "fit", "--trainer.default_root_dir", str(tmp_path), *FAST,
            "--trainer.max_steps", "100000", "--trainer.checkpoint_every", "2", "--trainer.save_final", "false"]

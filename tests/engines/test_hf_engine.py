@@ -2,29 +2,12 @@
 
 import pytest
 import torch
+from conftest import HF_PROMPTS, hf_checkpoint
 
 from gcore import HFEngine, SamplingParams
 from gcore.backends import token_logprobs
 from gcore.engines.hf import StaticCacheDecoder
 from gcore.model import ModelSource
-
-
-def _checkpoint(tmp_path, model_type: str) -> str:
-    """A tiny random checkpoint of ``model_type`` (GQA, biases as the architecture has them)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        model_type, vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, tie_word_embeddings=model_type == "qwen2",
-    )
-    if model_type == "llama":
-        config.attention_bias = True  # exercises a bias on o_proj too
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    path = str(tmp_path / model_type)
-    model.save_pretrained(path)
-    return path
 
 
 def _engine(path: str, static_cache: bool) -> HFEngine:
@@ -45,29 +28,25 @@ def _max_gap(engine: HFEngine, prompts, outputs, temperature: float) -> float:
     return gap
 
 
-# prompts of different lengths (left padding) and a repeated one (prefilled once, decoded per row)
-PROMPTS = [[1, 5, 6], [1, 7], [1, 8, 9, 10, 11], [1, 5, 6]]
-
-
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])
 def test_static_decoder_matches_the_model_forward(tmp_path, model_type):
-    path = _checkpoint(tmp_path, model_type)
+    path = hf_checkpoint(tmp_path, model_type)
     engine = _engine(path, static_cache=True)
     params = SamplingParams(n=3, max_new_tokens=10, temperature=0.8, stop_token_ids=(2,))
     torch.manual_seed(1)
-    outputs = engine.generate(PROMPTS, params)
+    outputs = engine.generate(HF_PROMPTS, params)
     assert engine._decoder is not None  # the static path ran
     assert [len(group) for group in outputs] == [3, 3, 3, 3]
-    assert _max_gap(engine, PROMPTS, outputs, params.temperature) < 1e-5
+    assert _max_gap(engine, HF_PROMPTS, outputs, params.temperature) < 1e-5
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])
 def test_static_and_dynamic_cache_agree_when_greedy(tmp_path, model_type):
-    path = _checkpoint(tmp_path, model_type)
+    path = hf_checkpoint(tmp_path, model_type)
     params = SamplingParams(n=2, max_new_tokens=12, temperature=0.0)
-    static = _engine(path, static_cache=True).generate(PROMPTS, params)
+    static = _engine(path, static_cache=True).generate(HF_PROMPTS, params)
     dynamic_engine = _engine(path, static_cache=False)
-    dynamic = dynamic_engine.generate(PROMPTS, params)
+    dynamic = dynamic_engine.generate(HF_PROMPTS, params)
     assert dynamic_engine._decoder is None
     assert [[g.token_ids for g in group] for group in static] == [[g.token_ids for g in group] for group in dynamic]
     for s_group, d_group in zip(static, dynamic, strict=False):
@@ -78,34 +57,34 @@ def test_static_and_dynamic_cache_agree_when_greedy(tmp_path, model_type):
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])
 def test_the_fixed_shape_step_matches_the_sliced_step(tmp_path, model_type, monkeypatch):
     """The step a CUDA graph captures (a one-element slot tensor: the whole cache attended, later slots masked)
-    gives the sliced step's tokens and log-probabilities. Run on CPU here; ``tests/test_gpu.py`` replays it as a
+    gives the sliced step's tokens and log-probabilities. Run on CPU here; ``tests/surface/test_gpu.py`` replays it as a
     graph. The second call reuses the first call's buffers, whose later slots still hold its keys."""
-    path = _checkpoint(tmp_path, model_type)
+    path = hf_checkpoint(tmp_path, model_type)
     greedy = SamplingParams(n=2, max_new_tokens=12, temperature=0.0)
     sampled = SamplingParams(n=3, max_new_tokens=10, temperature=0.8, stop_token_ids=(2,))
     sliced = _engine(path, static_cache=True)
-    expected = [g.token_ids for group in sliced.generate(PROMPTS, greedy) for g in group]
+    expected = [g.token_ids for group in sliced.generate(HF_PROMPTS, greedy) for g in group]
     step = StaticCacheDecoder.step
     monkeypatch.setattr(StaticCacheDecoder, "step",
                         lambda self, tokens, positions, slot: step(self, tokens, positions, torch.tensor([slot])))
     fixed = _engine(path, static_cache=True)
-    assert [g.token_ids for group in fixed.generate(PROMPTS, greedy) for g in group] == expected
+    assert [g.token_ids for group in fixed.generate(HF_PROMPTS, greedy) for g in group] == expected
     buffers = fixed._decoder.keys[0].data_ptr()
-    other = [[1, 9, 8], [1, 4], [1, 3, 3, 3, 3], [1, 6, 5]]  # same shape as PROMPTS, other tokens
+    other = [[1, 9, 8], [1, 4], [1, 3, 3, 3, 3], [1, 6, 5]]  # same shape as HF_PROMPTS, other tokens
     torch.manual_seed(4)
     outputs = fixed.generate(other, SamplingParams(n=2, max_new_tokens=12, temperature=0.8))
     assert fixed._decoder.keys[0].data_ptr() == buffers  # reused
     assert _max_gap(fixed, other, outputs, 0.8) < 1e-5
     torch.manual_seed(1)
-    outputs = fixed.generate(PROMPTS, sampled)  # stop tokens: rows that end early
-    assert _max_gap(fixed, PROMPTS, outputs, sampled.temperature) < 1e-5
+    outputs = fixed.generate(HF_PROMPTS, sampled)  # stop tokens: rows that end early
+    assert _max_gap(fixed, HF_PROMPTS, outputs, sampled.temperature) < 1e-5
 
 
 def test_weight_updates_reach_the_fused_weights(tmp_path):
-    path = _checkpoint(tmp_path, "qwen2")
+    path = hf_checkpoint(tmp_path, "qwen2")
     engine = _engine(path, static_cache=True)
     params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0)
-    engine.generate(PROMPTS, params)
+    engine.generate(HF_PROMPTS, params)
     decoder = engine._decoder
     # the HF modules' weights are views into the decoder's fused tensors: one storage
     q_proj = engine.model.model.layers[0].self_attn.q_proj
@@ -115,9 +94,9 @@ def test_weight_updates_reach_the_fused_weights(tmp_path):
     assert torch.equal(decoder.layers[0].qkv_weight[: q_proj.out_features],
                        new["model.layers.0.self_attn.q_proj.weight"])
     torch.manual_seed(2)
-    outputs = engine.generate(PROMPTS, params)
+    outputs = engine.generate(HF_PROMPTS, params)
     assert engine._decoder is decoder  # still current: not rebuilt
-    assert _max_gap(engine, PROMPTS, outputs, params.temperature) < 1e-5
+    assert _max_gap(engine, HF_PROMPTS, outputs, params.temperature) < 1e-5
 
 
 def test_unsupported_architectures_fall_back(tmp_path):
@@ -141,9 +120,9 @@ def test_pad_and_bos_are_never_sampled_inside_a_response(tmp_path, use_generate)
     megatron's would): the engine never samples pad (0) or bos (1); eos (2) still ends responses.
     With a flat distribution (temperature 5, 40 tokens) about 1 in 40 draws would be each of them."""
     engine = HFEngine(use_generate=use_generate)
-    engine.setup(ModelSource(_checkpoint(tmp_path, "qwen2")), torch.device("cpu"))
+    engine.setup(ModelSource(hf_checkpoint(tmp_path, "qwen2")), torch.device("cpu"))
     torch.manual_seed(0)
-    outputs = engine.generate(PROMPTS, SamplingParams(n=16, max_new_tokens=12, temperature=5.0))
+    outputs = engine.generate(HF_PROMPTS, SamplingParams(n=16, max_new_tokens=12, temperature=5.0))
     tokens = [t for generations in outputs for g in generations for t in g.token_ids]
     assert len(tokens) > 400
     assert 0 not in tokens and 1 not in tokens
@@ -156,7 +135,7 @@ def test_a_bfloat16_engine_samples_from_the_trained_weights_cast(tmp_path):
     the float32 model's log-probabilities."""
     from gcore.errors import ConfigError
 
-    path = _checkpoint(tmp_path, "qwen2")
+    path = hf_checkpoint(tmp_path, "qwen2")
     engine = HFEngine(dtype="bfloat16")
     engine.setup(ModelSource(path), torch.device("cpu"))  # the checkpoint's own dtype is float32
     assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
@@ -168,9 +147,9 @@ def test_a_bfloat16_engine_samples_from_the_trained_weights_cast(tmp_path):
                        new["model.layers.0.mlp.up_proj.weight"].to(torch.bfloat16))
     params = SamplingParams(n=3, max_new_tokens=10, temperature=1.0, stop_token_ids=(2,))
     torch.manual_seed(3)
-    outputs = engine.generate(PROMPTS, params)
+    outputs = engine.generate(HF_PROMPTS, params)
     assert engine._decoder is not None and engine._decoder.layers[0].qkv_weight.dtype == torch.bfloat16
-    assert 1e-4 < _max_gap(trainer, PROMPTS, outputs, 1.0) < 0.2  # bfloat16 rounding: visible, and small
+    assert 1e-4 < _max_gap(trainer, HF_PROMPTS, outputs, 1.0) < 0.2  # bfloat16 rounding: visible, and small
     with pytest.raises(ConfigError, match="--engine.dtype 'fp8': valid choices: auto, float32, bfloat16, float16"):
         HFEngine(dtype="fp8")  # type: ignore[arg-type]
 

@@ -112,6 +112,7 @@ def test_bad_arguments_name_the_flag():
         SGLangEngine(cpu_release="swap")
 
 
+@pytest.mark.integration
 @pytest.mark.sglang
 def test_torchvision_imports_next_to_the_cpu_torch():
     """SGLang imports torchvision; the registry's (a CUDA build) imports next to a CPU torch only with the shim."""
@@ -178,6 +179,7 @@ def _children():
             if p.pid != tracker_pid and p.status() != psutil.STATUS_ZOMBIE}
 
 
+@pytest.mark.integration
 @pytest.mark.sglang
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_logprobs_match_the_trainer_before_and_after_a_weight_sync(tmp_path, device):
@@ -198,6 +200,7 @@ def test_logprobs_match_the_trainer_before_and_after_a_weight_sync(tmp_path, dev
         engine.shutdown()
 
 
+@pytest.mark.integration
 @pytest.mark.sglang
 def test_sleep_restarts_the_engine_on_cpu_and_shutdown_leaves_no_process(tmp_path):
     """On CPU, sleep ends SGLang's processes, wake_up starts them from the checkpoint; nothing outlives shutdown."""
@@ -247,6 +250,7 @@ def _rewards(tmp_path, seed, steps):
         return [float(row["reward/mean"]) for row in csv.DictReader(f)]
 
 
+@pytest.mark.integration
 @pytest.mark.sglang
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2])

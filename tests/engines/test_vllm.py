@@ -54,7 +54,7 @@ def test_logprobs_match_the_trainer_before_and_after_a_weight_sync(tmp_path, dev
     assert gap < PARITY
 
 
-@pytest.mark.parametrize("separate_process", [False, True])
+@pytest.mark.parametrize("separate_process", [False, pytest.param(True, marks=pytest.mark.integration)])
 def test_lora_merged_weights_sync_to_vllm(tmp_path, separate_process):
     """``--backend.lora_rank``: vLLM (which fuses q/k/v and gate/up) gets the partial merged sync, in its own
     process or ours, and matches the trainer; an adapter on ``q_proj`` alone still sends whole fused tensors."""
@@ -86,6 +86,7 @@ def _train_step(engine, backend, tokenizer, params):
     return stale
 
 
+@pytest.mark.integration
 def test_weight_sync_across_processes_in_small_and_large_buckets(tmp_path):
     """The model lives in vLLM's engine-core process; weights travel as broadcast buckets (gloo)."""
     if torch.cuda.is_available():

@@ -145,6 +145,7 @@ def test_simulator_dynamic_follows_judge_cost(tmp_path):
         load_workload(str(bad))
 
 
+@pytest.mark.integration
 def test_simulate_cli(tmp_path):
     from conftest import run_gcore
 
@@ -300,7 +301,7 @@ def test_shipped_calibration_matches_its_measurements():
     from gcore.simulator.calibration import Setting, calibrated_workload, fit_costs, predict_stages, relative_error
     from gcore.simulator.model import load_workload
 
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "simulate")
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "examples", "simulate")
     with open(os.path.join(root, "cpu_measurements.json")) as f:
         settings = [Setting.from_dict(s) for s in json.load(f)["settings"]]
     costs = fit_costs([s for s in settings if not s.held_out])

@@ -53,6 +53,7 @@ def test_placement_that_cannot_fit_fails_before_work(models):
         tiny_fit(steps=1, reward=GenerativeReward(judge_path), placement=DynamicPlacement(devices=1))
 
 
+@pytest.mark.integration
 def test_invalid_dynamic_placement_is_refused_once_before_the_controllers_start(models, gcore_cli, tmp_path):
     _, judge_path = models
     result = gcore_cli("--trainer.devices", "2", "--trainer.accelerator", "cpu", "--placement", "dynamic",
@@ -85,11 +86,12 @@ class RecordedStageTimes(DynamicPlacement):
         return super().update(Telemetry(telemetry.step, [{"generate": generate, "reward": reward, "rollout": rollout}]))
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_dynamic_moves_a_worker_to_a_rule_reward_and_back_from_recorded_stage_times(tmp_path):
     """The policy's decisions are made real: the moved worker swaps to the reward and scores the samples."""
     (tmp_path / "scored.py").write_text(SCORED_BY)
-    # the same recorded times as tests/test_placement.py: stay, move a worker to the reward, stay, move it back
+    # the recorded times of tests/placement/test_placement.py: stay, move a worker to the reward, stay, move it back
     recorded = [(1.0, 0.01, 1.02), (1.0, 1.5, 2.5), (2.0, 1.5, 2.1), (2.0, 0.05, 2.0), (1.0, 0.01, 1.02)]
     placement = RecordedStageTimes(recorded, devices=2)
     scored_by = tmp_path / "scored-by.txt"  # the pid of the process that scored each sample
@@ -110,6 +112,7 @@ def test_dynamic_moves_a_worker_to_a_rule_reward_and_back_from_recorded_stage_ti
         assert m["reward/errors"] == 0 and m["samples/total"] == per_step
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_pool_syncs_weights_and_survives_dead_and_hung_workers(models):
     policy_path, judge_path = models
@@ -164,6 +167,7 @@ def test_pool_syncs_weights_and_survives_dead_and_hung_workers(models):
     assert not any(p.is_alive() for p in pool.processes) and not os.path.exists(pool.weights.path)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_static_swaps_policy_and_judge_on_every_worker(models):
     _, judge_path = models
@@ -192,6 +196,7 @@ class JudgeCostSchedule(DynamicPlacement):
         return super().rollout(job)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_dynamic_moves_a_worker_to_the_judge_when_its_cost_rises(models):
     """The one test of dynamic placement on this machine's own timings (the exact decisions are tested on
@@ -212,6 +217,7 @@ def test_dynamic_moves_a_worker_to_the_judge_when_its_cost_rises(models):
         assert m["time/rollout"] > 0 and m["time/idle_generate"] >= 0 and m["time/idle_reward"] >= -0.05
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_fit_cli_dynamic_placement_with_generative_judge(models, gcore_cli, tmp_path):
     import csv
@@ -233,6 +239,7 @@ def test_fit_cli_dynamic_placement_with_generative_judge(models, gcore_cli, tmp_
         assert float(r["reward/errors"]) == float(r["samples/total"]) == 8
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_fit_cli_dynamic_placement_with_defaults(gcore_cli, tmp_path):
     """`gcore fit --placement dynamic` with the rule-based default reward: one engine worker per usable core
@@ -255,6 +262,7 @@ def test_fit_cli_dynamic_placement_with_defaults(gcore_cli, tmp_path):
         assert float(r["time/generate"]) > 0 and float(r["reward/errors"]) == 0 and float(r["samples/total"]) == 8
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_fit_cli_dynamic_placement_over_two_controllers(models, gcore_cli, tmp_path):
     """Each controller splits its own workers; the split comes from telemetry gathered from both."""

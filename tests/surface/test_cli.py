@@ -8,6 +8,8 @@ from conftest import run_gcore
 
 from gcore import registry
 
+pytestmark = pytest.mark.integration
+
 # the installed plugins, as the CLI lists them: adding an algorithm or an engine changes no test here
 ALGORITHMS, ENGINES = ", ".join(registry.names("algorithm")), ", ".join(registry.names("engine"))
 

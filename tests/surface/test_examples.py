@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 from conftest import run_gcore
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("config", sorted([*EXAMPLES.glob("*.yaml"), *EXAMPLES.glob("real_model/*.yaml")]),
                          ids=lambda p: p.name)
 def test_example_config_parses(config, tmp_path):

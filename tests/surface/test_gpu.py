@@ -47,6 +47,7 @@ def test_fit_on_gpu_with_offloading_engine(tmp_path):
     assert all(m["time/swap"] > 0 for m in result.history)
 
 
+@pytest.mark.integration
 def test_dynamic_placement_on_one_gpu_shares_it_between_engine_workers_and_learns(tmp_path):
     """The default command's placement on one GPU: two engine worker processes share the controller's GPU
     with training; the rule-based reward may take one of them; the reward rises."""

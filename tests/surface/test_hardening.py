@@ -18,7 +18,7 @@ from gcore.errors import RewardError
 from gcore.rewards.rule import CallableReward
 from gcore.testing import tiny_fit
 
-GCORE = Path(__file__).resolve().parent.parent / "gcore"
+GCORE = Path(__file__).resolve().parents[2] / "gcore"
 LOADERS = ("from_pretrained", "from_config")
 
 #: calls known to lack the keyword, in files this change could not edit, as (path under gcore/, the call as

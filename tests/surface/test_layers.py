@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent / "gcore"
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "gcore"
 
 # lowest first; a module belongs to the first entry that is it or a package above it
 LAYERS: list[tuple[str, ...]] = [
@@ -54,7 +54,7 @@ def layer(module: str) -> int:
             return level
     if module == "gcore":
         return len(LAYERS) - 1
-    raise AssertionError(f"{module} is in no layer: add it to LAYERS in tests/test_layers.py")
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS in tests/surface/test_layers.py")
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:

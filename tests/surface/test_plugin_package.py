@@ -10,7 +10,9 @@ import pytest
 import yaml
 from conftest import FAST
 
-PLUGIN = Path(__file__).resolve().parents[1] / "plugins" / "gcore-example-plugin"
+pytestmark = pytest.mark.integration
+
+PLUGIN = Path(__file__).resolve().parents[2] / "plugins" / "gcore-example-plugin"
 
 
 @pytest.fixture(scope="module")

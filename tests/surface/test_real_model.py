@@ -162,7 +162,9 @@ def test_two_lora_steps_on_smollm2_move_only_the_projections(smollm2, tmp_path):
 def _engine_param(name: str):
     # skipped before the smollm2 fixture converts the GGUF (most of the time) when the engine is absent
     missing = importlib.util.find_spec(name) is None
-    return pytest.param(name, marks=[getattr(pytest.mark, name),
+    # SGLang's engine runs its scheduler in processes of its own (vLLM's engine core stays in this one)
+    extra = [pytest.mark.integration] if name == "sglang" else []
+    return pytest.param(name, marks=[getattr(pytest.mark, name), *extra,
                                      pytest.mark.skipif(missing, reason=f"needs {name} (its own venv)")])
 
 

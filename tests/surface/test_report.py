@@ -3,6 +3,8 @@ import hashlib
 import pytest
 from conftest import run_gcore
 
+pytestmark = pytest.mark.integration
+
 
 def _write(run, rewards):
     header = "step,reward/mean,reward/std,response_length/mean,loss,entropy,time/generate,time/train,time/step\n"

@@ -84,6 +84,7 @@ def test_max_staleness_is_refused_where_the_engine_runs_in_the_controller(tmp_pa
         Trainer(trainer=TrainerConfig(max_staleness=2), placement=DynamicPlacement())
 
 
+@pytest.mark.integration
 def test_the_refusal_comes_from_the_cli_before_any_process_starts(gcore_cli):
     result = gcore_cli("--trainer.max_staleness", "1")
     assert result.returncode == 2
@@ -103,7 +104,8 @@ class RecordingGRPO(GRPO):
         return super().advantages(batch)
 
 
-@pytest.mark.slow  # like the other runs over engine workers (tests/test_placement_workers.py): ~30-60 s each
+@pytest.mark.integration
+@pytest.mark.slow  # like the other runs over engine workers (tests/placement/test_placement_workers.py): ~30-60 s each
 @pytest.mark.parametrize("placement", [DynamicPlacement(devices=1), StaticPlacement(workers=1)],
                          ids=["dynamic", "static_workers"])
 def test_one_step_off_trains_only_on_samples_at_most_one_version_old(placement, tmp_path):
@@ -126,6 +128,7 @@ def test_one_step_off_trains_only_on_samples_at_most_one_version_old(placement, 
     assert all(math.isfinite(row["async/behaviour_ratio_dev"]) for row in history)
 
 
+@pytest.mark.integration
 @pytest.mark.slow  # starts an engine worker process
 def test_a_queued_weight_update_reaches_the_worker_after_the_generation_sent_before_it(tmp_path):
     """With ``queue_syncs`` the sync returns without waiting; the request in flight still samples with the

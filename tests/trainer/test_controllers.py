@@ -16,7 +16,7 @@ from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.model import ModelSource, char_tokenizer, materialize
 from gcore.testing import make_batch, set_up
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
 

@@ -168,6 +168,7 @@ def test_evaluate_reports_greedy_and_sampled_accuracy():
     assert metrics["eval/prompts"] == 3
 
 
+@pytest.mark.integration
 def test_eval_every_logs_held_out_accuracy_and_report_plots_it(tmp_path):
     root = tmp_path / "runs"
     result = run_gcore("fit", *FAST, "--trainer.max_steps", "3", "--trainer.eval_every", "2",
@@ -191,6 +192,7 @@ def test_eval_every_logs_held_out_accuracy_and_report_plots_it(tmp_path):
     assert (run / "plots" / "eval_accuracy.png").is_file()
 
 
+@pytest.mark.integration
 def test_gcore_eval_prints_the_metrics(tmp_path):
     result = run_gcore("eval", "--model.num_hidden_layers", "1", "--model.hidden_size", "32",
                        "--model.intermediate_size", "64", "--sampling.max_new_tokens", "4",
@@ -200,6 +202,7 @@ def test_gcore_eval_prints_the_metrics(tmp_path):
     assert metrics["eval/prompts"] == 3 and math.isfinite(metrics["eval/accuracy_sampled"])
 
 
+@pytest.mark.integration
 def test_gguf_paths_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="no such GGUF file"):
         load_tokenizer(ModelConfig(path=str(tmp_path / "missing.gguf")))

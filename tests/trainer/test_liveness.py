@@ -87,6 +87,7 @@ def test_a_controller_that_finished_or_failed_is_not_lost():
     zero._stop.set()
 
 
+@pytest.mark.integration
 def test_a_killed_child_controller_is_named_with_its_signal():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     watch = ControllerWatch(0, 2, None, children={1: child}, interval=0.1, grace=1e9)
@@ -110,6 +111,7 @@ def test_losing_the_store_means_losing_controller_zero():
     watch._stop.set()
 
 
+@pytest.mark.integration
 def test_a_frozen_controller_zero_is_named_and_ended_although_its_store_hangs():
     """A SIGSTOPped controller 0 freezes the store it hosts: store calls then block (they have no timeout),
     so the watch judges from when the store last answered, names controller 0 and ends its process."""
@@ -139,6 +141,7 @@ def test_controller_zero_does_not_lose_itself_with_the_store():
     watch._stop.set()
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_frozen_controller_is_named_and_every_process_ends(tmp_path, victim):

@@ -21,7 +21,7 @@ from gcore.single_controller import SingleController, recv_tensors, send_tensors
 from gcore.testing import set_up
 from gcore.types import Prompt, Sample, SamplingParams, collate
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
 RECORDING_ENGINE = '''

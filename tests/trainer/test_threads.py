@@ -77,6 +77,7 @@ def _imported_settings(env: dict[str, str]) -> list[str]:
                           check=True).stdout.split()
 
 
+@pytest.mark.integration
 def test_controllers_fabric_launches_adapt_their_share(no_user_settings, monkeypatch):
     """Lightning Fabric gives each controller it launches ``OMP_NUM_THREADS`` = its share of the cores; launched
     inside ``threads.launching()`` (as ``Trainer.fit`` does), that controller adapts its count and spins briefly like
@@ -109,6 +110,7 @@ def _policy_seen_by_a_fresh_process(env: dict[str, str], code: str) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.integration
 def test_importing_gcore_first_sets_the_wait_before_torch(no_user_settings):
     """The effect in a real process: gcore sets the wait before torch is imported, not after, keeps the user's, and
     takes its own spin count out of the environment once torch read it (the processes it starts choose their own)."""
@@ -214,6 +216,7 @@ def test_fit_runs_each_stage_with_the_threads_the_governor_leaves(monkeypatch, t
     assert torch.get_num_threads() == 2
 
 
+@pytest.mark.integration
 def test_read_cpu_counts_this_processes_work_and_its_children():
     before, start = threads.read_cpu(), time.process_time()
     while time.process_time() - start < 0.3:  # CPU time, not wall time: the same on a loaded machine
@@ -267,6 +270,7 @@ def _ask_workers(pool: WorkerPool) -> list[list[float]]:
     return [job.result[0] for job in jobs]  # type: ignore[index]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_spawned_workers_get_their_share_and_the_users_settings_win(no_user_settings, controller_threads,
                                                                     monkeypatch):
