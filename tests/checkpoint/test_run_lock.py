@@ -37,6 +37,7 @@ def _hold_lock(folder):
     return holder
 
 
+@pytest.mark.integration
 def test_a_second_run_in_the_same_folder_is_refused_naming_the_first(tmp_path):
     holder = _hold_lock(tmp_path / "gcore")
     try:
@@ -49,6 +50,7 @@ def test_a_second_run_in_the_same_folder_is_refused_naming_the_first(tmp_path):
         holder.wait()
 
 
+@pytest.mark.integration
 def test_a_killed_run_leaves_no_stale_lock(tmp_path):
     holder = _hold_lock(tmp_path / "gcore")
     os.kill(holder.pid, signal.SIGKILL)
