@@ -2,7 +2,7 @@
 # Run a pytest selection next to a CPU-bound neighbour: a busy loop pinned to one core.
 #
 #   benchmarks/noisy_neighbour.sh                                   # the whole suite
-#   benchmarks/noisy_neighbour.sh tests/test_placement.py -m "not slow"
+#   benchmarks/noisy_neighbour.sh tests/placement/test_placement.py -m "not slow"
 #
 # Arguments go to pytest as they are (default: the whole suite, -q). PYTHON picks the interpreter
 # (default: python), NEIGHBOUR_CORE the core the busy loop is pinned to (default: the last core this

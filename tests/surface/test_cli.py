@@ -1,0 +1,150 @@
+"""The command line, run as a user runs it: in a fresh process."""
+
+import csv
+import json
+
+import pytest
+from conftest import run_gcore
+
+from gcore import registry
+
+pytestmark = pytest.mark.integration
+
+# the installed plugins, as the CLI lists them: adding an algorithm or an engine changes no test here
+ALGORITHMS, ENGINES = ", ".join(registry.names("algorithm")), ", ".join(registry.names("engine"))
+
+
+def _metrics(tmp_path):
+    (path,) = (tmp_path / "runs").glob("gcore/version_*/metrics.csv")
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_fit_writes_metrics_and_final_checkpoint(gcore_cli, tmp_path):
+    result = gcore_cli("--algorithm", "grpo", "--placement", "static")
+    assert result.returncode == 0, result.stderr
+    assert "trained policy (HF checkpoint):" in result.stdout
+    rows = _metrics(tmp_path)
+    assert [r["step"] for r in rows] == ["0", "1"]
+    for key in ("reward/mean", "reward/std", "response_length/mean", "loss", "entropy", "time/generate",
+                "time/reward", "time/prepare", "time/train", "time/sync", "sync/gb_per_s"):
+        assert rows[-1][key] != "", key
+    (final,) = (tmp_path / "runs").glob("gcore/version_*/final")
+    assert (final / "config.json").exists() and (final / "tokenizer.json").exists()
+
+
+def test_kl_is_logged_when_used_and_tensorboard_logger(gcore_cli, tmp_path):
+    result = gcore_cli("--algorithm.kl_coef", "0.1", "--trainer.logger", "[csv, tensorboard]")
+    assert result.returncode == 0, result.stderr
+    assert float(_metrics(tmp_path)[-1]["kl"]) >= 0
+    assert list((tmp_path / "runs").glob("gcore/version_*/events.out.tfevents.*"))
+
+
+def test_config_file_with_plugin_names_and_overrides(gcore_cli, tmp_path):
+    (tmp_path / "cfg.yaml").write_text(
+        "algorithm:\n  class_path: grpo\n  init_args:\n    clip_eps: 0.3\nreward: target_char\n"
+    )
+    printed = gcore_cli("--config", "cfg.yaml", "--algorithm.loss_agg", "token_mean", "--print_config")
+    assert printed.returncode == 0, printed.stderr
+    assert "class_path: gcore.algorithms.grpo.GRPO" in printed.stdout or "class_path: gcore.GRPO" in printed.stdout
+    assert "clip_eps: 0.3" in printed.stdout and "loss_agg: token_mean" in printed.stdout
+    (tmp_path / "printed.yaml").write_text(printed.stdout)
+    again = gcore_cli("--config", "printed.yaml", fast=False)  # a printed config runs as it is
+    assert again.returncode == 0, again.stderr
+
+
+def test_class_path_for_a_plugin(gcore_cli):
+    result = gcore_cli("--algorithm", "gcore.algorithms.grpo.GRPO", "--algorithm.scale_rewards", "false")
+    assert result.returncode == 0, result.stderr
+
+
+def test_plugins_lists_every_family_with_its_package():
+    result = run_gcore("plugins")
+    assert result.returncode == 0
+    for line in ("grpo", "hf", "static", "dynamic", "torch", "target_char", "python", "regex"):
+        assert line in result.stdout
+    assert "[gcore 0.1.0]" in result.stdout
+
+
+def test_help_shows_plugin_options():
+    result = run_gcore("fit", "--algorithm.help", "grpo")
+    assert result.returncode == 0 and "--algorithm.clip_eps" in result.stdout
+    result = run_gcore("fit", "--help")
+    assert {"dapo", "grpo", "ppo", "rloo"} <= set(registry.names("algorithm"))
+    assert result.returncode == 0 and f"--algorithm: {ALGORITHMS} (default grpo)" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--algorithm", "nope"], f"unknown algorithm 'nope'; valid choices: {ALGORITHMS}"),
+        (["--engine=nope"], f"unknown engine 'nope'; valid choices: {ENGINES}"),
+        (["--model.path", "/does/not/exist"], "--model.path '/does/not/exist' is not a directory"),
+        (["--data.path", "missing.jsonl"], "--data.path missing.jsonl: no such file"),
+        (["--trainer.devices", "2", "--trainer.controllers", "1", "--placement", "dynamic"],  # before any launch
+         "--trainer.controllers 1 runs with --placement static and no --placement.workers"),
+        (["--trainer.devices", "2", "--trainer.controllers", "1", "--placement.workers", "2"],  # StaticPlacement
+         "--trainer.controllers 1 runs with --placement static and no --placement.workers"),
+        (["--trainer.devices", "2", "--trainer.controllers", "1", "--backend.sequence_parallel_size", "2"],
+         "--trainer.controllers 1 does not support --backend.sequence_parallel_size > 1"),  # TorchBackend.validate
+        (["--sampling.n", "0"], "--sampling.n must be >= 1"),
+        (["--sampling.top_k", "-3"], "--sampling.top_k must be >= 0 (0: no top-k), got -3"),
+        (["--trainer.checkpoint_every", "-1"], "--trainer.checkpoint_every must be >= 0 (0: no checkpoints), got -1"),
+        (["--reward", "regex", "--reward.pattern", "("], "is not a valid regular expression"),
+    ],
+)
+def test_bad_input_is_one_clear_line(gcore_cli, args, message):
+    result = gcore_cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_malformed_dataset_names_file_and_line(gcore_cli, tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1=", "answer": "1"}\n{"prompt": oops}\n')
+    result = gcore_cli("--data.path", "d.jsonl")
+    assert result.returncode == 2 and "d.jsonl:2: malformed JSON line" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_config_key_is_named(gcore_cli):
+    result = gcore_cli("--algorithm.clip_epsilon", "0.2")
+    assert result.returncode == 2 and "clip_epsilon" in result.stderr
+
+
+def test_reward_that_raises_stops_naming_the_sample_unless_told_to_score_zero(gcore_cli, tmp_path):
+    (tmp_path / "myreward.py").write_text(
+        "def score(prompt, response, answer):\n"
+        "    if prompt.startswith('3'):\n        raise ValueError('cannot score this one')\n"
+        "    return float(answer in response)\n"
+    )
+    rows = [{"prompt": f"{d}=", "answer": str(d)} for d in range(10)]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    common = ["--data.path", "d.jsonl", "--data.prompts_per_step", "10", "--reward", "python",
+              "--reward.function", "myreward.py:score"]
+    result = gcore_cli(*common)
+    assert result.returncode == 2
+    assert "ValueError: cannot score this one on sample (prompt d.jsonl:4: '3='" in result.stderr
+    assert "--reward.on_error zero" in result.stderr
+    result = gcore_cli(*common, "--reward.on_error", "zero")
+    assert result.returncode == 0, result.stderr
+    assert float(_metrics(tmp_path)[-1]["reward/errors"]) == 2.0  # n=2 samples of prompt '3=' per step
+
+
+def test_vllm_engine_without_vllm_names_the_extra(gcore_cli):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    result = gcore_cli("--engine", "vllm")
+    assert result.returncode == 2
+    assert "--engine vllm needs vLLM" in result.stderr and "gcore[vllm]" in result.stderr
+
+
+def test_wandb_logger_without_wandb_says_what_to_install(gcore_cli):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    result = gcore_cli("--trainer.logger", "wandb")
+    assert result.returncode == 2 and "--trainer.logger wandb needs the wandb package" in result.stderr

@@ -1,0 +1,151 @@
+"""Hardening: no code runs from a checkpoint or model folder unless asked (every transformers load passes
+``trust_remote_code`` explicitly; ``gcore export`` refuses a checkpoint that names code of its own), and a
+user's reward that exits, interrupts itself or returns a number float32 cannot hold is a reward error
+naming the sample, not an exit 0 or a NaN loss."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from gcore.checkpoint import CheckpointError, export_main
+from gcore.errors import RewardError
+from gcore.rewards.rule import CallableReward
+from gcore.testing import tiny_fit
+
+GCORE = Path(__file__).resolve().parents[2] / "gcore"
+LOADERS = ("from_pretrained", "from_config")
+
+#: calls known to lack the keyword, in files this change could not edit, as (path under gcore/, the call as
+#: ``ast.unparse`` writes it). Each is reported to be fixed there; empty this list once they are.
+ALLOWED_WITHOUT_TRUST_REMOTE_CODE: set[tuple[str, str]] = set()
+
+
+def _dicts_naming_trust(scope: ast.AST) -> set[str]:
+    """Names assigned, in ``scope``, a dict that holds ``trust_remote_code`` (``kwargs = dict(...)`` or
+    ``{"trust_remote_code": ...}``), so that ``from_pretrained(path, **kwargs)`` passes it explicitly."""
+    names = set()
+    for node in ast.walk(scope):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            value = node.value
+            holds = (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "dict"
+                     and any(k.arg == "trust_remote_code" for k in value.keywords)) or (
+                isinstance(value, ast.Dict)
+                and any(isinstance(k, ast.Constant) and k.value == "trust_remote_code" for k in value.keys))
+            if holds:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
+def loads_lacking_trust_remote_code() -> set[tuple[str, str]]:
+    """Every ``*.from_pretrained(...)`` / ``*.from_config(...)`` call in gcore/ that does not pass
+    ``trust_remote_code`` (as a keyword, or in a ``**dict`` built with it in an enclosing function)."""
+    found = set()
+    for file in sorted(GCORE.rglob("*.py")):
+        tree = ast.parse(file.read_text(), filename=str(file))
+        scopes: list[ast.AST] = [tree]
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in LOADERS):
+                continue
+            if any(k.arg == "trust_remote_code" for k in node.keywords):
+                continue
+            enclosing, up = list(scopes), node
+            while up in parents:
+                up = parents[up]
+                if isinstance(up, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    enclosing.append(up)
+            trusted = set().union(*(_dicts_naming_trust(scope) for scope in enclosing[1:]))
+            if any(k.arg is None and isinstance(k.value, ast.Name) and k.value.id in trusted for k in node.keywords):
+                continue
+            found.add((file.relative_to(GCORE).as_posix(), ast.unparse(node)))
+    return found
+
+
+def test_every_transformers_load_in_gcore_passes_trust_remote_code():
+    # before: export (checkpoint.py) and the GGUF import (model.py) left it out: transformers then decides,
+    # and prompts on a terminal when the folder names code of its own
+    lacking = loads_lacking_trust_remote_code()
+    unexpected = sorted(lacking - ALLOWED_WITHOUT_TRUST_REMOTE_CODE)
+    assert not unexpected, f"pass trust_remote_code explicitly: {unexpected}"
+    stale = sorted(ALLOWED_WITHOUT_TRUST_REMOTE_CODE - lacking)
+    assert not stale, f"these now pass trust_remote_code: remove them from the allow-list: {stale}"
+
+
+def _checkpoint_with_custom_code(tmp_path: Path) -> tuple[Path, Path]:
+    """A checkpoint folder whose hf/config.json names code of its own (``auto_map``), with a manifest that
+    verifies; its code would leave a marker file if it ever ran."""
+    ckpt, marker = tmp_path / "step_00000001", tmp_path / "code-ran"
+    (ckpt / "hf").mkdir(parents=True)
+    (ckpt / "hf" / "configuration_evil.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+        "from transformers import PretrainedConfig\n\n\nclass EvilConfig(PretrainedConfig):\n"
+        "    model_type = 'evil'\n")
+    (ckpt / "hf" / "config.json").write_text(json.dumps({
+        "model_type": "evil", "auto_map": {"AutoConfig": "configuration_evil.EvilConfig",
+                                           "AutoModelForCausalLM": "modeling_evil.EvilModel"}}))
+    files = {}
+    for file in sorted(p for p in ckpt.rglob("*") if p.is_file()):
+        data = file.read_bytes()
+        files[file.relative_to(ckpt).as_posix()] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps({"files": files, "world_size": 1}))
+    return ckpt, marker
+
+
+def test_export_refuses_a_checkpoint_that_names_custom_code(tmp_path):
+    # before: transformers was left to decide (an error with a traceback, or a prompt on a terminal)
+    ckpt, marker = _checkpoint_with_custom_code(tmp_path)
+    with pytest.raises(CheckpointError) as err:
+        export_main([str(ckpt), "--to", "hf", str(tmp_path / "out")])
+    text = str(err.value)
+    assert text.startswith(f"{ckpt / 'hf' / 'config.json'} names custom code (configuration_evil.EvilConfig, "
+                           "modeling_evil.EvilModel): gcore export runs no code from a checkpoint"), text
+    assert "--trust-remote-code" in text and "\n" not in text
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_export_runs_a_checkpoints_code_only_when_the_user_asks(tmp_path, monkeypatch):
+    ckpt, marker = _checkpoint_with_custom_code(tmp_path)
+    # transformers copies the code into its module cache, puts that on sys.path and imports it from there
+    monkeypatch.setattr("transformers.dynamic_module_utils.HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        with pytest.raises(CheckpointError, match="cannot build the model"):  # modeling_evil.py is missing
+            export_main([str(ckpt), "--to", "hf", str(tmp_path / "out"), "--trust-remote-code"])
+    finally:
+        for name in [name for name in sys.modules if name.startswith("transformers_modules")]:
+            del sys.modules[name]
+    assert marker.read_text() == "ran"
+
+
+def _reward_file(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "rewards.py"
+    path.write_text("import os, sys\n\ndef score(prompt, response, answer):\n" + body + "\n")
+    return f"{path}:score"
+
+
+@pytest.mark.parametrize(("body", "raised"), [
+    ("    sys.exit(0)", "raised SystemExit: 0"),
+    ("    raise KeyboardInterrupt", "raised KeyboardInterrupt"),
+    ("    raise GeneratorExit('odd')", "raised GeneratorExit: odd"),
+])
+def test_a_reward_that_exits_or_interrupts_itself_stops_the_run_naming_the_sample(tmp_path, body, raised):
+    # before: SystemExit(0) left the run as an exit 0 with nothing saved; KeyboardInterrupt read as Ctrl-C
+    with pytest.raises(RewardError, match=rf"^CallableReward {raised} on sample \(prompt <target_char:train>:\d+: "
+                                          r".*, response: .*\); pass --reward.on_error zero"):
+        tiny_fit(steps=1, reward=CallableReward(_reward_file(tmp_path, body)))
+
+
+def test_a_reward_beyond_float32_is_named_before_any_update(tmp_path):
+    # before: 1e300 passed as a finite reward and became inf in the float32 batch
+    with pytest.raises(RewardError, match=r"^CallableReward returned 1e\+300: a reward must be within float32's "
+                                          r"range \(\+-3.403e\+38\), got 1e\+300 on sample \(prompt <target_char"):
+        tiny_fit(steps=1, reward=CallableReward(_reward_file(tmp_path, "    return 1e300")))
+

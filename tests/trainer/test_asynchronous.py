@@ -1,0 +1,160 @@
+"""``--trainer.max_staleness``: rollouts that run while the controller trains (docs/asynchronous.md)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gcore.algorithms.base import LossScale
+from gcore.algorithms.grpo import GRPO
+from gcore.data import DataConfig
+from gcore.errors import ConfigError
+from gcore.model import ModelConfig
+from gcore.placement.dynamic import DynamicPlacement
+from gcore.placement.static import StaticPlacement
+from gcore.trainer import Trainer, TrainerConfig
+from gcore.types import RolloutBatch, SamplingParams
+
+
+def one_row(advantage: float, behaviour: list[float] | None, old: list[float] | None = None) -> RolloutBatch:
+    """One sequence of 4 tokens whose last 3 are the response."""
+    return RolloutBatch(
+        input_ids=torch.zeros(1, 4, dtype=torch.long),
+        attention_mask=torch.ones(1, 4, dtype=torch.long),
+        response_mask=torch.ones(1, 3),
+        rewards=torch.zeros(1),
+        group_ids=torch.zeros(1, dtype=torch.long),
+        engine_logprobs=torch.zeros(1, 3),
+        advantages=torch.tensor([advantage]),
+        old_logprobs=None if old is None else torch.tensor([old]),
+        behaviour_logprobs=None if behaviour is None else torch.tensor([behaviour]),
+    )
+
+
+SCALE = LossScale(tokens=3.0, sequences=1.0, max_length=3.0)
+
+
+def test_the_decoupled_loss_weighs_each_token_by_the_truncated_behaviour_ratio():
+    """No old log-probabilities (one epoch, one mini-batch): the proximal policy is the current one,
+    so PPO's ratio is 1 and each token's loss is -A times min(pi / pi_behav, cap)."""
+    current = [-1.0, -0.5, -2.0]
+    behaviour = [-1.2, -0.5, -3.0]
+    logprobs = torch.tensor([current], requires_grad=True)
+    algorithm = GRPO(behaviour_is_cap=2.0)
+    loss, shares = algorithm.loss(logprobs, one_row(1.0, behaviour), SCALE)
+    weights = [math.exp(0.2), 1.0, 2.0]  # exp(-1 + 1.2), exp(0), exp(1) = 2.718 truncated at 2
+    assert loss.item() == pytest.approx(-sum(weights) / 3, rel=1e-6)
+    loss.backward()
+    assert logprobs.grad[0].tolist() == pytest.approx([-w / 3 for w in weights], rel=1e-6)
+    deviation = (math.exp(0.2) - 1 + 0 + math.e - 1) / 3
+    assert shares["async/behaviour_ratio_dev"].item() == pytest.approx(deviation, rel=1e-6)
+    assert shares["async/behaviour_truncated_frac"].item() == pytest.approx(1 / 3)
+
+
+def test_the_decoupled_loss_clips_against_the_proximal_policy_and_weighs_by_proximal_over_behaviour():
+    """With old (proximal) log-probabilities: PPO's clip around pi_prox, times pi_prox / pi_behav."""
+    proximal, current, behaviour = [-1.0, -1.0, -1.0], [-0.5, -1.0, -1.5], [-1.0, -1.5, -0.9]
+    algorithm = GRPO(clip_eps=0.2, behaviour_is_cap=2.0)
+    loss, _ = algorithm.loss(torch.tensor([current]), one_row(-1.0, behaviour, proximal), SCALE)
+    # A = -1: per token max(-A r, -A clip(r, 0.8, 1.2)) = max(r, clip(r))
+    ratios = [math.exp(0.5), 1.0, math.exp(-0.5)]
+    surrogate = [max(r, min(max(r, 0.8), 1.2)) for r in ratios]  # 1.6487, 1, 0.8
+    weights = [1.0, math.exp(0.5), math.exp(-0.1)]  # pi_prox / pi_behav, all under the cap
+    expected = sum(s * w for s, w in zip(surrogate, weights, strict=True)) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_without_behaviour_log_probabilities_the_loss_is_the_synchronous_one():
+    logprobs = torch.tensor([[-1.0, -0.5, -2.0]])
+    algorithm = GRPO()
+    synchronous, shares = algorithm.loss(logprobs, one_row(1.0, None), SCALE)
+    assert synchronous.item() == -1.0 and not any(k.startswith("async/") for k in shares)
+    on_policy, _ = algorithm.loss(logprobs, one_row(1.0, [-1.0, -0.5, -2.0]), SCALE)
+    assert on_policy.item() == synchronous.item()  # behaviour = current: every weight is exactly 1
+
+
+def test_max_staleness_is_refused_where_the_engine_runs_in_the_controller(tmp_path):
+    for placement in (StaticPlacement(), StaticPlacement(workers=0)):
+        with pytest.raises(ConfigError, match=r"--trainer.max_staleness 1 needs engine worker processes.*"
+                                              r"--placement dynamic, or --placement static with --placement.workers"):
+            Trainer(trainer=TrainerConfig(max_staleness=1, default_root_dir=str(tmp_path)), placement=placement)
+    with pytest.raises(ConfigError, match="valid choices are 0"):
+        Trainer(trainer=TrainerConfig(max_staleness=2), placement=DynamicPlacement())
+
+
+@pytest.mark.integration
+def test_the_refusal_comes_from_the_cli_before_any_process_starts(gcore_cli):
+    result = gcore_cli("--trainer.max_staleness", "1")
+    assert result.returncode == 2
+    assert "needs engine worker processes" in result.stderr and "Traceback" not in result.stderr
+
+
+class RecordingGRPO(GRPO):
+    """GRPO that records the policy version of every trained sample, step by step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.versions: list[list[int]] = []
+
+    def advantages(self, batch: RolloutBatch) -> torch.Tensor:
+        assert batch.policy_versions is not None  # set whenever max_staleness >= 1
+        self.versions.append(batch.policy_versions.tolist())
+        return super().advantages(batch)
+
+
+@pytest.mark.integration
+@pytest.mark.slow  # like the other runs over engine workers (tests/placement/test_placement_workers.py): ~30-60 s each
+@pytest.mark.parametrize("placement", [DynamicPlacement(devices=1), StaticPlacement(workers=1)],
+                         ids=["dynamic", "static_workers"])
+def test_one_step_off_trains_only_on_samples_at_most_one_version_old(placement, tmp_path):
+    algorithm = RecordingGRPO()
+    steps = 4
+    result = Trainer(
+        trainer=TrainerConfig(max_steps=steps, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                              save_final=False, max_staleness=1),
+        model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
+        data=DataConfig(prompts_per_step=4), sampling=SamplingParams(n=4, max_new_tokens=6),
+        algorithm=algorithm, placement=placement,
+    ).fit()
+    assert len(algorithm.versions) == steps
+    # step 0 has nothing in flight before it: its samples are fresh; every later step trains on the
+    # rollout started during the step before it, with the weights of that step (one version old)
+    for step, versions in enumerate(algorithm.versions):
+        assert versions and all(step - v == (0 if step == 0 else 1) for v in versions), (step, versions)
+    history = result.history
+    assert [row["async/staleness_max"] for row in history] == [0.0] + [1.0] * (steps - 1)
+    assert all(math.isfinite(row["async/behaviour_ratio_dev"]) for row in history)
+
+
+@pytest.mark.integration
+@pytest.mark.slow  # starts an engine worker process
+def test_a_queued_weight_update_reaches_the_worker_after_the_generation_sent_before_it(tmp_path):
+    """With ``queue_syncs`` the sync returns without waiting; the request in flight still samples with the
+    old weights, the next one with the new."""
+    from gcore.engines.hf import HFEngine
+    from gcore.engines.pool import POLICY, RoleSpec, WorkerPool
+    from gcore.model import ModelSource, char_tokenizer, materialize
+
+    path = materialize(ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64), char_tokenizer(),
+                       seed=0, workdir=str(tmp_path / "policy"))
+    greedy, prompts = SamplingParams(n=1, max_new_tokens=8, temperature=0.0), [[5, 6, 7], [8, 9]]
+    old, new = HFEngine(), HFEngine()
+    for engine in (old, new):
+        engine.setup(ModelSource(path), torch.device("cpu"))
+    weights = [(name, t + 0.5 * torch.randn_like(t)) for name, t in old.model.state_dict().items()]
+    new.update_weights(weights)
+    tokens = lambda outputs: [o[0].token_ids for o in outputs]  # noqa: E731
+    assert tokens(old.generate(prompts, greedy)) != tokens(new.generate(prompts, greedy))
+    pool = WorkerPool(1, {POLICY: RoleSpec(HFEngine(), ModelSource(path))}, [POLICY])
+    try:
+        pool.queue_syncs = True
+        in_flight = pool.submit_generate(POLICY, prompts, greedy, [0])
+        pool.sync_weights(weights)  # queued behind the request in flight
+        assert not in_flight[0].done  # nothing waited for it
+        after = pool.submit_generate(POLICY, prompts, greedy, [0])
+        assert tokens(pool.collect_generate(in_flight)) == tokens(old.generate(prompts, greedy))
+        assert tokens(pool.collect_generate(after)) == tokens(new.generate(prompts, greedy))
+    finally:
+        pool.close()
