@@ -5,7 +5,7 @@ GRPO-style algorithms sample ``n`` responses per prompt, so a micro-batch holds 
 once (left-padded, with a KV cache), their keys and values are indexed out to every row that shares
 them (a differentiable gather, so the gradient of every response flows back into the one prompt
 pass), and the responses run on top of that cache. The per-token log-probabilities, entropies and
-gradients equal the plain forward's up to float rounding (tests/test_shared_prompts.py); the work
+gradients equal the plain forward's up to float rounding (tests/backends/test_shared_prompts.py); the work
 saved is ``(1 - distinct / rows) * prompt_tokens / all_tokens`` of the forward and backward.
 """
 

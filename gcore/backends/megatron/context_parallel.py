@@ -12,7 +12,7 @@ The pieces and how they fit megatron's conventions:
 
 - Token split: each padded row (length a multiple of 2*CP) is cut into 2*CP chunks and rank r holds
   chunks r and 2*CP-1-r, in that order. That is megatron's ``get_batch_on_this_cp_rank`` split and
-  gcore's ``zigzag_indices`` (the same thing; ``tests/test_megatron_cp.py`` checks it).
+  gcore's ``zigzag_indices`` (the same thing; ``tests/backends/test_megatron_cp.py`` checks it).
 - Positions: megatron's ``RotaryEmbedding.forward`` computes the rotary table for the whole row
   (``get_rotary_seq_len`` multiplies the local length by CP) and keeps this rank's two chunks
   (``get_pos_emb_on_this_cp_rank``), so each token gets its true position in the row. That helper

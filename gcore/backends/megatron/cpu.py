@@ -25,7 +25,7 @@ These adaptations are only installed when the run is on CPU (``install_cpu_adapt
    is affected.
 
 A fifth spot, the default causal mask (``get_default_causal_mask`` builds it on ``"cuda"``), needs
-no patch: the backend always passes its own causal mask. ``tests/test_megatron.py`` checks each
+no patch: the backend always passes its own causal mask. ``tests/backends/test_megatron.py`` checks each
 adaptation against the pinned version (``MEGATRON_CORE_VERSION``).
 """
 

@@ -1,7 +1,7 @@
 """Log-probabilities and entropies on vocabulary shards (tensor parallelism): the logits are never gathered.
 
 At tensor-parallel size 1 the backend uses ``token_logprobs`` on the whole logits instead; both give
-the same numbers (``tests/test_megatron.py``).
+the same numbers (``tests/backends/test_megatron.py``).
 """
 
 from __future__ import annotations
