@@ -103,6 +103,20 @@ def engine_logprob_gap(engine, backend, tokenizer, params, prompts=None):
     return float(((recomputed - batch.engine_logprobs) * batch.response_mask).abs().max()), batch
 
 
+def stale_after_train_step(engine, backend, tokenizer, params):
+    """One GRPO step on the backend only (the engine is not synced); the logprob gap it leaves."""
+    from gcore import GRPO
+    from gcore.algorithms.base import group_normalize
+    from gcore.testing import set_up
+
+    _, batch = engine_logprob_gap(engine, backend, tokenizer, params)
+    batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
+    batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
+    backend.train(batch, set_up(GRPO(), params.max_new_tokens))
+    stale, _ = engine_logprob_gap(engine, backend, tokenizer, params)
+    return stale
+
+
 def padded_batch():
     """7 rows of length 7 (odd, and not a multiple of 4), rows 1 and 4 shorter with their padding ids 0;
     random token ids, the same every call (for sequence/context-parallel equivalence tests)."""

@@ -8,13 +8,12 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import engine_logprob_gap
+from conftest import engine_logprob_gap, stale_after_train_step
 
 from gcore import SamplingParams
 from gcore.engines.sglang import buckets, group_outputs, sampling_dict, to_generation
 from gcore.errors import GcoreError
 from gcore.model import ModelSource
-from gcore.testing import set_up
 
 
 def _output(tokens, logprobs, reason):
@@ -156,19 +155,6 @@ def _engine_and_backend(tmp_path, device, **engine_args):
 
 
 
-def _train_step(engine, backend, tokenizer, params):
-    """One GRPO step on the backend only (the engine is not synced); the gap it leaves."""
-    from gcore import GRPO
-    from gcore.algorithms.base import group_normalize
-
-    _, batch = engine_logprob_gap(engine, backend, tokenizer, params)
-    batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
-    batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
-    backend.train(batch, set_up(GRPO(), params.max_new_tokens))
-    stale, _ = engine_logprob_gap(engine, backend, tokenizer, params)
-    return stale
-
-
 def _children():
     import multiprocessing.resource_tracker as tracker
 
@@ -190,7 +176,7 @@ def test_logprobs_match_the_trainer_before_and_after_a_weight_sync(tmp_path, dev
         gap, _ = engine_logprob_gap(engine, backend, tokenizer, params)
         assert gap < PARITY
 
-        assert _train_step(engine, backend, tokenizer, params) > 10 * PARITY  # not seen until the sync
+        assert stale_after_train_step(engine, backend, tokenizer, params) > 10 * PARITY  # not seen until the sync
         total = sum(t.numel() * t.element_size() for _, t in backend.named_weights())
         assert engine.update_weights(backend.named_weights()) == total
         assert engine.last_sync_buckets > 2
@@ -213,7 +199,7 @@ def test_sleep_restarts_the_engine_on_cpu_and_shutdown_leaves_no_process(tmp_pat
         assert started and {p.pid for p in engine.processes} == started
         assert any("sglang" in _children()[pid] for pid in started)  # sglang::scheduler, sglang::detokenizer
         params = SamplingParams(n=2, max_new_tokens=8, temperature=0.8, stop_token_ids=(tokenizer.eos_token_id,))
-        assert _train_step(engine, backend, tokenizer, params) > 10 * PARITY
+        assert stale_after_train_step(engine, backend, tokenizer, params) > 10 * PARITY
         engine.update_weights(backend.named_weights())
 
         engine.sleep()

@@ -5,7 +5,7 @@ Runs where vLLM is installed (its own venv in CI: see .ci/run); skipped elsewher
 
 import pytest
 import torch
-from conftest import engine_logprob_gap
+from conftest import engine_logprob_gap, stale_after_train_step
 from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, SamplingParams, TorchBackend, Trainer, TrainerConfig
@@ -67,23 +67,13 @@ def test_lora_merged_weights_sync_to_vllm(tmp_path, separate_process):
     try:
         params = SamplingParams(n=4, max_new_tokens=12, temperature=0.8, stop_token_ids=(tokenizer.eos_token_id,))
         for _ in range(2):  # the first step moves only the adapters' B
-            stale = _train_step(engine, backend, tokenizer, params)
+            stale = stale_after_train_step(engine, backend, tokenizer, params)
         assert stale > 10 * PARITY
         assert engine.update_weights(backend.named_weights()) > 0
         gap, _ = engine_logprob_gap(engine, backend, tokenizer, params)
         assert gap < PARITY
     finally:
         engine.shutdown()
-
-
-def _train_step(engine, backend, tokenizer, params):
-    """One GRPO step on the backend (the engine is not synced); the gap it leaves."""
-    _, batch = engine_logprob_gap(engine, backend, tokenizer, params)
-    batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
-    batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
-    backend.train(batch, set_up(GRPO(), params.max_new_tokens))
-    stale, _ = engine_logprob_gap(engine, backend, tokenizer, params)
-    return stale
 
 
 @pytest.mark.integration
@@ -104,7 +94,7 @@ def test_weight_sync_across_processes_in_small_and_large_buckets(tmp_path):
         # buckets of 10 KiB, smaller than the largest tensor: that one travels alone
         largest = max(t.numel() * t.element_size() for _, t in backend.named_weights())
         assert largest > engine.sender.bucket_bytes
-        assert _train_step(engine, backend, tokenizer, params) > 10 * PARITY
+        assert stale_after_train_step(engine, backend, tokenizer, params) > 10 * PARITY
         total = sum(t.numel() * t.element_size() for _, t in backend.named_weights())
         assert engine.update_weights(backend.named_weights()) == total
         assert engine.sender.last_buckets > 2
@@ -113,7 +103,7 @@ def test_weight_sync_across_processes_in_small_and_large_buckets(tmp_path):
 
         # one bucket for the whole model
         engine.sender.bucket_bytes = 2**30
-        assert _train_step(engine, backend, tokenizer, params) > 10 * PARITY
+        assert stale_after_train_step(engine, backend, tokenizer, params) > 10 * PARITY
         assert engine.update_weights(backend.named_weights()) == total
         assert engine.sender.last_buckets == 1
         gap, _ = engine_logprob_gap(engine, backend, tokenizer, params)
