@@ -334,4 +334,9 @@ def cache_keyword(model: torch.nn.Module) -> str:
     releases deprecate ``past_key_values``, with a warning on every call), else ``past_key_values``."""
     import inspect
 
+    for _ in range(8):  # a wrapper (Fabric's, DDP's, torch.compile's) forwards any keyword: ask the model inside
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            break
+        model = inner
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
