@@ -1,6 +1,7 @@
 """One run per run folder: ``<default_root_dir>/<name>`` is locked while a run writes into it.
 
-The lock is an exclusive ``flock`` on ``<run folder>/.gcore.lock``, held by the process that
+The lock is an exclusive ``flock`` on ``<default_root_dir>/.<name>.lock`` (beside the run folder, which
+keeps only what the run writes), held by the process that
 launched the run for as long as it lives. The kernel releases it when that process ends, however it
 ends (SIGKILL and power loss included), so a killed run never leaves a stale lock behind. The file
 names the holder (host, pid, start time) for the error a second run gets.
@@ -17,20 +18,18 @@ import time
 
 from gcore.errors import ConfigError
 
-LOCK_FILE = ".gcore.lock"
-
 
 class RunLock:
     """Held while a run uses ``folder``; ``acquire`` refuses in one line when another run holds it."""
 
     def __init__(self, folder: str) -> None:
-        self.folder = folder
-        self.path = os.path.join(folder, LOCK_FILE)
+        self.folder = os.path.normpath(folder)
+        self.path = os.path.join(os.path.dirname(self.folder) or ".", f".{os.path.basename(self.folder)}.lock")
         self._fd: int | None = None
 
     def acquire(self) -> None:
         """Take the lock, or raise a ``ConfigError`` naming the run that holds it."""
-        os.makedirs(self.folder, exist_ok=True)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by the processes a run starts
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
