@@ -267,6 +267,7 @@ def test_timed_out_calls_that_cannot_be_stopped_stop_the_run_before_they_pile_up
         release.set()
 
 
+@pytest.mark.timeout(120)  # a hang here would otherwise hold the suite for the global 600 s
 def test_ctrl_c_while_a_reward_runs_still_stops_the_run():
     import os
     import signal
@@ -286,6 +287,9 @@ def test_ctrl_c_while_a_reward_runs_still_stops_the_run():
         os.kill(os.getpid(), signal.SIGINT)
 
     reward = Calls(slow, timeout=0)
+    # Python's own Ctrl-C handler, whatever an earlier test in this process left installed
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     presser = threading.Thread(target=press_ctrl_c)
     presser.start()
     try:
@@ -294,6 +298,7 @@ def test_ctrl_c_while_a_reward_runs_still_stops_the_run():
     finally:
         release.set()
         presser.join()
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_a_reward_model_whose_score_exits_is_a_reward_error():
