@@ -42,7 +42,8 @@ def test_installed_plugin_is_listed_and_used(installed, tmp_path):
                  "--reward", "brevity", "--reward.max_chars", "8", "--algorithm", "reinforce", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     config = yaml.safe_load(next(tmp_path.rglob("config.yaml")).read_text())
-    assert config["reward"] == {"class": "gcore_example_plugin.BrevityReward", "on_error": "raise", "max_chars": 8}
+    assert config["reward"] == {"class": "gcore_example_plugin.BrevityReward", "on_error": "raise", "timeout": 30.0,
+                                "max_chars": 8}
     assert config["algorithm"]["class"] == "gcore_example_plugin.Reinforce"
     rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()))
     # FAST generates at most 4 tokens (so at most 4 characters): the brevity reward is at least 1 - 4/8
