@@ -17,7 +17,6 @@ state is one more entry in ``shared`` or ``own``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -94,6 +93,7 @@ class Checkpointer:
         self.resume_from: str | None = None  # the checkpoint ``load`` continues (``pick``)
         self.max_steps = 0  # the run's ``--trainer.max_steps`` (``pick``)
         self._manifest: dict[str, Any] | None = None
+        self._saved: dict[str, Any] | None = None  # its ``trainer_state.json``, read once by ``pick``
         #: the ``version_N`` the run's metrics go to, written into every checkpoint (rank 0 sets it)
         self.log_version: int | None = None
 
@@ -114,21 +114,22 @@ class Checkpointer:
                     print(f"gcore: warning: {note}", file=sys.stderr, flush=True)
         if self.resume_from is not None:
             try:
-                state = self._trainer_state(self.resume_from)
-                start = int(state["step"]) + 1
+                with open(os.path.join(self.resume_from, TRAINER_STATE), encoding="utf-8") as f:
+                    self._saved = json.load(f)
+                start = int(self._saved["step"]) + 1
             except Exception:  # noqa: BLE001  a broken one: ``load`` itself says which file
+                self._saved = None
                 return
             self._check_steps(start)
-            self._check_signature(self.resume_from, state.get("run"))
+            self._check_signature(self.resume_from, self._saved.get("run"))
 
     def resumed_log_version(self) -> int | None:
         """The ``version_N`` a resumed run continues: the one its checkpoint names, else the newest."""
         if self.resume_from is None:
             return None
-        with contextlib.suppress(OSError, ValueError):
-            version = self._trainer_state(self.resume_from).get("log_version")
-            if isinstance(version, int):
-                return version
+        version = (self._saved or {}).get("log_version")
+        if isinstance(version, int):
+            return version
         run_root = os.path.dirname(self.root)
         versions = [version_number(name) for name in os.listdir(run_root)] if os.path.isdir(run_root) else []
         found = [v for v in versions if v is not None]
@@ -170,8 +171,7 @@ class Checkpointer:
             if self.resume == "auto" and rank == 0:
                 print(f"no checkpoint under {self.root}: starting from step 0")
             return 0
-        self._check_signature(path, self._trainer_state(path).get("run"))
-        state = self.backend.state_dict()
+        state = self.backend.state_dict()  # ``pick`` checked the steps and the run's signature
         trainer_state, rank_state = self.files.load(path, state, self._manifest)
         self.backend.load_state_dict(state)
         for name, part in self.shared.items():
@@ -181,7 +181,6 @@ class Checkpointer:
             if rank_state is not None and name in rank_state:
                 part.load_state_dict(rank_state[name])
         start = int(trainer_state["step"]) + 1
-        self._check_steps(start)
         saved_world = int(trainer_state["world_size"])
         if saved_world == fabric.world_size:
             assert rank_state is not None  # every rank that wrote the checkpoint has its file
@@ -262,12 +261,6 @@ class Checkpointer:
             raise GcoreError(f"{reason}; {kept}") from err
 
     # what the above are made of --------------------------------------------------------------
-
-    @staticmethod
-    def _trainer_state(path: str) -> dict[str, Any]:
-        with open(os.path.join(path, TRAINER_STATE), encoding="utf-8") as f:
-            state: dict[str, Any] = json.load(f)
-        return state
 
     def _check_steps(self, start: int) -> None:
         """Fail when the checkpoint to resume from is already past ``--trainer.max_steps``."""
