@@ -40,6 +40,12 @@ class Engine(ABC):
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load new weights (HF parameter names); return the number of bytes received."""
 
+    def next_token_logprobs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int]) -> list[list[float]]:
+        """For each prompt (token ids), the log-probability of each of ``candidates`` (token ids) as the
+        very next token, at temperature 1: what a judge's verdict is read from (``--reward.verdict
+        probability``). An engine without it raises ``NotImplementedError``."""
+        raise NotImplementedError(f"the {type(self).__name__} engine does not give next-token log-probabilities")
+
     def sleep(self) -> None:
         """Release device memory until ``wake_up`` (no-op by default)."""
 

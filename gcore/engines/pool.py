@@ -59,9 +59,9 @@ log = logging.getLogger(__name__)
 __all__ = ["JUDGE", "POLICY", "REWARD", "Job", "JobKind", "PoolEngine", "Reply", "Role", "RoleSpec", "Scorer",
            "SharedWeights", "WorkerPool"]
 
-#: what a request asks of a worker (``_worker_main``): sample with its engine, score with its reward, take a
-#: role, load the shared weights; ``stop`` (no ``Job``) ends the worker
-JobKind: TypeAlias = Literal["generate", "score", "role", "sync"]
+#: what a request asks of a worker (``_worker_main``): sample with its engine, read next-token log-probabilities
+#: from it, score with its reward, take a role, load the shared weights; ``stop`` (no ``Job``) ends the worker
+JobKind: TypeAlias = Literal["generate", "logprobs", "score", "role", "sync"]
 #: what a worker answers: it started, it could not start, a request's result, a request's error
 ReplyKind: TypeAlias = Literal["ready", "fatal", "result", "error"]
 #: a worker's answer: (kind, worker index, job id or ``None``, payload: (result, busy seconds) or a traceback)
@@ -172,6 +172,9 @@ def _serve(runtime: _WorkerRuntime, kind: JobKind, args: tuple) -> object:
     if kind == "generate":
         role, prompts, params = args
         return runtime.generate(role, prompts, params)
+    if kind == "logprobs":
+        role, prompts, candidates = args
+        return runtime.next_token_logprobs(role, prompts, candidates)
     if kind == "score":
         return runtime.score(*args)
     if kind == "role":
@@ -237,6 +240,11 @@ class _WorkerRuntime:
         if role != self.role:
             raise RuntimeError(f"worker holds the {self.role} engine, asked to run the {role} engine")
         return self._engine(role).generate(prompts, params)
+
+    def next_token_logprobs(self, role: Role, prompts: list[list[int]], candidates: list[int]) -> list[list[float]]:
+        if role != self.role:
+            raise RuntimeError(f"worker holds the {self.role} engine, asked to run the {role} engine")
+        return self._engine(role).next_token_logprobs(prompts, candidates)
 
     def score(self, role: Role, samples: list[Sample]) -> tuple[list[float], int]:
         """The reward of each sample, and how many failed (``Scorer.last_errors``)."""
@@ -543,7 +551,7 @@ class WorkerPool:
         if kind == "result":
             job.result, job.busy_s = cast("tuple[object, float]", payload)
             job.done = job.ok = True
-            if job.kind in ("generate", "score"):
+            if job.kind in ("generate", "logprobs", "score"):
                 self.busy[job.role] = self.busy.get(job.role, 0.0) + job.busy_s
             elif job.kind == "role":
                 self.swaps += 1
@@ -562,7 +570,7 @@ class WorkerPool:
         job.errors.append(error)
         job.failed_on.add(worker)
         job.worker = None
-        if job.kind not in ("generate", "score"):  # a role change or sync of a worker that died: it is respawned later
+        if job.kind not in ("generate", "logprobs", "score"):  # a role change or sync of a worker that died: it is respawned later
             job.done, job.ok = True, True
             del self._jobs[job.id]
             return
@@ -618,6 +626,16 @@ class PoolEngine(Engine):
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
         return self.pool.generate(self.role, prompts, params, self.workers)
+
+    def next_token_logprobs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int]) -> list[list[float]]:
+        """Split over the role's workers like ``generate``; the results in the order of ``prompts``."""
+        if not prompts:
+            return []
+        chunk = math.ceil(len(prompts) / len(self.workers))
+        jobs = [self.pool.submit("logprobs", (self.role, [list(p) for p in prompts[s : s + chunk]], list(candidates)),
+                                 self.workers, self.role) for s in range(0, len(prompts), chunk)]
+        self.pool.wait(jobs)
+        return [row for job in jobs for row in cast("list[list[float]]", job.result)]
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         if self.role != POLICY:
