@@ -1,6 +1,6 @@
 """``--trainer.max_staleness`` 0 vs 1 on the same workload, alternated in one script (CPU engine workers).
 
-    python benchmarks/async_overlap.py --rounds 2 --steps 20 -- --placement dynamic --placement.devices 1
+    python benchmarks/async_overlap.py --rounds 2 --steps 20 -- --placement dynamic --placement.workers 1
 
 Runs ``gcore fit`` (this checkout first on ``PYTHONPATH``) with the same seed and options, K=0 then K=1,
 ``--rounds`` times, and prints for each run the machine load (``/proc/loadavg``) before it, the

@@ -94,7 +94,7 @@ def main() -> None:
                             char_tokenizer(), seed=1, workdir=os.path.join(models, "judge"))
         placements = {
             "static": lambda: StaticPlacement(workers=args.workers, threads=args.threads),
-            "dynamic": lambda: DynamicPlacement(devices=args.workers, threads=args.threads, judge_fraction=0.34,
+            "dynamic": lambda: DynamicPlacement(workers=args.workers, threads=args.threads, judge_fraction=0.34,
                                                 min_fraction=0.3),
         }
         order = ["dynamic", "static"] if args.dynamic_first else ["static", "dynamic"]

@@ -212,7 +212,7 @@ def run_gcore(args: argparse.Namespace) -> dict:
     (the engine before this benchmark's optimisations); ``gcore-all-rows`` runs the forward/backward of every row,
     also those of groups that all scored the same (``--backend.skip_inert_rows false``); ``gcore-async`` generates the
     next step's rollout in one engine worker process (1 thread) while the controller trains on the last one
-    (``--placement dynamic --placement.devices 1 --placement.threads 1 --trainer.max_staleness 1``: one step
+    (``--placement dynamic --placement.workers 1 --placement.threads 1 --trainer.max_staleness 1``: one step
     off-policy, docs/asynchronous.md); ``gcore-bf16`` generates with a bfloat16 copy of the weights
     (``--engine.dtype bfloat16``) and trains under bfloat16 autocast (``--trainer.precision bf16-mixed``; the
     weights and AdamW stay float32); ``gcore-compile`` compiles the trained model's transformer blocks and the
@@ -257,7 +257,7 @@ def run_gcore(args: argparse.Namespace) -> dict:
                                   default_root_dir=root, enable_progress_bar=False, save_final=bool(args.eval_prompts),
                                   max_staleness=int(args.worker == "gcore-async"),
                                   precision="bf16-mixed" if args.worker == "gcore-bf16" else "32-true"),
-            **({"placement": DynamicPlacement(devices=1, threads=1)} if args.worker == "gcore-async" else {}),
+            **({"placement": DynamicPlacement(workers=1, threads=1)} if args.worker == "gcore-async" else {}),
             data=DataConfig(prompts_per_step=args.prompts_per_step, num_synthetic_prompts=args.num_prompts,
                             **({"task": args.task, "chat_template": True, "task_digits": _digits(args)}
                                if args.model_path else {})),

@@ -31,8 +31,8 @@ JUDGE = "{judge}"  # replaced by a tiny judge checkpoint made for the recording
 RUNS: dict[str, list[str]] = {
     "default": [],
     "dynamic": ["--placement", "dynamic"],  # the split follows measured times: not reproducible (see compare)
-    "dynamic_one_worker": ["--placement", "dynamic", "--placement.devices", "1"],
-    "dynamic_judge": ["--placement", "dynamic", "--placement.devices", "2", "--reward", "generative",
+    "dynamic_one_worker": ["--placement", "dynamic", "--placement.workers", "1"],
+    "dynamic_judge": ["--placement", "dynamic", "--placement.workers", "2", "--reward", "generative",
                       "--reward.path", JUDGE, "--reward.max_new_tokens", "4", "--data.prompts_per_step", "4",
                       "--sampling.n", "2", "--sampling.max_new_tokens", "4"],
     "two_controllers": TWO,

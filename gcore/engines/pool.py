@@ -16,9 +16,14 @@ put to sleep and, with ``release=True`` (the CPU default), shut down so its memo
 one wakes up, or is loaded again from its checkpoint (the policy then takes the latest weights from
 shared memory).
 
-Requests travel over local ``multiprocessing`` queues (OS pipes, no sockets). Policy weights go
-from the trainer to the workers through one shared-memory file in ``/dev/shm`` (no disk): the
-trainer copies its tensors in once, every worker copies them into its engine.
+One pool serves every controller of a machine (``Peers``): the first controller there (its *owner*)
+starts the workers, and every controller, the owner too, connects to each worker and sends it
+requests itself; there is no process in between. Requests travel over ``multiprocessing.connection``
+(a socket per controller and worker on the loopback interface, authenticated with a key the owner
+draws and shares through ``torch.distributed``), the same transport across machines. A worker serves
+its controllers' requests one at a time, in the order they come. Policy weights go from the owner to
+the workers through one shared-memory file in ``/dev/shm`` (no disk): the owner copies its tensors in
+once (every controller holds the same weights after a step), every worker copies them into its engine.
 
 Faults: a worker that dies, answers with an error, or does not answer within ``job_timeout_s`` (it
 is then killed) has its request sent again to another worker of the same role, or to a respawned
@@ -38,7 +43,7 @@ import os
 import pickle
 import time
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, SupportsInt, TypeAlias, assert_never, cast
 
@@ -52,12 +57,11 @@ from gcore.types import Generation, Sample, SamplingParams
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
-    from multiprocessing.queues import Queue
 
 log = logging.getLogger(__name__)
 
-__all__ = ["JUDGE", "POLICY", "REWARD", "Job", "JobKind", "PoolEngine", "Reply", "Role", "RoleSpec", "Scorer",
-           "SharedWeights", "WorkerPool"]
+__all__ = ["JUDGE", "POLICY", "REWARD", "Job", "JobKind", "Peers", "PoolEngine", "Reply", "Role", "RoleSpec",
+           "Scorer", "SharedWeights", "WorkerPool", "worker_devices"]
 
 #: what a request asks of a worker (``_worker_main``): sample with its engine, read next-token log-probabilities
 #: from it, score with its reward, take a role, load the shared weights; ``stop`` (no ``Job``) ends the worker
@@ -111,6 +115,57 @@ class SharedWeights:
         return (self.path, self.nbytes, self.layout, self.version)
 
 
+@dataclass
+class Peers:
+    """The controllers that share one pool: those of this machine, found through ``torch.distributed``.
+
+    ``owner``: this controller starts and stops the workers and sends them the weights (the first
+    controller of the machine). ``clients``: how many controllers connect to each worker.
+    ``gather(value)``: every controller of the machine's ``value``, the owner's first (a collective of all
+    controllers). ``barrier()``: every controller has reached it. ``machines``: how many machines run
+    controllers (each with a pool of its own).
+    """
+
+    owner: bool
+    clients: int
+    gather: Callable[[object], list[object]]
+    barrier: Callable[[], None]
+    machines: int = 1
+
+    def share(self, value: object) -> object:
+        """The owner's ``value``, on every controller of the machine (a collective)."""
+        return self.gather(value if self.owner else None)[0]
+
+    @classmethod
+    def of_this_machine(cls) -> Peers | None:
+        """The controllers of this machine, or ``None`` when this process is the only controller."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        rank, world = dist.get_rank(), dist.get_world_size()
+        node = os.environ.get("NODE_RANK") or os.environ.get("GROUP_RANK") or "0"
+        nodes: list[object] = [None] * world
+        dist.all_gather_object(nodes, node)
+        mine = [r for r, n in enumerate(nodes) if n == node]
+
+        def gather(value: object) -> list[object]:
+            gathered: list[object] = [None] * world
+            dist.all_gather_object(gathered, value)
+            return [gathered[r] for r in mine]
+
+        return cls(owner=rank == mine[0], clients=len(mine), gather=gather, barrier=dist.barrier,
+                   machines=len(set(nodes)))
+
+
+def worker_devices(device: str, size: int, visible: int) -> list[str]:
+    """The device of each of ``size`` workers: on CUDA with several ``visible`` GPUs, worker ``i`` takes
+    ``cuda:(i % visible)`` (the partition is then of GPUs); otherwise all run on ``device``."""
+    if device.startswith("cuda") and visible > 1:
+        return [f"cuda:{i % visible}" for i in range(size)]
+    return [device] * size
+
+
 @dataclass(eq=False)
 class Job:
     """One request to a worker; ``workers`` are the ones allowed to serve it."""
@@ -132,9 +187,13 @@ class Job:
 
 
 def _worker_main(index: int, threads: int, seed: int, specs: bytes, role: Role, weights: tuple | None,
-                 release: bool, device: str, requests: Queue[tuple], replies: Connection) -> None:
-    """The worker's loop: build its engine, then serve requests until told to stop. A request is
-    ``(kind, job id, *args)`` (``("stop", None)`` ends the loop); ``replies`` is this worker's own pipe."""
+                 release: bool, device: str, clients: int, authkey: bytes, startup: Connection) -> None:
+    """The worker's life: build its engine, say on ``startup`` (the owner's pipe) that it is ready and
+    where it listens, take its ``clients`` controllers' connections, then serve their requests one at a
+    time until told to stop or every controller is gone. A request is ``(kind, job id, *args)``
+    (``("stop", None)`` ends the worker); each is answered on the connection it came on."""
+    from multiprocessing.connection import Listener, wait
+
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     try:
@@ -144,22 +203,34 @@ def _worker_main(index: int, threads: int, seed: int, specs: bytes, role: Role, 
         transformers.utils.logging.disable_progress_bar()
         runtime = _WorkerRuntime(pickle.loads(specs), release, torch.device(device))
         runtime.switch(role, weights)
+        listener = Listener(("127.0.0.1", 0), authkey=authkey)
     except BaseException:  # noqa: BLE001  report why it could not start, whatever it was, then exit
-        _send(replies, ("fatal", index, None, traceback.format_exc()))
+        _send(startup, ("fatal", index, None, traceback.format_exc()))
         return
-    _send(replies, ("ready", index, None, None))
-    while True:
-        message = requests.get()
-        if message[0] == "stop":
-            return
-        kind: JobKind = message[0]
-        job_id: int = message[1]
-        try:
-            started = time.perf_counter()
-            result = _serve(runtime, kind, message[2:])
-            _send(replies, ("result", index, job_id, (result, time.perf_counter() - started)))
-        except Exception:  # noqa: BLE001  an engine may fail in any way: the pool retries elsewhere or reports it
-            _send(replies, ("error", index, job_id, traceback.format_exc()))
+    _send(startup, ("ready", index, None, listener.address))
+    controllers = [listener.accept() for _ in range(clients)]
+    listener.close()
+    while controllers:
+        for conn in cast("list[Connection]", wait(controllers)):
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):  # that controller is gone
+                controllers.remove(conn)
+                continue
+            if message[0] == "stop":
+                return
+            kind: JobKind = message[0]
+            job_id: int = message[1]
+            try:
+                started = time.perf_counter()
+                result = _serve(runtime, kind, message[2:])
+                reply: Reply = ("result", index, job_id, (result, time.perf_counter() - started))
+            except Exception:  # noqa: BLE001  an engine may fail in any way: the pool retries elsewhere or reports it
+                reply = ("error", index, job_id, traceback.format_exc())
+            try:
+                _send(conn, reply)
+            except OSError:  # that controller is gone
+                controllers.remove(conn)
 
 
 def _send(replies: Connection, reply: Reply) -> None:
@@ -192,6 +263,7 @@ class _WorkerRuntime:
         self.specs, self.release, self.device = specs, release, device
         self.engines: dict[Role, Engine | Scorer] = {}
         self.role: Role | None = None
+        self.weights: tuple | None = None  # the latest policy weights sent (a ``SharedWeights.ref()``)
 
     def _engine(self, role: Role) -> Engine:
         """The engine ``role`` holds (not a rule-based reward's)."""
@@ -214,7 +286,10 @@ class _WorkerRuntime:
         return engine
 
     def switch(self, role: Role, weights: tuple | None) -> tuple[Role, ...]:
-        """Make ``role`` the awake engine (sleep/release the other one); returns the engines held."""
+        """Make ``role`` the awake engine (sleep/release the other one); returns the engines held.
+        ``weights``: the latest policy weights (``None``: the latest this worker was sent)."""
+        self.weights = weights or self.weights
+        weights = self.weights
         if role == self.role:
             return tuple(sorted(self.engines))
         if self.role is not None:
@@ -256,13 +331,14 @@ class _WorkerRuntime:
         return reward.score(samples), reward.last_errors
 
     def sync(self, weights: tuple) -> int:
+        self.weights = weights
         if POLICY not in self.engines:  # released: it loads the latest weights when it wakes up
             return 0
         return self._engine(POLICY).update_weights(SharedWeights(*weights).views())
 
 
 class WorkerPool:
-    """``size`` engine worker processes and a dispatcher for their requests.
+    """``size`` engine worker processes and this controller's dispatcher for their requests.
 
     Args:
         size: worker processes.
@@ -272,15 +348,18 @@ class WorkerPool:
             the user's ``OMP_NUM_THREADS`` (``gcore.threads.worker_threads``).
         seed: workers are seeded ``seed + index``.
         release: free a sleeping engine's memory (reload it on wake-up) instead of ``Engine.sleep`` only.
-        job_timeout_s: a request not answered in this time kills its worker and is sent elsewhere.
+        job_timeout_s: a request not answered in this time is sent elsewhere (and its worker killed).
         retries: further attempts for a failed request before the step fails.
         startup_timeout_s: how long a worker may take to load its engine.
-        device: where the workers' engines run: ``cpu``, or one GPU (``cuda:0``) that they share.
+        device: where the workers' engines run: ``cpu``, or a GPU (``cuda:0``); with several visible GPUs the
+            workers spread over them (``worker_devices``), with one they share it.
+        peers: the controllers that share this pool (``Peers.of_this_machine``); ``None``: this one alone.
+            Every controller of the machine builds its ``WorkerPool`` with the same arguments at the same point.
     """
 
     def __init__(self, size: int, specs: dict[Role, RoleSpec], roles: Sequence[Role], threads: int = 0, seed: int = 0,
                  release: bool = True, job_timeout_s: float = 600.0, retries: int = 2,
-                 startup_timeout_s: float = 900.0, device: str = "cpu") -> None:
+                 startup_timeout_s: float = 900.0, device: str = "cpu", peers: Peers | None = None) -> None:
         if size < 1 or len(roles) != size:
             raise GcoreError(f"a worker pool needs >= 1 worker and one role per worker, got {size} and {list(roles)}")
         for role in roles:
@@ -290,14 +369,19 @@ class WorkerPool:
 
         self.size, self.threads, self.seed, self.release = size, threads or worker_threads(size), seed, release
         self.job_timeout_s, self.retries, self.startup_timeout_s = job_timeout_s, retries, startup_timeout_s
-        self.device = device
+        self.peers = peers
+        self.owner = peers is None or peers.owner
+        visible = torch.cuda.device_count() if device.startswith("cuda") else 0
+        self.device, self.devices = device, worker_devices(device, size, visible)
         self._specs = pickle.dumps(specs)
         self._ctx = mp.get_context("spawn")
-        # one pipe per worker: a worker killed mid-reply blocks no other
-        self._replies: list[Connection | None] = [None] * size
+        self._authkey = os.urandom(32) if self.owner else b""
+        # a connection per worker: a worker killed mid-reply blocks no other
+        self._conns: list[Connection | None] = [None] * size
+        self._startup: list[Connection | None] = [None] * size  # the owner's: each worker's ready/fatal message
+        self._addresses: list[object] = [None] * size
         self.roles: list[Role] = list(roles)
         self.processes: list = [None] * size
-        self._requests: list = [None] * size
         self._ready = [False] * size
         self._busy_with: list[Job | None] = [None] * size
         self._jobs: dict[int, Job] = {}
@@ -312,26 +396,39 @@ class WorkerPool:
         self.respawned = 0
         self.swaps = 0  # role changes done by workers
         self.held: list[tuple[Role, ...]] = [(role,) for role in roles]  # engines resident in each worker
-        self._fatal: dict[int, str] = {}  # why a worker could not start
         self.closed = False
-        self._spawn(range(size))
-        self._wait_ready(range(size))
+        self._start(list(range(size)))
 
     # -- processes ---------------------------------------------------------------------------
-    def _spawn(self, indices: Iterable[int]) -> None:
-        for i in indices:
-            dead = self._replies[i]
-            if dead is not None:  # a dead worker's pipe
-                dead.close()
-            self._requests[i] = self._ctx.Queue()
-            self._replies[i], writer = self._ctx.Pipe(duplex=False)
-            self._ready[i] = False
+    def _start(self, indices: list[int]) -> None:
+        """The owner starts workers ``indices``; then every controller connects to them."""
+        if self.owner:
+            self._spawn(indices)
+            self._wait_ready(indices)
+        share = self.peers.share if self.peers is not None else (lambda value: value)
+        self._authkey, addresses = cast("tuple[bytes, list[object]]",
+                                        share((self._authkey, [self._addresses[i] for i in indices])))
+        from multiprocessing.connection import Client
+
+        for i, address in zip(indices, addresses, strict=True):
+            old = self._conns[i]
+            if old is not None:
+                old.close()
+            self._conns[i] = Client(address, authkey=self._authkey)  # type: ignore[arg-type]  # an (host, port)
+            self._ready[i] = True
             self.held[i] = (self.roles[i],)
+
+    def _spawn(self, indices: Iterable[int]) -> None:
+        clients = self.peers.clients if self.peers is not None else 1
+        for i in indices:
+            self._ready[i] = False
+            startup, writer = self._ctx.Pipe(duplex=False)
+            self._startup[i] = startup
             weights = self.weights.ref() if self.weights is not None else None
             process = self._ctx.Process(
                 target=_worker_main, name=f"gcore-engine-worker-{i}", daemon=True,
                 args=(i, self.threads, self.seed + i, self._specs, self.roles[i], weights, self.release,
-                      self.device, self._requests[i], writer),
+                      self.devices[i], clients, self._authkey, writer),
             )
             with spawning(self.threads):  # its OpenMP reads these when it imports torch
                 process.start()
@@ -339,54 +436,78 @@ class WorkerPool:
             self.processes[i] = process
 
     def _wait_ready(self, indices: Iterable[int]) -> None:
+        """Wait for each worker's ``ready`` (with the address it listens on) on its startup pipe."""
+        from multiprocessing.connection import wait
+
         waiting = set(indices)
         deadline = time.monotonic() + self.startup_timeout_s
         while waiting:
             if time.monotonic() > deadline:
                 raise GcoreError(f"engine workers {sorted(waiting)} did not start within {self.startup_timeout_s:.0f}s")
-            self._pump(0.5)
-            for i in list(waiting):
-                if self._ready[i]:
-                    waiting.discard(i)
-                elif not self.processes[i].is_alive() and not self._ready[i]:
-                    self._receive(0)
-                    if not self._ready[i]:
-                        why = self._fatal.get(i, "").strip().splitlines()[-1:] or ["no error reported"]
-                        raise GcoreError(f"engine worker {i} exited while starting (exit code "
-                                         f"{self.processes[i].exitcode}): {why[0]}")
+            pipes = {pipe: i for i in waiting if (pipe := self._startup[i]) is not None}
+            for pipe in cast("list[Connection]", wait(list(pipes), 0.5)):
+                i = pipes[pipe]
+                try:
+                    kind, _, _, payload = pipe.recv()
+                except (EOFError, OSError):
+                    kind, payload = "fatal", ""
+                pipe.close()
+                self._startup[i] = None
+                if kind != "ready":
+                    self.processes[i].join(timeout=10)
+                    why = str(payload).strip().splitlines()[-1:] or ["no error reported"]
+                    log.error("engine worker %d failed to start:\n%s", i, payload)
+                    raise GcoreError(f"engine worker {i} exited while starting (exit code "
+                                     f"{self.processes[i].exitcode}): {why[0]}")
+                self._addresses[i] = payload
+                waiting.discard(i)
 
     def alive(self, i: int) -> bool:
-        return self.processes[i] is not None and self.processes[i].is_alive()
+        """Whether worker ``i`` is connected (and, for the owner, its process runs)."""
+        if self._conns[i] is None:
+            return False
+        return not self.owner or (self.processes[i] is not None and self.processes[i].is_alive())
 
     def revive(self) -> int:
-        """Respawn dead workers (with their roles and the latest weights); returns how many."""
-        dead = [i for i in range(self.size) if not self.alive(i)]
-        for i in dead:
+        """Respawn dead or lost workers (with their roles and the latest weights); returns how many.
+        With ``peers`` a collective: every controller of the machine calls it at the same point."""
+        lost = [i for i in range(self.size) if not self.alive(i)]
+        if self.peers is not None:  # a worker one controller lost (it timed out there) is restarted for all
+            every = cast("list[list[int]]", self.peers.gather(lost))
+            lost = sorted(set(lost).union(*every))
+        for i in lost:
             self._fail_worker(i, "it died")
-        if dead:
-            log.warning("respawning engine workers %s", dead)
-            self._spawn(dead)
-            self._wait_ready(dead)
-            self.respawned += len(dead)
-        return len(dead)
+        if lost:
+            log.warning("respawning engine workers %s", lost)
+            if self.owner:
+                for i in lost:
+                    if self.processes[i] is not None and self.processes[i].is_alive():
+                        self.processes[i].kill()
+                        self.processes[i].join(timeout=10)
+            self._start(lost)
+            self.respawned += len(lost)
+        return len(lost)
 
     def close(self) -> None:
-        """Stop the workers and remove the shared weights."""
+        """Stop the workers (the owner) or leave them (another controller), and remove the shared weights."""
         if self.closed:
             return
         self.closed = True
-        for i, process in enumerate(self.processes):
-            if process is not None and process.is_alive():
-                self._requests[i].put(("stop", None))
-        for process in self.processes:
+        for i, conn in enumerate(self._conns):
+            if conn is not None and self.owner and self.alive(i):
+                try:
+                    conn.send(("stop", None))
+                except OSError:
+                    pass
+        for conn in self._conns:
+            if conn is not None:
+                conn.close()
+        for process in self.processes if self.owner else []:
             if process is not None:
                 process.join(timeout=10)
                 if process.is_alive():
                     process.kill()
                     process.join(timeout=5)
-        for conn in self._replies:
-            if conn is not None:
-                conn.close()
         if self.weights is not None and os.path.exists(self.weights.path):
             os.unlink(self.weights.path)
 
@@ -458,8 +579,14 @@ class WorkerPool:
         returns once the update is queued, without waiting for the generation in flight; it waits only
         for the previous update to be loaded, so that the shared memory is never rewritten while a
         worker copies from it. ``bytes`` is then what was queued (the shared size per policy worker).
+        In a pool shared by several controllers the owner sends the update and waits for it; every
+        controller calls this at the same point and returns when the workers have it.
         """
         started = time.perf_counter()
+        if not self.owner:  # the owner sends the weights every controller holds; wait until the workers have them
+            assert self.peers is not None  # only a shared pool has other controllers
+            self.peers.barrier()
+            return {"bytes": 0.0, "shm_bytes": 0.0, "copy_s": 0.0, "load_s": 0.0, "s": time.perf_counter() - started}
         named = [(name, tensor.detach()) for name, tensor in named]
         if self.weights is None:
             self.weights = _create_shared(named)
@@ -473,12 +600,14 @@ class WorkerPool:
         copied = time.perf_counter()
         jobs = [self.submit("sync", (self.weights.ref(),), [i]) for i in range(self.size)
                 if self.roles[i] == POLICY]
-        if self.queue_syncs:
+        if self.queue_syncs and self.peers is None:
             self._syncs = jobs
             loaded = self.weights.nbytes * len(jobs)
-        else:
+        else:  # a shared pool waits: another controller's next request must find the new weights
             self.wait(jobs)
             loaded = sum(int(cast(SupportsInt, j.result)) for j in jobs)  # the bytes each worker loaded
+            if self.peers is not None:
+                self.peers.barrier()
         end = time.perf_counter()
         return {"bytes": float(loaded), "shm_bytes": float(self.weights.nbytes), "copy_s": copied - started,
                 "load_s": end - copied, "s": end - started}
@@ -493,7 +622,12 @@ class WorkerPool:
             job.worker, job.sent, job.attempts = i, time.monotonic(), job.attempts + 1
             self._busy_with[i] = job
             self._pending.remove(job)
-            self._requests[i].put((job.kind, job.id, *job.args))
+            conn = self._conns[i]
+            assert conn is not None  # alive
+            try:
+                conn.send((job.kind, job.id, *job.args))
+            except OSError:  # it died: noticed by the next ``_pump``
+                self._drop(i)
 
     def _pump(self, timeout: float) -> None:
         """Take replies, notice dead or hung workers, and send what waits."""
@@ -505,21 +639,30 @@ class WorkerPool:
             if not self.alive(i):
                 self._receive(0)  # its last reply may still be in its pipe
                 if self._busy_with[i] is job:
-                    self._fail_worker(i, f"it died (exit code {self.processes[i].exitcode})")
+                    code = self.processes[i].exitcode if self.owner and self.processes[i] is not None else None
+                    self._fail_worker(i, "it died" + (f" (exit code {code})" if code is not None else ""))
             elif self.job_timeout_s and now - job.sent > self.job_timeout_s:
-                log.warning("engine worker %d did not answer in %.0fs: killing it", i, self.job_timeout_s)
-                self.processes[i].kill()
-                self.processes[i].join(timeout=10)
+                log.warning("engine worker %d did not answer in %.0fs: dropping it", i, self.job_timeout_s)
+                if self.owner:
+                    self.processes[i].kill()
+                    self.processes[i].join(timeout=10)
+                self._drop(i)  # the owner restarts it at the next ``revive``
                 self._fail_worker(i, f"it did not answer within job_timeout_s {self.job_timeout_s:.0f}s")
         self._revive_if_stuck()
         self._dispatch()
+
+    def _drop(self, i: int) -> None:
+        """Stop using worker ``i`` (dead or hung): close this controller's connection to it."""
+        conn, self._conns[i] = self._conns[i], None
+        if conn is not None:
+            conn.close()
 
     def _receive(self, timeout: float) -> None:
         """Handle every reply that is in (waiting up to ``timeout`` for the first)."""
         from multiprocessing.connection import wait
 
         while True:
-            readers = {conn: i for i, conn in enumerate(self._replies) if conn is not None}
+            readers = {conn: i for i, conn in enumerate(self._conns) if conn is not None}
             # the connections it was given, those with something to read
             ready = cast("list[Connection]", wait(list(readers), timeout)) if readers else []
             if not ready:
@@ -528,22 +671,13 @@ class WorkerPool:
                 try:
                     reply = conn.recv()
                 except (EOFError, OSError):  # the worker is gone (a cut reply counts as none)
-                    conn.close()
-                    self._replies[readers[conn]] = None
+                    self._drop(readers[conn])
                     continue
                 self._handle(reply)
             timeout = 0
 
     def _handle(self, reply: Reply) -> None:
-        kind, i, job_id, payload = reply
-        if kind == "ready":
-            self._ready[i] = True
-            return
-        if kind == "fatal":
-            log.error("engine worker %d failed to start:\n%s", i, payload)
-            self._fatal[i] = cast(str, payload)  # the traceback
-            self._ready[i] = False
-            return
+        kind, i, job_id, payload = reply  # "result" or "error" ("ready" and "fatal" come on the startup pipe)
         job = self._jobs.get(job_id) if job_id is not None else None
         if job is None or job.done or job.worker != i:
             return  # a late answer to a request that was already sent elsewhere
@@ -570,7 +704,7 @@ class WorkerPool:
         job.errors.append(error)
         job.failed_on.add(worker)
         job.worker = None
-        if job.kind not in ("generate", "logprobs", "score"):  # a role change or sync of a worker that died: it is respawned later
+        if job.kind not in ("generate", "logprobs", "score"):  # a role change or sync of a dead worker: respawned later
             job.done, job.ok = True, True
             del self._jobs[job.id]
             return
@@ -587,9 +721,16 @@ class WorkerPool:
         self._pending.insert(0, job)
 
     def _revive_if_stuck(self) -> None:
-        """A request whose every allowed worker is dead gets those workers respawned."""
+        """A request whose every allowed worker is dead gets those workers respawned (or, in a pool
+        shared with other controllers, which restart workers together between steps, fails)."""
         for job in self._pending:
             if not any(self.alive(i) for i in job.workers):
+                if self.peers is not None:
+                    self._pending.remove(job)
+                    job.done, job.ok = True, False
+                    job.errors.append(f"every engine worker that may serve this {job.role or job.kind} request "
+                                      f"({list(job.workers)}) is lost; they are restarted when the next step starts")
+                    return
                 self.revive()
                 return
 

@@ -38,12 +38,16 @@ class DynamicPlacement(PlacementPolicy):
     the shortest predicted rollout: without a reported generation floor, the split that balances the
     measured work; with one (a long tail that more devices cannot shorten), more judge devices.
 
-    In the trainer a device is an engine worker process, and each controller splits its own ``devices``
-    workers the same way. On CPU a worker has ``threads`` threads, and by default there is one worker
-    per core this process may use (``os.sched_getaffinity``), shared by the controllers of the machine.
-    On a GPU the workers share the controller's GPU (two by default: one generating, one free to move
-    to the reward), each with its own copy of its role's model there, and the controller trains on it
-    between rollouts. Generation
+    In the trainer a device is an engine worker process, and the ``workers`` workers of a machine form
+    one pool that all its controllers share (``gcore.engines.pool.Peers``): every controller sends its
+    own requests to the partition serving the role, and the split, computed identically on every
+    controller from all controllers' stage times, is one split of that pool. On CPU a worker has
+    ``threads`` threads; by default there is one worker per core this process may use
+    (``os.sched_getaffinity``), and more workers than cores may be asked for (each then gets one
+    thread), so that a 4-worker pool on 2 cores can be split 1/3, 2/2 or 3/1. On CUDA the workers
+    spread over the visible GPUs (worker ``i`` on ``cuda:(i % GPUs)``), or share the one GPU (two
+    workers by default), each with its own copy of its role's model; the controllers train on their
+    GPUs between rollouts. Generation
     requests (``stream_groups`` prompt groups each) go to the generation partition; each finished
     group is scored on the reward partition while the rest is still generating. A worker that changes
     partition swaps engines (``time/swap``). Training runs in the controller, on every core, between
@@ -56,8 +60,8 @@ class DynamicPlacement(PlacementPolicy):
     in the metrics is the reward partition's size, whichever reward it holds.
 
     Args:
-        devices: devices to split (0: the world size in ``gcore simulate``; in the trainer on CPU one engine
-            worker per core of this process divided by the world size, on a GPU two workers sharing it).
+        workers: engine workers to split, one pool per machine shared by its controllers (0: on CPU one per
+            usable core, on CUDA one per visible GPU and at least 2; in ``gcore simulate``, the devices simulated).
         judge_fraction: the judge partition's share at the start (a rule-based reward starts in the
             controller).
         min_fraction: smallest share of devices either partition may get (at least one device; the
@@ -75,7 +79,7 @@ class DynamicPlacement(PlacementPolicy):
 
     def __init__(
         self,
-        devices: int = 0,
+        workers: int = 0,
         judge_fraction: float = 0.25,
         min_fraction: float = 0.125,
         hysteresis: float = 0.1,
@@ -90,7 +94,9 @@ class DynamicPlacement(PlacementPolicy):
                 raise ConfigError(f"--placement.{name} must be in (0, 1), got {value}")
         if hysteresis < 0 or not 0 < max_move_fraction <= 1:
             raise ConfigError("--placement.hysteresis must be >= 0 and max_move_fraction in (0, 1]")
-        self.devices, self.judge_fraction, self.min_fraction = devices, judge_fraction, min_fraction
+        if workers < 0:
+            raise ConfigError(f"--placement.workers must be >= 0 (0: one per core), got {workers}")
+        self.workers, self.judge_fraction, self.min_fraction = workers, judge_fraction, min_fraction
         self.hysteresis, self.max_move_fraction = hysteresis, max_move_fraction
         if threads < 0 or stream_groups < 1 or retries < 0:
             raise ConfigError(f"--placement.threads and retries must be >= 0, stream_groups >= 1, got "
@@ -102,6 +108,9 @@ class DynamicPlacement(PlacementPolicy):
         self.judge_devices = 0
         self.reward_role: Role = JUDGE  # or REWARD: worker processes running a rule-based reward
         self.min_reward_devices = self.max_reward_devices = 0
+        self.world_size = 1
+        self.controllers = 1  # controllers sharing each pool (set by ``launch``)
+        self.machines = 1
         self.pool: WorkerPool | None = None
         self.policy_engine: PoolEngine | None = None
         self.judge_engine: PoolEngine | None = None
@@ -132,12 +141,13 @@ class DynamicPlacement(PlacementPolicy):
         judged = reward is None or bool(reward.judges())
         self.reward_role = JUDGE if judged else REWARD
         self.device_type = device_type
-        defaults = {"simulated": world_size, "cuda": 2, "cpu": max(1, usable_cores() // world_size)}
-        self.total = self.devices or defaults[device_type]
+        self.world_size = world_size
+        defaults = {"simulated": world_size, "cuda": max(2, torch.cuda.device_count()), "cpu": usable_cores()}
+        self.total = self.workers or defaults[device_type]
         if judged and self.total < 2:
             raise ConfigError(
                 f"--placement dynamic with a generative judge needs at least 2 devices (one for generation, one "
-                f"for the judge), got {self.total}; give --placement.devices 2 or use --placement static"
+                f"for the judge), got {self.total}; give --placement.workers 2 or use --placement static"
             )
         if self.total - self.min_devices < (self.min_devices if judged else 0):
             raise ConfigError(
@@ -150,16 +160,22 @@ class DynamicPlacement(PlacementPolicy):
 
     def describe(self) -> str:
         gpu = self.device_type == "cuda"
-        workers = (f"{self.total} engine worker process{'es' if self.total != 1 else ''} per controller"
-                   + (" sharing its GPU" if gpu else ""))
+        shared = " shared by the machine's controllers" if self.world_size > 1 else ""
+        workers = f"{self.total} engine worker process{'es' if self.total != 1 else ''}{shared}"
+        if gpu:
+            gpus = torch.cuda.device_count()
+            workers += f" spread over {min(self.total, gpus)} GPUs" if gpus > 1 else " sharing one GPU"
         if self.reward_role == JUDGE:
             return (f"dynamic placement: {workers}, {self.generate_devices} generating and {self.judge_devices} "
                     "judging at once; the split is re-sized every step from the measured stage times "
                     "(placement/* in metrics.csv)")
         where = (f"in {self.judge_devices} reward worker(s)" if self.judge_devices else
                  "in the controller as each group finishes")
-        moves = ("it moves workers between generation and reward scoring from the measured stage times every step"
-                 if self.max_reward_devices else "the reward cannot be sent to a worker process, so it stays there")
+        moves = ("it moves workers between generation and reward scoring from the measured stage times every step; "
+                 "a rule-based reward usually scores in well under 1% of generation's time, and then nothing moves "
+                 "(a generative judge, --reward generative, is the work it moves to)"
+                 if self.max_reward_devices else "the reward cannot be sent to a worker process, so it stays there "
+                 "and nothing moves")
         threads = "" if gpu else (f" ({self.threads or worker_threads(self.total)} thread(s) each, from "
                                   f"{usable_cores()} usable cores)")
         trains = "the controller trains on the GPU" if gpu else "training uses the controller's cores"
@@ -168,15 +184,20 @@ class DynamicPlacement(PlacementPolicy):
 
     def launch(self, engine: Engine, reward: RewardModel, source: ModelSource, device: torch.device,
                seed: int) -> Engine:
-        """Start ``devices`` engine workers: the first ``generate_devices`` hold the policy, the rest the judge."""
+        """Start the machine's ``workers`` engine workers (the first controller there starts them, every
+        controller connects): the first ``generate_devices`` hold the policy, the rest the judge."""
+        from gcore.engines.pool import Peers
         from gcore.placement.launch import PoolReward, launch_workers
 
         if self.total == 0:
             raise RuntimeError("DynamicPlacement.launch called before setup")
+        peers = Peers.of_this_machine()
+        if peers is not None:
+            self.controllers, self.machines = peers.clients, peers.machines
         self.pool, self.policy_engine, self.judge_engine = launch_workers(
             "--placement dynamic", engine, reward, source=source, device=device, roles=self._roles(),
             threads=self.threads, seed=seed, release=True, job_timeout_s=self.worker_timeout_s, retries=self.retries,
-            reward_workers=self.reward_role == REWARD and self.max_reward_devices > 0)
+            reward_workers=self.reward_role == REWARD and self.max_reward_devices > 0, peers=peers)
         if self.reward_role == REWARD:
             self.reward_pool = PoolReward(self.pool, [])
         return self.policy_engine
@@ -303,16 +324,26 @@ class DynamicPlacement(PlacementPolicy):
             key=lambda j: (round(self.predicted_rollout(j, busy, floors), 9), abs(j - self.judge_devices)),
         )
 
+    def _pool_busy(self, telemetry: Telemetry, stage: str) -> float:
+        """A role's busy seconds per device of the pool: the sum of what the controllers sharing the pool
+        measured (their mean per machine), or with a pool of its own the slowest controller's."""
+        if self.controllers <= 1:
+            return telemetry.busiest(stage)
+        return sum(s.get(stage, 0.0) for s in telemetry.stage_seconds) / self.machines
+
     def update(self, telemetry: Telemetry) -> dict[str, float]:
         """Moves devices between the partitions from this step's per-role busy seconds.
 
-        Reads ``generate`` and ``reward`` busy seconds, and optionally ``rollout`` (the phase's wall
-        time), ``generate_floor`` (the longest response's decode time at batch 1) and
-        ``reward_floor`` (one verdict's latency); the slowest rank's value of each.
+        Reads ``generate`` and ``reward`` busy seconds per device, and optionally ``rollout`` (the
+        phase's wall time), ``generate_floor`` (the longest response's decode time at batch 1) and
+        ``reward_floor`` (one verdict's latency); the slowest rank's value of each, except the busy
+        seconds on a pool that several controllers share: there each controller measured its own
+        requests, and their sum is the pool's (per machine).
         """
         if self.total == 0:
             raise RuntimeError("DynamicPlacement.update called before setup")
-        generate_busy, judge_busy = telemetry.busiest(GENERATE_STAGE), telemetry.busiest(REWARD_STAGE)
+        generate_busy = self._pool_busy(telemetry, GENERATE_STAGE)
+        judge_busy = self._pool_busy(telemetry, REWARD_STAGE) if self.judge_devices else telemetry.busiest(REWARD_STAGE)
         floors = (telemetry.busiest("generate_floor"), telemetry.busiest("reward_floor"))
         rollout = max(telemetry.busiest("rollout"), generate_busy, judge_busy)
         idle_generate, idle_judge = rollout - generate_busy, rollout - judge_busy

@@ -19,7 +19,7 @@ from typing import cast
 import torch
 
 from gcore.engines.base import JUDGE, POLICY, REWARD, Engine, Role
-from gcore.engines.pool import PoolEngine, RoleSpec, WorkerPool
+from gcore.engines.pool import Peers, PoolEngine, RoleSpec, WorkerPool
 from gcore.errors import ConfigError
 from gcore.model import ModelSource
 from gcore.rewards.base import RewardModel
@@ -61,6 +61,7 @@ def launch_workers(
     job_timeout_s: float,
     retries: int,
     reward_workers: bool = False,
+    peers: Peers | None = None,
 ) -> tuple[WorkerPool, PoolEngine, PoolEngine | None]:
     """Start a pool with the policy engine and (if the reward has one) the generative judge's engine.
 
@@ -75,6 +76,7 @@ def launch_workers(
         threads, seed, release, job_timeout_s, retries: as ``WorkerPool``'s.
         reward_workers: with no generative judge, workers may take the ``reward`` role (the
             rule-based reward, scored through a ``PoolReward``).
+        peers: the controllers that share the pool (``WorkerPool``'s); ``None``: this controller's own.
 
     Returns the pool, the policy's ``PoolEngine`` and the judge's (``None`` without a judge).
     """
@@ -100,8 +102,8 @@ def launch_workers(
             raise ConfigError(f"{option}: the {role} {type(what).__name__} cannot be sent to a "
                               f"worker process: {err}") from err
     pool = WorkerPool(len(roles), specs, roles, threads=threads, seed=seed, release=release,
-                      job_timeout_s=job_timeout_s, retries=retries, device=str(device))
-    if pool.threads * len(roles) > usable_cores():
+                      job_timeout_s=job_timeout_s, retries=retries, device=str(device), peers=peers)
+    if pool.owner and pool.threads * len(roles) > usable_cores():
         log.info("%d engine workers x %d threads on %d cores: oversubscribed", len(roles), pool.threads, usable_cores())
     policy = PoolEngine(pool, POLICY, [i for i, r in enumerate(roles) if r == POLICY])
     judge = None

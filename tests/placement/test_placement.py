@@ -53,19 +53,51 @@ def test_placement_that_cannot_fit_fails_before_work():
 
 
 def test_on_one_gpu_dynamic_placement_shares_it_between_two_workers():
-    """No refusal on a GPU: by default two engine workers share each controller's GPU (one generating,
+    """No refusal on a GPU: by default two engine workers share the machine's one GPU (one generating,
     one free to move to the reward); a generative judge gets one of them from the start."""
     from gcore.rewards.rule import TargetCharReward
 
     rule = DynamicPlacement()
     rule.setup(1, "cuda", TargetCharReward())
     assert (rule.total, rule.generate_devices, rule.judge_devices, rule.max_reward_devices) == (2, 2, 0, 1)
-    assert "2 engine worker processes per controller sharing its GPU generate" in rule.describe()
+    assert "2 engine worker processes sharing one GPU generate" in rule.describe()
     assert "trains on the GPU" in rule.describe() and "thread" not in rule.describe()
     judged = DynamicPlacement()
     judged.setup(1, "cuda")  # reward None: a judge partition, as with a generative judge
     assert (judged.total, judged.generate_devices, judged.judge_devices) == (2, 1, 1)
-    assert judged.describe().startswith("dynamic placement: 2 engine worker processes per controller sharing its GPU")
+    assert judged.describe().startswith("dynamic placement: 2 engine worker processes sharing one GPU")
+
+
+def test_on_several_gpus_the_workers_spread_over_them():
+    """The partition is of GPUs where there are several: worker i on cuda:(i % GPUs); one GPU is shared;
+    the CPU is the CPU."""
+    from gcore.engines.pool import worker_devices
+
+    assert worker_devices("cuda:0", 4, 4) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert worker_devices("cuda:1", 6, 4) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:0", "cuda:1"]
+    assert worker_devices("cuda:0", 2, 1) == ["cuda:0", "cuda:0"]
+    assert worker_devices("cpu", 3, 0) == ["cpu"] * 3
+
+
+def test_a_shared_pool_adds_the_controllers_busy_seconds():
+    """Controllers sharing one pool each measure their own requests: the pool's busy seconds per device are
+    their sum (per machine); a pool of its own uses the slowest controller's."""
+    policy = DynamicPlacement(workers=4, judge_fraction=0.25, max_move_fraction=1.0, min_fraction=0.25)
+    policy.setup(2, "simulated")
+    # each controller: 6 s of generation per generation worker (3 of them), 1.5 s of judging on the judge worker
+    telemetry = Telemetry(0, [{"generate": 6.0, "reward": 1.5, "rollout": 8.0}] * 2)
+    alone = policy.update(telemetry)
+    assert alone["placement/moved"] == 0.0  # 6 vs 1.5 per device looks like generation work with 3:1 fitting it
+    policy.controllers = 2  # the pool is shared: 12 s vs 3 s per device, the same ratio, the same split
+    assert policy.update(telemetry)["placement/moved"] == 0.0
+    skewed = Telemetry(1, [{"generate": 2.0, "reward": 6.0, "rollout": 8.0}, {"generate": 2.0, "reward": 0.0,
+                                                                             "rollout": 8.0}])
+    # the pool's sum (12 generation device-seconds vs 6 judging) fits the 3:1 split; the slowest controller's
+    # figures alone (6 vs 6) would call for 2:2
+    shared = policy.update(skewed)
+    policy.controllers, policy.judge_devices = 1, 1
+    own = policy.update(skewed)
+    assert shared["placement/judge_devices"] == 1 and own["placement/judge_devices"] == 2
 
 
 def rule_telemetry(step: int, generate: float, reward: float, rollout: float) -> Telemetry:
@@ -77,7 +109,7 @@ def test_rule_reward_moves_between_the_controller_and_a_worker_from_recorded_sta
     generation more than the worker's generation is worth, and back when scoring gets cheap."""
     from gcore.rewards.rule import TargetCharReward
 
-    policy = DynamicPlacement(devices=2)
+    policy = DynamicPlacement(workers=2)
     policy.setup(1, "cpu", TargetCharReward())
     assert (policy.generate_devices, policy.judge_devices) == (2, 0)
     # (generate busy s per device, reward busy s per reward device (the controller at 0), rollout wall s)
@@ -120,7 +152,7 @@ def test_a_reward_that_cannot_be_pickled_stays_in_the_controller():
         def score(self, samples):
             return [0.0] * len(samples)
 
-    policy = DynamicPlacement(devices=2)
+    policy = DynamicPlacement(workers=2)
     policy.setup(1, "cpu", Local())
     assert policy.max_reward_devices == 0 and "stays there" in policy.describe()
     policy.update(rule_telemetry(0, 0.1, 5.0, 5.1))  # however costly the scoring, there is nowhere to move it

@@ -46,22 +46,22 @@ def tokens(outputs):
 def test_placement_that_cannot_fit_fails_before_work(models):
     _, judge_path = models
     with pytest.raises(ConfigError, match="at least 2 devices"):
-        DynamicPlacement(devices=1).setup(1, "cpu", GenerativeReward(judge_path))
+        DynamicPlacement(workers=1).setup(1, "cpu", GenerativeReward(judge_path))
     with pytest.raises(ConfigError, match="a CUDA GPU or in `gcore simulate`, not on mps"):
-        DynamicPlacement(devices=4).setup(1, "mps")
+        DynamicPlacement(workers=4).setup(1, "mps")
     with pytest.raises(ConfigError, match="at least 2 devices"):  # in Trainer.fit, before any worker starts
-        tiny_fit(steps=1, reward=GenerativeReward(judge_path), placement=DynamicPlacement(devices=1))
+        tiny_fit(steps=1, reward=GenerativeReward(judge_path), placement=DynamicPlacement(workers=1))
 
 
 @pytest.mark.integration
 def test_invalid_dynamic_placement_is_refused_once_before_the_controllers_start(models, gcore_cli, tmp_path):
     _, judge_path = models
     result = gcore_cli("--trainer.devices", "2", "--trainer.accelerator", "cpu", "--placement", "dynamic",
-                       "--placement.devices", "1", "--reward", "generative", "--reward.path", judge_path)
+                       "--placement.workers", "1", "--reward", "generative", "--reward.path", judge_path)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [(
         "gcore: error: --placement dynamic with a generative judge needs at least 2 devices (one for generation, "
-        "one for the judge), got 1; give --placement.devices 2 or use --placement static")]
+        "one for the judge), got 1; give --placement.workers 2 or use --placement static")]
     assert not list(tmp_path.rglob("metrics.csv"))  # no controller ran
 
 
@@ -93,7 +93,7 @@ def test_dynamic_moves_a_worker_to_a_rule_reward_and_back_from_recorded_stage_ti
     (tmp_path / "scored.py").write_text(SCORED_BY)
     # the recorded times of tests/placement/test_placement.py: stay, move a worker to the reward, stay, move it back
     recorded = [(1.0, 0.01, 1.02), (1.0, 1.5, 2.5), (2.0, 1.5, 2.1), (2.0, 0.05, 2.0), (1.0, 0.01, 1.02)]
-    placement = RecordedStageTimes(recorded, devices=2)
+    placement = RecordedStageTimes(recorded, workers=2)
     scored_by = tmp_path / "scored-by.txt"  # the pid of the process that scored each sample
     history = tiny_fit(steps=len(recorded), reward=CallableReward(f"{tmp_path / 'scored.py'}:score"),
                        placement=placement).history
@@ -205,7 +205,7 @@ def test_dynamic_moves_a_worker_to_the_judge_when_its_cost_rises(models):
     depends on how the machine's load changes between steps."""
     _, judge_path = models
     lengths = [1, 64, 64, 64]
-    placement = JudgeCostSchedule(lengths, devices=3, judge_fraction=0.34, min_fraction=0.3)
+    placement = JudgeCostSchedule(lengths, workers=3, judge_fraction=0.34, min_fraction=0.3)
     reward = GenerativeReward(judge_path, max_new_tokens=1, batch_size=64)
     history = tiny_fit(steps=len(lengths), reward=reward, placement=placement).history
     judges = [int(m["placement/judge_devices"]) for m in history]  # the split decided after each step
@@ -223,7 +223,7 @@ def test_fit_cli_dynamic_placement_with_generative_judge(models, gcore_cli, tmp_
     import csv
 
     _, judge_path = models
-    result = gcore_cli("--placement", "dynamic", "--placement.devices", "2", "--reward", "generative",
+    result = gcore_cli("--placement", "dynamic", "--placement.workers", "2", "--reward", "generative",
                        "--reward.path", judge_path, "--reward.max_new_tokens", "4", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 engine worker processes per controller, 1 generating and 1 judging at once" in result.stdout
@@ -270,7 +270,7 @@ def test_fit_cli_dynamic_placement_over_two_controllers(models, gcore_cli, tmp_p
 
     _, judge_path = models
     result = gcore_cli("--trainer.devices", "2", "--trainer.accelerator", "cpu", "--placement", "dynamic",
-                       "--placement.devices", "2", "--reward", "generative", "--reward.path", judge_path,
+                       "--placement.workers", "2", "--reward", "generative", "--reward.path", judge_path,
                        "--reward.max_new_tokens", "2", timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = list(csv.DictReader(next((tmp_path / "runs").rglob("metrics.csv")).open()))

@@ -106,7 +106,7 @@ class RecordingGRPO(GRPO):
 
 @pytest.mark.integration
 @pytest.mark.slow  # like the other runs over engine workers (tests/placement/test_placement_workers.py): ~30-60 s each
-@pytest.mark.parametrize("placement", [DynamicPlacement(devices=1), StaticPlacement(workers=1)],
+@pytest.mark.parametrize("placement", [DynamicPlacement(workers=1), StaticPlacement(workers=1)],
                          ids=["dynamic", "static_workers"])
 def test_one_step_off_trains_only_on_samples_at_most_one_version_old(placement, tmp_path):
     algorithm = RecordingGRPO()
