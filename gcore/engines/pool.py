@@ -311,20 +311,25 @@ class _WorkerRuntime:
         self.role = role
         return tuple(sorted(self.engines))
 
-    def generate(self, role: Role, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+    def _take(self, role: Role) -> None:
+        """A request for another role than the awake one swaps first. The controllers change roles with ``role``
+        requests where none of them has requests in flight; a request still on its way when another controller
+        changed the split (rollouts that overlap training) is served, not refused."""
         if role != self.role:
-            raise RuntimeError(f"worker holds the {self.role} engine, asked to run the {role} engine")
+            log.info("engine worker holds the %s role, swapping to serve a %s request", self.role, role)
+            self.switch(role, None)
+
+    def generate(self, role: Role, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        self._take(role)
         return self._engine(role).generate(prompts, params)
 
     def next_token_logprobs(self, role: Role, prompts: list[list[int]], candidates: list[int]) -> list[list[float]]:
-        if role != self.role:
-            raise RuntimeError(f"worker holds the {self.role} engine, asked to run the {role} engine")
+        self._take(role)
         return self._engine(role).next_token_logprobs(prompts, candidates)
 
     def score(self, role: Role, samples: list[Sample]) -> tuple[list[float], int]:
         """The reward of each sample, and how many failed (``Scorer.last_errors``)."""
-        if role != self.role:
-            raise RuntimeError(f"worker holds the {self.role} role, asked to score as {role}")
+        self._take(role)
         reward = self.engines[role]
         if isinstance(reward, Engine):
             raise RuntimeError(f"the {role} role holds an engine, not a rule-based reward")

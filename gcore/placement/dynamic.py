@@ -227,7 +227,8 @@ class DynamicPlacement(PlacementPolicy):
         pool, prompts, timer = self.pool, job.prompts, job.timer
         if pool is None:
             raise RuntimeError("DynamicPlacement.rollout called before launch")
-        pool.revive()
+        if pool.peers is None:  # a shared pool restarts lost workers in ``update``, which every controller passes
+            pool.revive()
         with timer("swap"):  # the workers that changed partition since the last step swap engines
             pool.assign(self._roles())
         generators, scorers = list(range(self.generate_devices)), list(range(self.generate_devices, self.total))
@@ -338,7 +339,8 @@ class DynamicPlacement(PlacementPolicy):
         phase's wall time), ``generate_floor`` (the longest response's decode time at batch 1) and
         ``reward_floor`` (one verdict's latency); the slowest rank's value of each, except the busy
         seconds on a pool that several controllers share: there each controller measured its own
-        requests, and their sum is the pool's (per machine).
+        requests, and their sum is the pool's (per machine). A shared pool restarts its lost workers
+        here: every controller passes ``update`` once per step (it may run several rollouts).
         """
         if self.total == 0:
             raise RuntimeError("DynamicPlacement.update called before setup")
@@ -358,6 +360,8 @@ class DynamicPlacement(PlacementPolicy):
             if moved and self.predicted_rollout(self.judge_devices + moved, busy, floors) >= now:
                 moved = 0
             self.judge_devices += moved
+        if self.pool is not None and self.pool.peers is not None:
+            self.pool.revive()
         return {
             "placement/judge_devices": float(self.judge_devices),
             "placement/generate_devices": float(self.generate_devices),

@@ -133,16 +133,21 @@ def test_dynamic_sizes_its_workers_from_the_usable_cores(monkeypatch):
     policy = DynamicPlacement()
     policy.setup(1, "cpu", TargetCharReward())
     assert (policy.total, policy.generate_devices, policy.judge_devices, policy.max_reward_devices) == (4, 4, 0, 3)
-    assert "4 engine worker processes per controller" in policy.describe()
-    assert "in the controller" in policy.describe()
-    policy.setup(2, "cpu", TargetCharReward())  # two controllers share the cores
-    assert policy.total == 2
+    assert "4 engine worker processes (1 thread(s) each" in policy.describe()
+    assert "in the controller" in policy.describe() and "nothing moves" in policy.describe()
+    policy.setup(2, "cpu", TargetCharReward())  # two controllers share one pool of the machine's workers
+    assert policy.total == 4 and "4 engine worker processes shared by the machine's controllers" in policy.describe()
     judged = DynamicPlacement()
     judged.setup(1, "cpu", GenerativeReward("unused-path"))  # a generative judge: today's split, over the cores
     assert (judged.generate_devices, judged.judge_devices) == (3, 1)
     assert "1 judging" in judged.describe()
+    judged.setup(4, "cpu", GenerativeReward("unused-path"))  # 4 controllers on 4 cores: still one 3/1 pool
+    assert (judged.generate_devices, judged.judge_devices) == (3, 1)
+    more = DynamicPlacement(workers=8)  # more workers than cores: each gets a thread, the split is finer
+    more.setup(1, "cpu", GenerativeReward("unused-path"))
+    assert (more.generate_devices, more.judge_devices) == (6, 2)
     with pytest.raises(ConfigError, match="generative judge needs at least 2 devices"):
-        DynamicPlacement().setup(4, "cpu", GenerativeReward("unused-path"))  # 4 controllers on 4 cores
+        DynamicPlacement(workers=1).setup(1, "cpu", GenerativeReward("unused-path"))
 
 
 def test_a_reward_that_cannot_be_pickled_stays_in_the_controller():

@@ -167,6 +167,64 @@ def test_pool_syncs_weights_and_survives_dead_and_hung_workers(models):
     assert not any(p.is_alive() for p in pool.processes) and not os.path.exists(pool.weights.path)
 
 
+def _share_one_pool(fabric, policy_path: str, judge_path: str, out: str) -> None:
+    """In each of two controllers: connect to the machine's one pool, take synced weights, lose and get back a
+    worker, swap a role."""
+    from gcore.engines.pool import Peers
+
+    peers = Peers.of_this_machine()
+    specs = {POLICY: RoleSpec(HFEngine(), ModelSource(policy_path)),
+             JUDGE: RoleSpec(HFEngine(), ModelSource(judge_path))}
+    pool = WorkerPool(2, specs, [POLICY, POLICY], threads=1, peers=peers)
+    prompts = [[5, 6, 7], [8, 9]]
+    reference = local_engine(policy_path)
+    torch.manual_seed(0)  # the same new weights in both controllers, as after a data-parallel step
+    new = [(name, t + 0.05 * torch.randn_like(t)) for name, t in reference.model.state_dict().items()
+           if name != "lm_head.weight"]
+    sync = pool.sync_weights(new)
+    reference.update_weights(new)
+    expected = tokens(reference.generate(prompts, GREEDY))
+    result = {"owner": pool.owner, "started": [p is not None for p in pool.processes], "sync_bytes": sync["bytes"],
+              "synced": [tokens(pool.generate(POLICY, prompts, GREEDY, [i])) == expected for i in (0, 1)]}
+    fabric.barrier()
+    if pool.owner:  # a worker dies between steps: the next step's revive restarts it for both controllers
+        os.kill(pool.processes[1].pid, signal.SIGKILL)
+        pool.processes[1].join(timeout=10)
+    fabric.barrier()
+    result["revived"] = pool.revive()
+    result["after_revive"] = tokens(pool.generate(POLICY, prompts, GREEDY, [1])) == expected
+    fabric.barrier()  # in the trainer the split changes where every controller has finished its rollout
+    pool.assign([POLICY, JUDGE])  # both controllers ask; the worker swaps once
+    result["judge"] = tokens(pool.generate(JUDGE, prompts, GREEDY, [1])) == tokens(
+        local_engine(judge_path).generate(prompts, GREEDY))
+    fabric.barrier()
+    pool.close()
+    torch.save(result, out % fabric.global_rank)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_two_controllers_share_one_pool_of_workers(models, tmp_path):
+    """One pool per machine: the first controller starts the workers, both send them requests, the weights the
+    owner syncs reach the other controller's requests, and a lost worker is restarted for both."""
+    from datetime import timedelta
+
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import DDPStrategy
+
+    policy_path, judge_path = models
+    out = str(tmp_path / "rank%d.pt")
+    strategy = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=300))
+    Fabric(accelerator="cpu", devices=2, strategy=strategy).launch(_share_one_pool, policy_path, judge_path, out)
+    owner, other = torch.load(out % 0), torch.load(out % 1)
+    assert owner["owner"] and not other["owner"]
+    assert owner["started"] == [True, True] and other["started"] == [False, False]  # no second pool
+    assert owner["sync_bytes"] > 0 and other["sync_bytes"] == 0  # the owner sent the weights for both
+    for result in (owner, other):
+        assert result["synced"] == [True, True] and result["after_revive"] and result["judge"], result
+        assert result["revived"] == 1
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_static_swaps_policy_and_judge_on_every_worker(models):
