@@ -7,14 +7,14 @@ import os
 import re
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 
 from gcore.balance import LengthPredictor, imbalance, karmarkar_karp, round_robin
 from gcore.errors import DataError
-from gcore.tasks import TASKS
+from gcore.tasks import TASK_METADATA, TASKS
 from gcore.types import Prompt, Sample
 
 
@@ -26,19 +26,26 @@ class DataConfig:
         path: a ``.jsonl`` or ``.parquet`` file, or a folder saved with ``datasets``'
             ``save_to_disk``. Unset: the embedded task named by ``task``.
         task: the embedded task when ``path`` is unset: ``target_char`` (for the embedded tiny model),
-            ``arithmetic`` (addition/subtraction word problems, for the ``math`` reward) or ``compare``
-            (which of two numbers is larger or smaller, for the ``math`` reward).
-        task_digits: the ``arithmetic`` and ``compare`` tasks' number sizes in digits, ``[fewest, most]``:
+            ``arithmetic`` (addition/subtraction word problems, for the ``math`` reward), ``compare``
+            (which of two numbers is larger or smaller, for the ``math`` reward) or ``mixed`` (compare
+            questions, metadata ``reward: math``, among open-ended prompts for a generative judge,
+            ``reward: judge``; for the ``routed`` reward).
+        task_digits: the ``arithmetic``, ``compare`` and ``mixed`` tasks' number sizes in digits, ``[fewest, most]``:
             ``[2, 3]`` draws 10-999; ``[1, 2]`` (1-99) is an arithmetic level a 135M-parameter instruct model
             sometimes solves.
+        task_judged_share: the ``mixed`` task's share of judged prompts, ``[first, last]``: linear over the
+            prompts' order, e.g. ``[0.1, 0.9]``; ``--data.shuffle false`` keeps that order, so the share
+            rises over the run (shuffled, every step holds about the mean share).
         prompt_key: the column holding the prompt text.
         answer_key: the column holding the reference answer (optional per row).
+        metadata_keys: columns copied into each prompt's ``metadata`` (which e.g. the ``routed`` reward
+            reads); every row must have them.
         prompt_template: a format string applied to each prompt, e.g. ``"Q: {prompt}\\nA:"``.
         chat_template: wrap each (templated) prompt as a user message with the tokenizer's own chat
             template (``apply_chat_template`` with the generation prompt).
         prompts_per_step: prompts per training step over all controllers (each yields ``sampling.n``
             samples).
-        shuffle: reshuffle the prompts every epoch.
+        shuffle: reshuffle the prompts every epoch (``false``: the file's order, every epoch).
         balance: split each step's prompts over the controllers by predicted cost (Karmarkar-Karp
             on prompt length + learnt response length) instead of round robin.
         num_synthetic_prompts: size of the embedded task's prompt set.
@@ -51,10 +58,12 @@ class DataConfig:
     """
 
     path: str | None = None
-    task: Literal["target_char", "arithmetic", "compare"] = "target_char"
+    task: Literal["target_char", "arithmetic", "compare", "mixed"] = "target_char"
     task_digits: tuple[int, int] = (2, 3)
+    task_judged_share: tuple[float, float] = (0.1, 0.9)
     prompt_key: str = "prompt"
     answer_key: str = "answer"
+    metadata_keys: list[str] = field(default_factory=list)
     prompt_template: str = "{prompt}"
     chat_template: bool = False
     prompts_per_step: int = 16
@@ -149,13 +158,20 @@ def _check_utf8(path: str, line_no: int, line: str) -> None:
                         f"{bad.start() + 1}); save the file as UTF-8")
 
 
-def embedded_rows(task: str, num_prompts: int, split: Literal["train", "test"],
-                  digits: tuple[int, int] = (2, 3)) -> list[tuple[dict, str]]:
+def embedded_rows(task: str, num_prompts: int, split: Literal["train", "test"], digits: tuple[int, int] = (2, 3),
+                  judged_share: tuple[float, float] = (0.1, 0.9)) -> list[tuple[dict, str]]:
     """Rows of an embedded task's split, each with its source (``<task:split>:row``)."""
     if task not in TASKS:
         raise DataError(f"--data.task {task!r}: valid choices: {', '.join(TASKS)}")
+    if task == "mixed":
+        start, end = judged_share
+        if not (0 <= start <= 1 and 0 <= end <= 1):
+            raise DataError(f"--data.task_judged_share {list(judged_share)}: both shares must be within [0, 1]")
+        options: dict[str, Any] = {"judged_share": (start, end)}
+    else:
+        options = {}
     try:
-        rows = TASKS[task](num_prompts, 0, split, tuple(digits))
+        rows = TASKS[task](num_prompts, 0, split, tuple(digits), **options)
     except ValueError as err:
         raise DataError(f"--data.task {task} --data.task_digits {list(digits)}: {err}") from None
     return [(row, f"<{task}:{split}>:{i + 1}") for i, row in enumerate(rows)]
@@ -164,12 +180,18 @@ def embedded_rows(task: str, num_prompts: int, split: Literal["train", "test"],
 def load_prompts(config: DataConfig, tokenizer, max_new_tokens: int, context: int | None) -> list[Prompt]:  # noqa: ANN001
     """Read, template and tokenize every prompt; reject rows that cannot be used."""
     if config.path is None:
-        rows = embedded_rows(config.task, config.num_synthetic_prompts, "train", config.task_digits)
+        rows = embedded_rows(config.task, config.num_synthetic_prompts, "train", config.task_digits,
+                             config.task_judged_share)
     else:
         rows = read_rows(config.path)
     if not rows:
         raise DataError(f"--data.path {config.path or '<embedded>'}: the dataset is empty")
-    return tokenize_rows(rows, config, tokenizer, max_new_tokens, context)
+    return tokenize_rows(rows, config, tokenizer, max_new_tokens, context, _metadata_keys(config, config.path is None))
+
+
+def _metadata_keys(config: DataConfig, embedded: bool) -> list[str]:
+    """The columns that become prompt metadata: ``metadata_keys``, and the embedded task's own."""
+    return list(dict.fromkeys([*(TASK_METADATA.get(config.task, []) if embedded else []), *config.metadata_keys]))
 
 
 def load_eval_prompts(config: DataConfig, tokenizer, max_new_tokens: int, context: int | None) -> list[Prompt]:  # noqa: ANN001
@@ -179,19 +201,23 @@ def load_eval_prompts(config: DataConfig, tokenizer, max_new_tokens: int, contex
     if config.eval_path is not None:
         rows = read_rows(config.eval_path)[: config.num_eval_prompts]
     elif config.path is None:
-        rows = embedded_rows(config.task, config.num_eval_prompts, "test", config.task_digits)
+        rows = embedded_rows(config.task, config.num_eval_prompts, "test", config.task_digits,
+                             config.task_judged_share)
     else:
         raise DataError("evaluation needs held-out prompts: set --data.eval_path (a .jsonl or .parquet file "
                         "like --data.path)")
     if not rows:
         raise DataError(f"--data.eval_path {config.eval_path}: the dataset is empty")
-    return tokenize_rows(rows, config, tokenizer, max_new_tokens, context)
+    embedded = config.eval_path is None
+    return tokenize_rows(rows, config, tokenizer, max_new_tokens, context, _metadata_keys(config, embedded))
 
 
 def tokenize_rows(rows: list[tuple[dict, str]], config: DataConfig, tokenizer, max_new_tokens: int,  # noqa: ANN001
-                  context: int | None) -> list[Prompt]:
-    """Template and tokenize rows (with their sources) as ``Prompt``s; reject rows that cannot be used."""
+                  context: int | None, metadata_keys: list[str] | None = None) -> list[Prompt]:
+    """Template and tokenize rows (with their sources) as ``Prompt``s, copying the ``metadata_keys`` columns
+    (default ``config.metadata_keys``) into their metadata; reject rows that cannot be used."""
     prompts = []
+    metadata_keys = config.metadata_keys if metadata_keys is None else metadata_keys
     for index, (row, source) in enumerate(rows):
         if config.prompt_key not in row:
             raise DataError(
@@ -220,8 +246,13 @@ def tokenize_rows(rows: list[tuple[dict, str]], config: DataConfig, tokenizer, m
                 f"{source}: prompt of {len(token_ids)} tokens + {max_new_tokens} new tokens exceeds the "
                 f"model's context of {context} tokens"
             )
+        missing = next((key for key in metadata_keys if key not in row), None)
+        if missing is not None:
+            raise DataError(f"{source}: no {missing!r} key (keys: {', '.join(map(str, row)) or 'none'}) named in "
+                            "--data.metadata_keys")
         answer = row.get(config.answer_key)
-        prompts.append(Prompt(index, text, token_ids, None if answer is None else str(answer), source))
+        prompts.append(Prompt(index, text, token_ids, None if answer is None else str(answer), source,
+                              {key: row[key] for key in metadata_keys}))
     return prompts
 
 

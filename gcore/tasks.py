@@ -1,7 +1,9 @@
 """The embedded tasks, generated (no downloads): ``target_char``, the default, which a randomly
 initialised model can learn; ``arithmetic``, word problems for a small pretrained instruct model;
 ``compare``, which of two numbers is larger, a level a 135M-parameter instruct model answers about half
-the time (BENCHMARKS.md), so GRPO's groups hold both right and wrong answers from the first step."""
+the time (BENCHMARKS.md), so GRPO's groups hold both right and wrong answers from the first step;
+``mixed``, compare questions mixed with open-ended prompts for a generative judge, whose share changes
+along the dataset (for the ``routed`` reward)."""
 
 from __future__ import annotations
 
@@ -96,6 +98,57 @@ def compare_rows(num_prompts: int, seed: int = 0, split: Literal["train", "test"
                           "questions", propose)
 
 
+#: the open-ended prompts of the ``mixed`` task; ``{n}`` is a number
+_OPEN_ENDED = ["Write one sentence about the number {n}.", "Describe the number {n} in one sentence.",
+               "Give one fact about the number {n} in a single sentence."]
+
+
+def judged_shares(num_prompts: int, judged_share: tuple[float, float]) -> list[bool]:
+    """Which of ``num_prompts`` prompts are judged, the share going linearly from ``judged_share[0]`` (the
+    first prompt) to ``judged_share[1]`` (the last): prompt ``i`` is judged when the running sum of the
+    shares passes a whole number there, so every stretch of the order holds its share, rounded."""
+    start, end = judged_share
+    if not (0 <= start <= 1 and 0 <= end <= 1):
+        raise ValueError(f"judged_share must be [start, end] within [0, 1], got {list(judged_share)}")
+    judged, total = [], 0.0
+    for i in range(num_prompts):
+        share = start + (end - start) * (i / (num_prompts - 1) if num_prompts > 1 else 0.0)
+        judged.append(int(total + share + 1e-9) > int(total + 1e-9))
+        total += share
+    return judged
+
+
+def mixed_rows(num_prompts: int, seed: int = 0, split: Literal["train", "test"] = "train",
+               digits: tuple[int, int] = (2, 3),
+               judged_share: tuple[float, float] = (0.1, 0.9)) -> list[dict[str, str]]:
+    """``compare`` questions (``reward: "math"``, with an answer) mixed with open-ended prompts such as
+    "Write one sentence about the number N." (``reward: "judge"``, no answer: a generative judge decides).
+
+    The judged share goes linearly from ``judged_share[0]`` at the first row to ``judged_share[1]`` at the
+    last (``judged_shares``); the compare rows are ``compare_rows(..., seed, split, digits)`` in their order,
+    and the open-ended numbers of ``split="test"`` are those that ``held_out`` holds out. Score with the
+    ``routed`` reward, routing by the ``reward`` column.
+    """
+    judged = judged_shares(num_prompts, judged_share)
+    compare = iter(compare_rows(num_prompts - sum(judged), seed, split, digits))
+    rng = random.Random(f"mixed-{split}-{seed}-{digits[0]}-{digits[1]}")
+    low, high = 10 ** (digits[0] - 1), 10 ** digits[1]
+    rows = []
+    for is_judged in judged:
+        if not is_judged:
+            rows.append({**next(compare), "reward": "math"})
+            continue
+        for _ in range(1000):
+            n = rng.randrange(low, high)
+            if held_out(n, 0, "write") == (split == "test"):
+                break
+        else:
+            raise ValueError(f"the {split} split of {digits[0]}-{digits[1]} digit numbers has none to write about; "
+                             "use more digits")
+        rows.append({"prompt": rng.choice(_OPEN_ENDED).format(n=n), "reward": "judge"})
+    return rows
+
+
 #: a proposed problem: (its key, unique in a split; what ``held_out`` decides by; the row, made once accepted)
 _Proposal = tuple[tuple[int, int, str], tuple[int, int, str], Callable[[], dict[str, str]]]
 
@@ -130,6 +183,9 @@ def _distinct_rows(num_prompts: int, split: str, digits: tuple[int, int], rng_se
     return rows
 
 
-#: the embedded tasks by name: ``(num_prompts, seed, split, digits) -> rows`` (``target_char`` ignores ``digits``)
+#: the embedded tasks by name: ``(num_prompts, seed, split, digits) -> rows`` (``target_char`` ignores ``digits``;
+#: ``mixed`` also takes ``judged_share``)
 TASKS = {"target_char": lambda n, seed, split, digits: target_char_rows(n, seed + (split == "test") * 10_000),
-         "arithmetic": arithmetic_rows, "compare": compare_rows}
+         "arithmetic": arithmetic_rows, "compare": compare_rows, "mixed": mixed_rows}
+#: the columns of an embedded task's rows that become ``Prompt.metadata``
+TASK_METADATA: dict[str, list[str]] = {"mixed": ["reward"]}

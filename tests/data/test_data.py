@@ -3,9 +3,10 @@ import json
 import pytest
 import torch
 
-from gcore.data import DataConfig, PromptSampler, load_prompts, read_rows
+from gcore.data import DataConfig, PromptSampler, load_eval_prompts, load_prompts, read_rows
 from gcore.errors import DataError
 from gcore.model import char_tokenizer
+from gcore.tasks import mixed_rows
 from gcore.types import Prompt, Sample, collate
 
 
@@ -153,3 +154,58 @@ def test_a_data_path_that_is_not_a_regular_file_is_refused_without_reading_it(tm
     device.symlink_to("/dev/null")
     with pytest.raises(DataError, match=r"dev\.jsonl: a character device, not a regular file"):
         read_rows(str(device))
+
+
+def test_metadata_keys_are_copied_from_each_row_and_a_missing_one_names_the_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": "1+1=", "answer": "2", "data_source": "math", "level": 1},
+            {"prompt": "a poem", "data_source": "judge", "level": 3}]
+    jsonl, parquet = tmp_path / "d.jsonl", tmp_path / "d.parquet"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    for path in (jsonl, parquet):
+        config = DataConfig(path=str(path), metadata_keys=["data_source", "level"])
+        prompts = load_prompts(config, char_tokenizer(), max_new_tokens=4, context=64)
+        assert [p.metadata for p in prompts] == [{"data_source": "math", "level": 1},
+                                                 {"data_source": "judge", "level": 3}]
+    assert load_prompts(DataConfig(path=str(jsonl)), char_tokenizer(), 4, 64)[0].metadata == {}  # none asked for
+    jsonl.write_text('{"prompt": "a", "data_source": "math"}\n{"prompt": "b"}\n')
+    with pytest.raises(DataError, match=r"^\S+d\.jsonl:2: no 'data_source' key \(keys: prompt\) named in "
+                                        r"--data.metadata_keys$"):
+        load_prompts(DataConfig(path=str(jsonl), metadata_keys=["data_source"]), char_tokenizer(), 4, 64)
+
+
+def test_the_mixed_task_judged_share_rises_along_the_prompts_order():
+    config = DataConfig(task="mixed", task_judged_share=(0.1, 0.9), num_synthetic_prompts=400, shuffle=False,
+                        prompts_per_step=40)
+    prompts = load_prompts(config, char_tokenizer(), max_new_tokens=4, context=None)
+    judged = [p.metadata["reward"] == "judge" for p in prompts]
+    assert {p.metadata["reward"] for p in prompts} == {"math", "judge"}
+    # a judged prompt has no answer
+    assert all((p.answer is None) == is_judged for p, is_judged in zip(prompts, judged, strict=True))
+    assert prompts[0].text.startswith("Which number is") and prompts[0].source == "<mixed:train>:1"
+    # the sampler keeps the order without shuffle: the first step's share is about 0.1, the last's about 0.9
+    sampler = PromptSampler(len(prompts), config.prompts_per_step, rank=0, world_size=1, seed=0, shuffle=False)
+    steps = [sampler.next_global() for _ in range(10)]
+    shares = [sum(judged[i] for i in step) / len(step) for step in steps]
+    assert shares[0] == pytest.approx(0.14, abs=0.03) and shares[-1] == pytest.approx(0.86, abs=0.03), shares
+    assert shares == sorted(shares)
+    assert sum(judged) == 200  # the mean share, 0.5, over the whole dataset
+    flat = load_prompts(DataConfig(task="mixed", task_judged_share=(1.0, 1.0), num_synthetic_prompts=20),
+                        char_tokenizer(), 4, None)
+    assert all(p.metadata == {"reward": "judge"} for p in flat)
+
+
+def test_mixed_rows_are_deterministic_and_the_test_split_is_held_out():
+    half = (0.5, 0.5)
+    rows = mixed_rows(300, judged_share=half)
+    assert rows == mixed_rows(300, judged_share=half) and rows != mixed_rows(300, seed=1, judged_share=half)
+    test = mixed_rows(100, split="test", judged_share=half)
+    assert not {r["prompt"] for r in rows} & {r["prompt"] for r in test}
+    config = DataConfig(task="mixed", num_eval_prompts=8, metadata_keys=["answer"])
+    with pytest.raises(DataError, match=r"<mixed:test>:\d+: no 'answer' key .* named in --data.metadata_keys"):
+        load_eval_prompts(config, char_tokenizer(), 4, None)  # a judged row has no answer
+    with pytest.raises(DataError, match=r"--data.task_judged_share \[0.1, 1.5\]: both shares must be within"):
+        load_prompts(DataConfig(task="mixed", task_judged_share=(0.1, 1.5)), char_tokenizer(), 4, None)
