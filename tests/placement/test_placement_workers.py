@@ -284,7 +284,7 @@ def test_fit_cli_dynamic_placement_with_generative_judge(models, gcore_cli, tmp_
     result = gcore_cli("--placement", "dynamic", "--placement.workers", "2", "--reward", "generative",
                        "--reward.path", judge_path, "--reward.max_new_tokens", "4", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "2 engine worker processes per controller, 1 generating and 1 judging at once" in result.stdout
+    assert "2 engine worker processes, 1 generating and 1 judging at once" in result.stdout
     metrics = next((tmp_path / "runs").rglob("metrics.csv"))
     rows = [r for r in csv.DictReader(metrics.open()) if r.get("placement/judge_devices")]
     assert len(rows) == 2  # FAST: 2 steps
@@ -322,14 +322,30 @@ def test_fit_cli_dynamic_placement_with_defaults(gcore_cli, tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_fit_cli_dynamic_placement_over_two_controllers(models, gcore_cli, tmp_path):
-    """Each controller splits its own workers; the split comes from telemetry gathered from both."""
+def test_two_controllers_move_shared_workers_to_the_judge_as_its_share_grows(models, gcore_cli, tmp_path):
+    """End to end: two controllers on one machine share one pool of 4 workers; the prompts' judged share rises
+    from 0 to 1 over the run (``mixed`` task, routed reward), and the split follows it to the judge.
+
+    The judge is a random tiny model (its verdicts never parse: this shows the placement, not the judge's
+    quality) asked one sample at a time for 48 tokens, so that its work grows with the judged share from
+    nothing to about 20x the generation's."""
     import csv
+    import json
 
     _, judge_path = models
-    result = gcore_cli("--trainer.devices", "2", "--trainer.accelerator", "cpu", "--placement", "dynamic",
-                       "--placement.workers", "2", "--reward", "generative", "--reward.path", judge_path,
-                       "--reward.max_new_tokens", "2", timeout=1500)
+    judge = {"class_path": "gcore.rewards.generative.GenerativeReward",
+             "init_args": {"path": judge_path, "batch_size": 1, "max_new_tokens": 48, "verdict": "yes_no"}}
+    routes = json.dumps({"class_path": "gcore.rewards.routed.RoutedReward", "init_args": {"routes": {
+        "math": {"class_path": "gcore.rewards.math.MathReward"}, "judge": judge}}})
+    result = gcore_cli("--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.max_steps", "8",
+                       "--data.task", "mixed", "--data.task_judged_share", "[0, 1]", "--data.shuffle", "false",
+                       "--data.num_synthetic_prompts", "32", "--data.prompts_per_step", "4", "--sampling.n", "4",
+                       "--sampling.max_new_tokens", "8", "--reward", routes, "--placement", "dynamic",
+                       "--placement.workers", "4", "--placement.min_fraction", "0.25", timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "4 engine worker processes shared by the machine's controllers" in result.stdout
     rows = list(csv.DictReader(next((tmp_path / "runs").rglob("metrics.csv")).open()))
-    assert len([r for r in rows if r.get("placement/judge_devices")]) == 2  # one split per step, logged on rank 0
+    judges = [float(r["placement/judge_devices"]) for r in rows]
+    assert len(judges) == 8
+    assert all(float(r["placement/generate_devices"]) + j == 4 for r, j in zip(rows, judges, strict=True))
+    assert judges[0] == 1 and judges[-1] >= 2, judges  # the judge got more of the pool as its work grew
