@@ -310,8 +310,8 @@ def test_fit_cli_dynamic_placement_with_defaults(gcore_cli, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     cores = usable_cores()
     line = [text for text in result.stdout.splitlines() if text.startswith("dynamic placement:")]
-    assert len(line) == 1 and f"{cores} engine worker process{'es' if cores != 1 else ''} per controller" in line[0]
-    assert "the reward scores in the controller" in line[0]
+    assert len(line) == 1 and f"{cores} engine worker process{'es' if cores != 1 else ''} (" in line[0]
+    assert "the reward scores in the controller" in line[0] and "nothing moves" in line[0]  # and says why
     rows = [r for r in csv.DictReader(next((tmp_path / "runs").rglob("metrics.csv")).open())
             if r.get("placement/judge_devices")]
     assert len(rows) == 2

@@ -1,0 +1,131 @@
+"""Dynamic placement against every static split, on a workload whose balance shifts during the run.
+
+    gcore import $GGUF /tmp/smollm2-hf          # SmolLM2-135M-Instruct (docs/real_models.md)
+    python benchmarks/placement_shift.py --policy /tmp/smollm2-hf --judge /tmp/smollm2-hf --steps 8 --rounds 1
+
+The workload: the ``mixed`` task (``--data.task mixed``, not shuffled), whose prompts are compare
+questions scored by the ``math`` rule and open-ended prompts scored by a generative judge
+(``--reward routed``), with the judged share rising from ``--share`` start to end over the run. Early
+steps are nearly all generation; late steps are dominated by the judge. Every run uses one pool of
+``--workers`` engine workers shared by ``--controllers`` controllers (``--placement dynamic``); a
+*static* split is the same placement with the split fixed (``--placement.hysteresis 1e9``: it never
+moves), so the runs differ only in whether the split follows the work.
+
+Runs are alternated ``--rounds`` times in one invocation (dynamic, then each static split, then again),
+with the same seed, prompts and sampling. Printed per placement: samples/s over the steps after
+``--warmup`` (samples / the sum of their step times), the rollout phase's share of the step, each
+role's idle share of its device-seconds in the rollout phase, and the split at each step; then the
+ratios dynamic / best static and dynamic / worst static. Each run's folder is kept under ``--out``
+(metrics.csv; ``gcore report`` plots ``placement/*``). Record the output in BENCHMARKS.md with the
+date, the machine, the load and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def routed_reward(judge: str) -> str:
+    template = ("Task: {prompt}\nResponse: {response}\nDoes the response do the task? Answer yes or no.")
+    judge_reward = {"class_path": "gcore.rewards.generative.GenerativeReward",
+                    "init_args": {"path": judge, "template": template, "batch_size": 64}}
+    return json.dumps({"class_path": "gcore.rewards.routed.RoutedReward", "init_args": {"routes": {
+        "math": {"class_path": "gcore.rewards.math.MathReward"}, "judge": judge_reward}}})
+
+
+def fit(name: str, placement: list[str], args: argparse.Namespace, out: Path) -> list[dict[str, float]]:
+    """One ``gcore fit`` run; its metrics.csv rows."""
+    root = out / name
+    command = [sys.executable, "-m", "gcore", "fit", "--model.path", args.policy, "--trainer.accelerator", "cpu",
+               "--trainer.devices", str(args.controllers), "--trainer.max_steps", str(args.steps),
+               "--trainer.seed", str(args.seed), "--trainer.default_root_dir", str(root),
+               "--trainer.enable_progress_bar", "false", "--trainer.save_final", "false",
+               "--data.task", "mixed", "--data.task_judged_share", json.dumps(args.share),
+               "--data.shuffle", "false", "--data.chat_template", "true" if args.chat_template else "false",
+               "--data.num_synthetic_prompts", str(args.steps * args.prompts),
+               "--data.prompts_per_step", str(args.prompts), "--sampling.n", str(args.n),
+               "--sampling.max_new_tokens", str(args.max_new_tokens), "--reward", routed_reward(args.judge),
+               "--placement", "dynamic", "--placement.workers", str(args.workers),
+               "--placement.min_fraction", str(1 / args.workers), *placement]
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
+    print(f"  {name}: {time.perf_counter() - started:.0f} s", flush=True)
+    metrics = next(root.rglob("metrics.csv"))
+    return [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(metrics.open())]
+
+
+def summary(rows: list[dict[str, float]], warmup: int, workers: int, first_judges: int) -> dict[str, float]:
+    # a row logs the split decided after its step; the step ran on the one before
+    used = [first_judges] + [int(r["placement/judge_devices"]) for r in rows[:-1]]
+    steady = list(zip(rows, used, strict=True))[warmup:]
+    step_s = sum(r["time/step"] for r, _ in steady)
+    rollout = sum(r["time/rollout"] for r, _ in steady)
+    generate_s = sum(r["time/rollout"] * (workers - j) for r, j in steady)  # device-seconds held by each role
+    judge_s = sum(r["time/rollout"] * j for r, j in steady)
+    idle_generate = sum(r["placement/idle_generate_s"] * (workers - j) for r, j in steady)
+    idle_judge = sum(r["placement/idle_judge_s"] * j for r, j in steady)
+    steady_rows = [r for r, _ in steady]
+    return {"samples_per_s": sum(r["samples/total"] for r in steady_rows) / step_s, "rollout_share": rollout / step_s,
+            "idle_generate": idle_generate / max(generate_s, 1e-9), "idle_judge": idle_judge / max(judge_s, 1e-9)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--policy", required=True, help="the policy's HF checkpoint folder")
+    parser.add_argument("--judge", required=True, help="the judge's HF checkpoint folder")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--controllers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step (all controllers)")
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--max_new_tokens", type=int, default=32)
+    parser.add_argument("--share", type=float, nargs=2, default=[0.0, 1.0], help="judged share, first and last")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chat_template", type=int, default=1, help="1: prompts in the policy's chat template")
+    parser.add_argument("--out", default="/tmp/gcore-placement-shift")
+    args = parser.parse_args()
+    out = Path(args.out)
+    firsts = {f"static {args.workers - j}/{j}": j for j in range(1, args.workers)}
+    splits = {name: ["--placement.judge_fraction", str(j / args.workers), "--placement.hysteresis", "1e9"]
+              for name, j in firsts.items()}
+    configs = {"dynamic": ["--placement.judge_fraction", str(1 / args.workers)], **splits}
+    firsts["dynamic"] = 1
+    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; "
+          f"{args.controllers} controllers, {args.workers} workers, {args.steps} steps, share {args.share}")
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
+    splits_seen: dict[str, list[int]] = {}
+    for round_ in range(args.rounds):
+        for name, placement in configs.items():
+            rows = fit(f"r{round_}-{name.replace(' ', '_').replace('/', '-')}", placement, args, out)
+            results[name].append(summary(rows, args.warmup, args.workers, firsts[name]))
+            splits_seen[name] = [int(r["placement/judge_devices"]) for r in rows]
+    print(f"\n{'placement':<14}{'samples/s':>10}{'rollout':>9}{'idle gen':>10}{'idle judge':>11}  "
+          "judge workers after each step")
+    medians = {}
+    for name, runs in results.items():
+        med = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+        medians[name] = med
+        print(f"{name:<14}{med['samples_per_s']:>10.3f}{med['rollout_share']:>9.0%}{med['idle_generate']:>10.0%}"
+              f"{med['idle_judge']:>11.0%}  {splits_seen[name]}")
+    statics = [medians[name]["samples_per_s"] for name in splits]
+    dynamic = medians["dynamic"]["samples_per_s"]
+    print(f"\ndynamic / best static: {dynamic / max(statics):.3f}   "
+          f"dynamic / worst static: {dynamic / min(statics):.3f}")
+    print(f"load average after: {os.getloadavg()[0]:.1f}; runs under {out}")
+
+
+if __name__ == "__main__":
+    main()
