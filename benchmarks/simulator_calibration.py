@@ -41,7 +41,8 @@ def run_setting(prompts: int, n: int, new_tokens: int, judge_tokens: int, steps:
         "--trainer.enable_progress_bar", "false",
         "--data.prompts_per_step", str(prompts), "--sampling.n", str(n),
         "--sampling.max_new_tokens", str(new_tokens),
-        "--reward", "generative", "--reward.path", judge, "--reward.max_new_tokens", str(judge_tokens),
+        "--reward", "generative", "--reward.path", judge, "--reward.verdict", "yes_no",
+        "--reward.max_new_tokens", str(judge_tokens),
         "--reward.batch_size", str(JUDGE_BATCH),
         "--placement", "static", "--placement.offload", "true",
     ]  # fmt: skip

@@ -122,6 +122,29 @@ class HFEngine(Engine):
             generations.extend(sample(model, flat[start : start + chunk], params))
         return [generations[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
+    @torch.inference_mode()
+    def next_token_logprobs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int]) -> list[list[float]]:
+        """One forward over the left-padded prompts (chunks of ``max_batch_size``); the float32 log-softmax
+        of the last position's logits at ``candidates``."""
+        model = self.model
+        if model is None:
+            raise RuntimeError("HFEngine.next_token_logprobs called before setup")
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("next_token_logprobs needs a non-empty prompt")
+        picked = torch.tensor(list(candidates), dtype=torch.long, device=self.device)
+        chunk = self.max_batch_size or len(prompts)
+        rows: list[list[float]] = []
+        for start in range(0, len(prompts), chunk):
+            input_ids, attention_mask = self._left_pad([list(p) for p in prompts[start : start + chunk]])
+            input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as each prompt alone
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           use_cache=False, logits_to_keep=1).logits[:, -1]
+            rows.extend(torch.log_softmax(logits.float(), dim=-1)[:, picked].tolist())
+        return rows
+
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)

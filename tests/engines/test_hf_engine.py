@@ -170,3 +170,36 @@ def test_fit_reports_how_far_the_engine_is_from_the_trained_policy(tmp_path):
 
     assert all(d < 1e-4 for d in diff("auto"))
     assert all(1e-3 < d < 0.5 for d in diff("bfloat16"))
+
+
+def _gpt2_checkpoint(tmp_path) -> str:
+    """A tiny GPT-2: absolute position embeddings, so left padding without the right position ids shows."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=1, n_head=2, n_positions=32, bos_token_id=1,
+                                       eos_token_id=2, pad_token_id=0))
+    path = str(tmp_path / "gpt2")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "gpt2"])
+@pytest.mark.parametrize("max_batch_size", [0, 3])
+def test_next_token_logprobs_match_each_prompt_alone(tmp_path, model_type, max_batch_size):
+    """Left-padded prompts of different lengths (and a repeated one) give each prompt's own next-token
+    log-probabilities: a plain forward of that prompt alone, float32 log-softmax at its last position."""
+    path = _gpt2_checkpoint(tmp_path) if model_type == "gpt2" else hf_checkpoint(tmp_path, model_type)
+    engine = HFEngine(max_batch_size=max_batch_size)
+    engine.setup(ModelSource(path), torch.device("cpu"))
+    candidates = [3, 7, 2, 39, 7]
+    rows = engine.next_token_logprobs(HF_PROMPTS, candidates)
+    assert len(rows) == len(HF_PROMPTS)
+    for prompt, row in zip(HF_PROMPTS, rows, strict=True):
+        with torch.no_grad():
+            logits = engine.model(input_ids=torch.tensor([prompt])).logits[0, -1]
+        expected = torch.log_softmax(logits.float(), dim=-1)[candidates]
+        assert len(row) == len(candidates)
+        torch.testing.assert_close(torch.tensor(row), expected, rtol=0, atol=1e-5)
+    assert rows[0] != rows[1]  # different prompts, different distributions: not one row repeated
+    assert engine.next_token_logprobs([], candidates) == []

@@ -153,7 +153,8 @@ def test_pool_syncs_weights_and_survives_dead_and_hung_workers(models):
 
         # no attempts left: the step fails, and no sample gets a reward it was not given
         pool.retries = 0
-        reward = GenerativeReward(judge_path, engine=PoolEngine(pool, JUDGE, [2]), max_new_tokens=4, retries=0)
+        reward = GenerativeReward(judge_path, engine=PoolEngine(pool, JUDGE, [2]), verdict="yes_no", max_new_tokens=4,
+                                  retries=0)
         reward.setup("cpu")
         os.kill(pool.processes[2].pid, signal.SIGSTOP)
         samples = [make_sample("q", "r1", "1"), make_sample("q", "r2", "2")]
@@ -230,7 +231,7 @@ def test_two_controllers_share_one_pool_of_workers(models, tmp_path):
 def test_static_swaps_policy_and_judge_on_every_worker(models):
     _, judge_path = models
     placement = StaticPlacement(workers=2)
-    reward = GenerativeReward(judge_path, max_new_tokens=4, batch_size=64)
+    reward = GenerativeReward(judge_path, verdict="yes_no", max_new_tokens=4, batch_size=64)
     history = tiny_fit(steps=2, reward=reward, placement=placement).history
     pool = placement.pool
     assert pool.swaps == 2 * 2 * 2  # policy -> judge -> policy on 2 workers, for 2 steps
@@ -264,7 +265,7 @@ def test_dynamic_moves_a_worker_to_the_judge_when_its_cost_rises(models):
     _, judge_path = models
     lengths = [1, 64, 64, 64]
     placement = JudgeCostSchedule(lengths, workers=3, judge_fraction=0.34, min_fraction=0.3)
-    reward = GenerativeReward(judge_path, max_new_tokens=1, batch_size=64)
+    reward = GenerativeReward(judge_path, verdict="yes_no", max_new_tokens=1, batch_size=64)
     history = tiny_fit(steps=len(lengths), reward=reward, placement=placement).history
     judges = [int(m["placement/judge_devices"]) for m in history]  # the split decided after each step
     assert 2 in judges[1:], judges  # a worker moved to the judge after an expensive step
@@ -282,7 +283,8 @@ def test_fit_cli_dynamic_placement_with_generative_judge(models, gcore_cli, tmp_
 
     _, judge_path = models
     result = gcore_cli("--placement", "dynamic", "--placement.workers", "2", "--reward", "generative",
-                       "--reward.path", judge_path, "--reward.max_new_tokens", "4", timeout=900)
+                       "--reward.path", judge_path, "--reward.verdict", "yes_no", "--reward.max_new_tokens", "4",
+                       timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 engine worker processes, 1 generating and 1 judging at once" in result.stdout
     metrics = next((tmp_path / "runs").rglob("metrics.csv"))

@@ -149,14 +149,14 @@ def judge_dir(tmp_path_factory):
 
 def test_generative_unparsable_is_counted(judge_dir):
     """A random tiny judge never says yes/no: every sample is counted unparsable, none silently scored."""
-    reward = GenerativeReward(judge_dir, max_new_tokens=4, batch_size=2, unparsable_score=-1.0)
+    reward = GenerativeReward(judge_dir, verdict="yes_no", max_new_tokens=4, batch_size=2, unparsable_score=-1.0)
     reward.setup("cpu")
     samples = [sample("r1", "1"), sample("r2", "2"), sample("r3", "3")]
     assert reward.score(samples) == [-1.0] * 3
     assert reward.last_errors == reward.last_unparsable == 3
     assert reward.last_error.startswith("unparsable judge verdict") and "scored -1.0" in reward.last_error
     assert all(s.reward_info["judge_unparsable"] == 1.0 for s in samples)
-    strict = GenerativeReward(judge_dir, max_new_tokens=4, unparsable_score=None)
+    strict = GenerativeReward(judge_dir, verdict="yes_no", max_new_tokens=4, unparsable_score=None)
     strict.setup("cpu")
     with pytest.raises(RewardError, match="unparsable"):
         strict.score(samples[:1])
@@ -169,20 +169,128 @@ class FlakyEngine(HFEngine):
         super().__init__()
         self.failures = failures
 
-    def generate(self, prompts, params):
+    def _fail(self):
         if self.failures > 0:
             self.failures -= 1
             raise RuntimeError("judge worker died")
+
+    def generate(self, prompts, params):
+        self._fail()
         return super().generate(prompts, params)
 
+    def next_token_logprobs(self, prompts, candidates):
+        self._fail()
+        return super().next_token_logprobs(prompts, candidates)
 
-def test_generative_retries_then_fails_clearly(judge_dir):
-    reward = GenerativeReward(judge_dir, engine=FlakyEngine(1), max_new_tokens=2, retries=1)
+
+@pytest.mark.parametrize("verdict", ["probability", "yes_no"])
+def test_generative_retries_then_fails_clearly(judge_dir, verdict):
+    reward = GenerativeReward(judge_dir, engine=FlakyEngine(1), verdict=verdict, max_new_tokens=2, retries=1)
     reward.setup("cpu")
     assert len(reward.score([sample("r", "1")])) == 1
-    reward = GenerativeReward(judge_dir, engine=FlakyEngine(5), max_new_tokens=2, retries=1)
+    reward = GenerativeReward(judge_dir, engine=FlakyEngine(5), verdict=verdict, max_new_tokens=2, retries=1)
     reward.setup("cpu")
     with pytest.raises(RewardError, match="failed 2 times"):
+        reward.score([sample("r", "1")])
+
+
+def _p_yes(path: str, ids: list[int], yes: list[int], no: list[int]) -> float:
+    """P(yes) / (P(yes) + P(no)) from a plain forward of the judge model on ``ids``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([ids])).logits[0, -1].double(), dim=-1)
+    return float(probs[yes].sum() / (probs[yes].sum() + probs[no].sum()))
+
+
+def test_the_probability_verdict_is_p_yes_over_p_yes_plus_p_no(judge_dir):
+    """The default verdict, on a tiny random judge (character tokenizer, no chat template): each reward is
+    P(yes) / (P(yes) + P(no)) of the judge's next token, summed over the first tokens of yes/Yes and
+    no/No (a leading space is one token here, the same for yes and no: it counts for neither)."""
+    from transformers import AutoTokenizer
+
+    reward = GenerativeReward(judge_dir, batch_size=2)
+    assert reward.verdict == "probability"
+    reward.setup("cpu")
+    tokenizer = AutoTokenizer.from_pretrained(judge_dir)
+    yes, no = tokenizer.convert_tokens_to_ids(["y", "Y"]), tokenizer.convert_tokens_to_ids(["n", "N"])
+    assert (sorted(reward.yes_ids), sorted(reward.no_ids)) == (sorted(yes), sorted(no))
+    samples = [sample("The answer is 3.", "3"), sample("", "3"), sample("4 is larger.", "4", prompt="4 or 2?")]
+    scores = reward.score(samples)
+    for s, score in zip(samples, scores, strict=True):
+        text = reward.template.format(prompt=s.prompt.text, response=s.response_text, answer=s.prompt.answer)
+        assert reward.judge_prompt(s) == text  # no chat template to apply
+        assert score == pytest.approx(_p_yes(judge_dir, tokenizer(text)["input_ids"], yes, no), abs=1e-5)
+    assert len(set(scores)) == 3 and all(0 < v < 1 for v in scores)
+    assert reward.last_errors == 0 and not any(s.reward_info for s in samples)
+
+
+@pytest.fixture(scope="module")
+def templated_judge_dir(judge_dir, tmp_path_factory):
+    """The tiny judge with a chat template: ``[`` + the user message + ``]`` then ``>`` as the generation prompt."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = str(tmp_path_factory.mktemp("templated") / "judge")
+    shutil.copytree(judge_dir, path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = ("{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+                               "{% if add_generation_prompt %}>{% endif %}")
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_the_judge_prompt_goes_through_the_chat_template_unless_disabled(templated_judge_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(templated_judge_dir)
+    yes, no = tokenizer.convert_tokens_to_ids(["y", "Y"]), tokenizer.convert_tokens_to_ids(["n", "N"])
+    s = sample("The answer is 3.", "3")
+    templated, plain = GenerativeReward(templated_judge_dir), GenerativeReward(templated_judge_dir, chat_template=False)
+    for reward in (templated, plain):
+        reward.setup("cpu")
+    text = templated.template.format(prompt="q", response="The answer is 3.", answer="3")
+    assert templated.judge_prompt(s) == f"[{text}]>"
+    assert plain.judge_prompt(s) == text
+    # the verdict is read right after the generation prompt; the template writes the special tokens itself
+    templated_ids = tokenizer(f"[{text}]>", add_special_tokens=False)["input_ids"]
+    assert templated.score([s])[0] == pytest.approx(_p_yes(templated_judge_dir, templated_ids, yes, no), abs=1e-5)
+    assert plain.score([s])[0] == pytest.approx(
+        _p_yes(templated_judge_dir, tokenizer(text)["input_ids"], yes, no), abs=1e-5)
+
+
+def test_an_engine_without_next_token_logprobs_fails_at_config(judge_dir):
+    from gcore.engines.base import Engine
+
+    class TextOnly(Engine):
+        def setup(self, source, device):
+            pass
+
+        def generate(self, prompts, params):
+            raise AssertionError("not called")
+
+        def update_weights(self, weights):
+            return 0
+
+    with pytest.raises(ConfigError) as caught:
+        GenerativeReward(judge_dir, engine=TextOnly())
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("--reward.verdict probability needs an engine")
+    assert "TextOnly" in message and message.endswith("valid choices: probability, yes_no, score")
+    GenerativeReward(judge_dir, engine=TextOnly(), verdict="yes_no")  # a free-text verdict needs no log-probabilities
+    with pytest.raises(ConfigError, match=r"^--reward.verdict 'maybe': valid choices: probability, yes_no, score$"):
+        GenerativeReward(judge_dir, verdict="maybe")  # type: ignore[arg-type]
+
+    class Refusing(HFEngine):  # e.g. a pool worker whose own engine has none: it raises at the first score
+        def next_token_logprobs(self, prompts, candidates):
+            raise NotImplementedError("the VLLMEngine engine does not give next-token log-probabilities")
+
+    reward = GenerativeReward(judge_dir, engine=Refusing(), retries=3)
+    reward.setup("cpu")
+    with pytest.raises(ConfigError, match=r"^--reward.verdict probability: the VLLMEngine engine does not give .*"
+                                          r"valid choices: probability, yes_no, score$"):
         reward.score([sample("r", "1")])
 
 

@@ -64,7 +64,7 @@ def test_the_judge_warns_once_per_step_and_counts_unparsable_verdicts(tmp_path, 
     # before: one warning line per unparsable verdict (16 a step here)
     judge = materialize(ModelConfig(**TINY), char_tokenizer(), seed=0, workdir=str(tmp_path / "judge"))
     with caplog.at_level(logging.WARNING):
-        result = tiny_fit(steps=2, reward=GenerativeReward(judge, max_new_tokens=2))
+        result = tiny_fit(steps=2, reward=GenerativeReward(judge, verdict="yes_no", max_new_tokens=2))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("gcore")]
     assert len(warnings) == 2, warnings  # a random tiny judge never says yes or no: 16 unparsable a step
     assert all("16 sample(s) could not be scored" in w and "unparsable judge verdict" in w for w in warnings)
