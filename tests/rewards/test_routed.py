@@ -113,7 +113,8 @@ def test_a_judge_route_judges_its_samples_in_one_batch_and_errors_add_up(judge_d
     """A random tiny judge never says yes/no: its samples are unparsable (errors), as is a target_char
     sample without an answer; the routed reward counts both routes' errors and keeps the first one."""
     engine = CountingEngine()
-    judge = GenerativeReward(judge_dir, engine=engine, max_new_tokens=2, batch_size=64, unparsable_score=-1.0)
+    judge = GenerativeReward(judge_dir, engine=engine, verdict="yes_no", max_new_tokens=2, batch_size=64,
+                             unparsable_score=-1.0)
     char = TargetCharReward(length=4, on_error="zero")
     reward = RoutedReward({"char": char, "judge": judge, "math": MathReward()})
     reward.setup("cpu")  # every route is set up
