@@ -45,7 +45,7 @@ def run(placement, workers: int, judge_path: str, args: argparse.Namespace) -> d
             model=ModelConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128),
             data=DataConfig(prompts_per_step=args.prompts),
             sampling=SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens),
-            reward=GenerativeReward(judge_path, max_new_tokens=args.judge_tokens, batch_size=256),
+            reward=GenerativeReward(judge_path, verdict="yes_no", max_new_tokens=args.judge_tokens, batch_size=256),
             placement=placement,
         ).fit()
         wall = time.perf_counter() - start
