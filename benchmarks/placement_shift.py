@@ -13,7 +13,8 @@ moves), so the runs differ only in whether the split follows the work.
 
 Runs are alternated ``--rounds`` times in one invocation (dynamic, then each static split, then again),
 with the same seed, prompts and sampling. Printed per placement: samples/s over the steps after
-``--warmup`` (samples / the sum of their step times), the rollout phase's share of the step, each
+``--warmup`` (samples / the sum of their step times, and / the sum of their rollout phases: training
+takes the same time under every placement), the rollout phase's share of the step, each
 role's idle share of its device-seconds in the rollout phase, and the split at each step; then the
 ratios dynamic / best static and dynamic / worst static. Each run's folder is kept under ``--out``
 (metrics.csv; ``gcore report`` plots ``placement/*``). Record the output in BENCHMARKS.md with the
@@ -76,7 +77,9 @@ def summary(rows: list[dict[str, float]], warmup: int, workers: int, first_judge
     idle_generate = sum(r["placement/idle_generate_s"] * (workers - j) for r, j in steady)
     idle_judge = sum(r["placement/idle_judge_s"] * j for r, j in steady)
     steady_rows = [r for r, _ in steady]
-    return {"samples_per_s": sum(r["samples/total"] for r in steady_rows) / step_s, "rollout_share": rollout / step_s,
+    samples = sum(r["samples/total"] for r in steady_rows)
+    return {"samples_per_s": samples / step_s, "rollout_samples_per_s": samples / rollout,
+            "rollout_share": rollout / step_s,
             "idle_generate": idle_generate / max(generate_s, 1e-9), "idle_judge": idle_judge / max(judge_s, 1e-9)}
 
 
@@ -112,18 +115,22 @@ def main() -> None:
             rows = fit(f"r{round_}-{name.replace(' ', '_').replace('/', '-')}", placement, args, out)
             results[name].append(summary(rows, args.warmup, args.workers, firsts[name]))
             splits_seen[name] = [int(r["placement/judge_devices"]) for r in rows]
-    print(f"\n{'placement':<14}{'samples/s':>10}{'rollout':>9}{'idle gen':>10}{'idle judge':>11}  "
+    print(f"\n{'placement':<14}{'samples/s':>10}{'in rollout':>11}{'rollout':>9}{'idle gen':>10}{'idle judge':>11}  "
           "judge workers after each step")
     medians = {}
     for name, runs in results.items():
         med = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
         medians[name] = med
-        print(f"{name:<14}{med['samples_per_s']:>10.3f}{med['rollout_share']:>9.0%}{med['idle_generate']:>10.0%}"
+        print(f"{name:<14}{med['samples_per_s']:>10.3f}{med['rollout_samples_per_s']:>11.3f}{med['rollout_share']:>9.0%}{med['idle_generate']:>10.0%}"
               f"{med['idle_judge']:>11.0%}  {splits_seen[name]}")
     statics = [medians[name]["samples_per_s"] for name in splits]
     dynamic = medians["dynamic"]["samples_per_s"]
     print(f"\ndynamic / best static: {dynamic / max(statics):.3f}   "
-          f"dynamic / worst static: {dynamic / min(statics):.3f}")
+          f"dynamic / worst static: {dynamic / min(statics):.3f}   (samples/s of whole steps)")
+    statics = [medians[name]["rollout_samples_per_s"] for name in splits]
+    dynamic = medians["dynamic"]["rollout_samples_per_s"]
+    print(f"dynamic / best static: {dynamic / max(statics):.3f}   "
+          f"dynamic / worst static: {dynamic / min(statics):.3f}   (samples/s of the rollout phase)")
     print(f"load average after: {os.getloadavg()[0]:.1f}; runs under {out}")
 
 
