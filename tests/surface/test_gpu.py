@@ -83,3 +83,25 @@ def test_cuda_graph_decoder_matches_the_eager_decoder(tmp_path):
     assert engine._decoder._graph is graph  # same shape: replayed, not recaptured
     out = engine.generate(prompts[:1], SamplingParams(n=3, max_new_tokens=8, temperature=1.0))
     assert engine._decoder._graph is not graph and [len(g.token_ids) for g in out[0]] == [8, 8, 8]
+
+
+def test_engine_workers_take_the_visible_gpus_in_turn(tmp_path):
+    """A pool's workers run on cuda:(i % GPUs) (all on the one GPU where there is one) and each generates there
+    exactly as an engine in this process does."""
+    from gcore.engines.pool import POLICY, RoleSpec, WorkerPool, worker_devices
+
+    path = materialize(ModelConfig(), char_tokenizer(), seed=0, workdir=str(tmp_path / "m"))
+    gpus = torch.cuda.device_count()
+    pool = WorkerPool(2, {POLICY: RoleSpec(HFEngine(), ModelSource(path))}, [POLICY, POLICY], threads=1,
+                      device="cuda:0")
+    try:
+        assert pool.devices == worker_devices("cuda:0", 2, gpus) == (["cuda:0", "cuda:1"] if gpus > 1 else
+                                                                      ["cuda:0", "cuda:0"])
+        greedy = SamplingParams(n=1, max_new_tokens=6, temperature=0.0)
+        reference = HFEngine()
+        reference.setup(ModelSource(path), torch.device("cuda:0"))
+        expected = [o[0].token_ids for o in reference.generate([[5, 6, 7]], greedy)]
+        for worker in (0, 1):
+            assert [o[0].token_ids for o in pool.generate(POLICY, [[5, 6, 7]], greedy, [worker])] == expected
+    finally:
+        pool.close()
