@@ -123,7 +123,7 @@ class Peers:
     controller of the machine). ``clients``: how many controllers connect to each worker.
     ``gather(value)``: every controller of the machine's ``value``, the owner's first (a collective of all
     controllers). ``barrier()``: every controller has reached it. ``machines``: how many machines run
-    controllers (each with a pool of its own).
+    controllers (each with a pool of its own). ``index``: this controller's place among the machine's.
     """
 
     owner: bool
@@ -131,6 +131,7 @@ class Peers:
     gather: Callable[[object], list[object]]
     barrier: Callable[[], None]
     machines: int = 1
+    index: int = 0  # this controller's place among the machine's (the owner's is 0)
 
     def share(self, value: object) -> object:
         """The owner's ``value``, on every controller of the machine (a collective)."""
@@ -155,7 +156,7 @@ class Peers:
             return [gathered[r] for r in mine]
 
         return cls(owner=rank == mine[0], clients=len(mine), gather=gather, barrier=dist.barrier,
-                   machines=len(set(nodes)))
+                   machines=len(set(nodes)), index=mine.index(rank))
 
 
 def worker_devices(device: str, size: int, visible: int) -> list[str]:
@@ -376,6 +377,7 @@ class WorkerPool:
         self.job_timeout_s, self.retries, self.startup_timeout_s = job_timeout_s, retries, startup_timeout_s
         self.peers = peers
         self.owner = peers is None or peers.owner
+        self._first = peers.index * size // peers.clients if peers is not None else 0  # where ``_dispatch`` looks first
         visible = torch.cuda.device_count() if device.startswith("cuda") else 0
         self.device, self.devices = device, worker_devices(device, size, visible)
         self._specs = pickle.dumps(specs)
@@ -623,7 +625,9 @@ class WorkerPool:
             free = [i for i in job.workers if self._ready[i] and self._busy_with[i] is None and self.alive(i)]
             if not free:
                 continue
-            i = min(free, key=lambda w: (w in job.failed_on, w))  # a retry goes to another worker first
+            # a retry goes to another worker first; each controller sharing the pool starts its search at its own
+            # place in it, so that their first requests do not all queue at worker 0
+            i = min(free, key=lambda w: (w in job.failed_on, (w - self._first) % self.size))
             job.worker, job.sent, job.attempts = i, time.monotonic(), job.attempts + 1
             self._busy_with[i] = job
             self._pending.remove(job)
