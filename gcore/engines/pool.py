@@ -20,7 +20,9 @@ One pool serves every controller of a machine (``Peers``): the first controller 
 starts the workers, and every controller, the owner too, connects to each worker and sends it
 requests itself; there is no process in between. Requests travel over ``multiprocessing.connection``
 (a socket per controller and worker on the loopback interface, authenticated with a key the owner
-draws and shares through ``torch.distributed``), the same transport across machines. A worker serves
+draws and shares through ``torch.distributed``), a transport that runs across machines as it is (a
+worker would listen on a routable address); today each machine's pool serves that machine's
+controllers, since the weights reach the workers through the machine's shared memory. A worker serves
 its controllers' requests one at a time, in the order they come. Policy weights go from the owner to
 the workers through one shared-memory file in ``/dev/shm`` (no disk): the owner copies its tensors in
 once (every controller holds the same weights after a step), every worker copies them into its engine.
