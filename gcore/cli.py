@@ -146,18 +146,23 @@ def _explain_plugin_error(config) -> None:  # noqa: ANN001 - a jsonargparse Name
 
 
 def with_default_plugins(argv: Sequence[str]) -> list[str]:
-    """Prepend ``--family DEFAULT`` for each family that neither argv nor a config file names.
+    """Prepend ``--family DEFAULT`` for each family that neither argv nor a config file names; then the
+    config files, then the class choices (``--family NAME``), then the other flags.
 
     A parser default would not do: jsonargparse keeps the default class's values for options of the
     same name when another class is chosen (``--algorithm ppo`` would inherit GRPO's ``kl_coef``).
     """
     named: set[str] = set()
-    args, choices, rest = list(argv), [], []
+    args, configs, choices, rest = list(argv), [], [], []
     i = 0
     while i < len(args):
         arg = args[i]
         if arg == "--config" and i + 1 < len(args) or arg.startswith("--config="):
             named.update(_families_in_config(arg.split("=", 1)[1] if "=" in arg else args[i + 1]))
+            # a config file goes before the class choices: a flag overrides the file, whatever the order typed
+            configs += [arg] if "=" in arg else [arg, args[i + 1]]
+            i += 1 if "=" in arg else 2
+            continue
         family = next((f for f in registry.GROUPS if arg in (f"--{f}", f"--{f}.class_path")), None)
         if family is not None and i + 1 < len(args):  # a class choice goes first, before its options
             named.add(family)
@@ -173,7 +178,7 @@ def with_default_plugins(argv: Sequence[str]) -> list[str]:
         i += 1
     defaults = [item for family in registry.GROUPS if family not in named
                 for item in (f"--{family}", registry.resolve(family, DEFAULTS[family]))]
-    return defaults + choices + rest
+    return defaults + configs + choices + rest
 
 
 def _families_in_config(path: str) -> set[str]:

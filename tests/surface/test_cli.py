@@ -53,6 +53,15 @@ def test_config_file_with_plugin_names_and_overrides(gcore_cli, tmp_path):
     assert again.returncode == 0, again.stderr
 
 
+def test_a_plugin_chosen_on_the_command_line_overrides_the_config_files(gcore_cli, tmp_path):
+    """`--config` names one reward; `--reward NAME --reward.OPTION` after it picks another and sets its option
+    (the choice used to be moved before the file, which then chose its own class back)."""
+    (tmp_path / "cfg.yaml").write_text("reward: target_char\nalgorithm: grpo\n")
+    printed = gcore_cli("--config", "cfg.yaml", "--reward", "regex", "--reward.pattern", "a+", "--print_config")
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    assert "gcore.rewards.rule.RegexReward" in printed.stdout and "pattern: a+" in printed.stdout
+
+
 def test_class_path_for_a_plugin(gcore_cli):
     result = gcore_cli("--algorithm", "gcore.algorithms.grpo.GRPO", "--algorithm.scale_rewards", "false")
     assert result.returncode == 0, result.stderr
