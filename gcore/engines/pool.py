@@ -557,16 +557,26 @@ class WorkerPool:
     def submit_generate(self, role: Role, prompts: Sequence[Sequence[int]], params: SamplingParams,
                         workers: Sequence[int]) -> list[Job]:
         """Send ``generate``'s requests and return at once; ``collect_generate`` waits for them."""
-        if not prompts:
-            return []
-        chunk = math.ceil(len(prompts) / len(workers))
-        return [self.submit("generate", (role, [list(p) for p in prompts[s : s + chunk]], params), workers, role)
-                for s in range(0, len(prompts), chunk)]
+        return self.submit_split("generate", role, prompts, params, workers)
 
     def collect_generate(self, jobs: list[Job]) -> list[list[Generation]]:
         """Wait for requests of ``submit_generate``; their results in the order of its prompts."""
+        return cast("list[list[Generation]]", self.collect(jobs))
+
+    def submit_split(self, kind: Literal["generate", "logprobs"], role: Role, prompts: Sequence[Sequence[int]],
+                     option: object, workers: Sequence[int]) -> list[Job]:
+        """``prompts`` split into one ``kind`` request per worker, each ``(role, its prompts, option)``; returns
+        at once (``collect`` waits)."""
+        if not prompts:
+            return []
+        chunk = math.ceil(len(prompts) / len(workers))
+        return [self.submit(kind, (role, [list(p) for p in prompts[s : s + chunk]], option), workers, role)
+                for s in range(0, len(prompts), chunk)]
+
+    def collect(self, jobs: list[Job]) -> list[object]:
+        """Wait for requests of ``submit_split``; their results (one per prompt) in the order of its prompts."""
         self.wait(jobs)
-        return [out for job in jobs for out in cast("list[list[Generation]]", job.result)]
+        return [out for job in jobs for out in cast("list[object]", job.result)]
 
     def assign(self, roles: Sequence[Role]) -> float:
         """Give worker ``i`` the role ``roles[i]`` (a real swap where it changes); returns seconds."""
@@ -781,13 +791,8 @@ class PoolEngine(Engine):
 
     def next_token_logprobs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int]) -> list[list[float]]:
         """Split over the role's workers like ``generate``; the results in the order of ``prompts``."""
-        if not prompts:
-            return []
-        chunk = math.ceil(len(prompts) / len(self.workers))
-        jobs = [self.pool.submit("logprobs", (self.role, [list(p) for p in prompts[s : s + chunk]], list(candidates)),
-                                 self.workers, self.role) for s in range(0, len(prompts), chunk)]
-        self.pool.wait(jobs)
-        return [row for job in jobs for row in cast("list[list[float]]", job.result)]
+        jobs = self.pool.submit_split("logprobs", self.role, prompts, list(candidates), self.workers)
+        return cast("list[list[float]]", self.pool.collect(jobs))
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         if self.role != POLICY:

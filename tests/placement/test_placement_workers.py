@@ -132,6 +132,9 @@ def test_pool_syncs_weights_and_survives_dead_and_hung_workers(models):
 
         judge = local_engine(judge_path)
         expected = tokens(judge.generate(prompts, GREEDY))
+        # next-token log-probabilities (the judge's probability verdict) split over the judge workers, in order
+        rows = PoolEngine(pool, JUDGE, [1, 2]).next_token_logprobs(prompts, [5, 6, 7])
+        assert torch.allclose(torch.tensor(rows), torch.tensor(judge.next_token_logprobs(prompts, [5, 6, 7])))
         # a judge worker killed in the middle of a request: the request is served by another worker
         os.kill(pool.processes[1].pid, signal.SIGSTOP)
         job = pool.submit("generate", (JUDGE, prompts, GREEDY), [1, 2], JUDGE)
