@@ -261,6 +261,16 @@ class RewardModel(ABC):
         returns theirs)."""
         return []
 
+    def score_part(self, part: RewardModel, samples: Sequence[Sample]) -> list[float]:
+        """For a reward made of other rewards: ``part.score(samples)``, checked to give one score per sample,
+        with the part's errors added to this reward's ``last_errors`` (and its first kept in ``last_error``)."""
+        scores = part.score(samples)
+        if len(scores) != len(samples):
+            raise RuntimeError(f"{type(part).__name__} returned {len(scores)} scores for {len(samples)} samples")
+        self.last_errors += part.last_errors
+        self.last_error = self.last_error or part.last_error
+        return scores
+
 
 class RuleReward(RewardModel):
     """A reward computed per sample by plain Python: subclass and implement ``score_one``.

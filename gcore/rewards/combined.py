@@ -36,11 +36,7 @@ class CombinedReward(RewardModel):
         totals = [0.0] * len(samples)
         self.last_errors, self.last_error = 0, None
         for index, (reward, weight) in enumerate(zip(self.rewards, self.weights, strict=False)):
-            scores = reward.score(samples)
-            if len(scores) != len(samples):
-                raise RuntimeError(f"{type(reward).__name__} returned {len(scores)} scores for {len(samples)} samples")
-            self.last_errors += getattr(reward, "last_errors", 0)
-            self.last_error = self.last_error or getattr(reward, "last_error", None)
+            scores = self.score_part(reward, samples)
             name = f"{index}_{type(reward).__name__}"
             for i, (sample, value) in enumerate(zip(samples, scores, strict=False)):
                 sample.reward_info[name] = float(value)

@@ -68,11 +68,7 @@ class RoutedReward(RewardModel):
         for positions in groups.values():
             reward = self.routes[names[positions[0]]]
             group = [samples[p] for p in positions]
-            values = reward.score(group)
-            if len(values) != len(group):
-                raise RuntimeError(f"{type(reward).__name__} returned {len(values)} scores for {len(group)} samples")
-            self.last_errors += getattr(reward, "last_errors", 0)
-            self.last_error = self.last_error or getattr(reward, "last_error", None)
+            values = self.score_part(reward, group)
             for p, value in zip(positions, values, strict=True):
                 scores[p] = float(value)
                 samples[p].reward_info[f"route_{names[p]}"] = scores[p]
