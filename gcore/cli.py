@@ -17,7 +17,8 @@ from gcore import registry
 from gcore.errors import GcoreError
 
 #: the default plugin of each family
-DEFAULTS = {"engine": "hf", "reward": "target_char", "algorithm": "grpo", "placement": "static", "backend": "torch"}
+DEFAULTS = {"engine": "hf", "reward": "target_char", "algorithm": "grpo", "placement": "static", "backend": "torch",
+            "env": "single_turn"}
 
 USAGE = """usage: gcore <command> [options]
 
@@ -93,6 +94,7 @@ def build_fit_parser():  # noqa: ANN201
     from gcore.backends.base import TrainingBackend
     from gcore.data import DataConfig
     from gcore.engines.base import Engine
+    from gcore.envs.base import Environment
     from gcore.model import ModelConfig
     from gcore.placement.base import PlacementPolicy
     from gcore.rewards.base import RewardModel
@@ -121,7 +123,7 @@ def build_fit_parser():  # noqa: ANN201
     parser.add_class_arguments(DataConfig, "data")
     parser.add_class_arguments(SamplingParams, "sampling")
     bases = {"engine": Engine, "reward": RewardModel, "algorithm": Algorithm,
-             "placement": PlacementPolicy, "backend": TrainingBackend}
+             "placement": PlacementPolicy, "backend": TrainingBackend, "env": Environment}
     for family, base in bases.items():
         parser.add_subclass_arguments(base, family, required=True, fail_untyped=False)
     return parser

@@ -19,6 +19,7 @@ import torch
 from gcore.algorithms.base import Algorithm
 from gcore.backends.base import TrainingBackend
 from gcore.engines.base import Engine
+from gcore.envs.base import Environment
 from gcore.errors import ConfigError
 from gcore.placement.base import PlacementPolicy, Telemetry
 from gcore.rewards.base import RewardModel
@@ -54,6 +55,9 @@ class StepRecord:
     first_reward_error: str | None = None
     rollout_wait_s: float = 0.0  # seconds waited for a rollout started ahead (``max_staleness``)
     synced_bytes: int = 0  # the weights SYNC sent to the rollout engine
+    #: multi-turn episodes' counts (``EpisodeStats.counts``: episodes, turns, steps, errors, truncated, an
+    #: environment's own ``Turn.metrics``), logged as ``env/<name>`` summed over every rank
+    env_counts: dict[str, float] = field(default_factory=dict)
     #: the step's metrics: each stage adds its part; ``log`` completes them over every rank
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -61,6 +65,14 @@ class StepRecord:
         """Add the samples of ``job`` whose scoring failed."""
         self.reward_errors += job.reward_errors
         self.first_reward_error = self.first_reward_error or job.first_reward_error
+
+    def add_env_stats(self, job: RolloutJob) -> None:
+        """Add what the episode loop of ``job`` counted (multi-turn rollouts only)."""
+        if job.env_stats is not None:
+            for name, value in job.env_stats.counts.items():
+                self.env_counts[name] = self.env_counts.get(name, 0.0) + value
+            self.env_counts["step_s"] = self.env_counts.get("step_s", 0.0) + job.env_stats.env_busy_s
+            self.env_counts["generate_calls"] = self.env_counts.get("generate_calls", 0.0) + job.env_stats.generate_calls
 
 
 @dataclass
@@ -89,6 +101,8 @@ class Controller:
     #: rollouts of the next steps may run while this step trains, with weights up to this many steps old
     #: (``--trainer.max_staleness``; 0: the synchronous step). Needs ``placement.supports_overlap``.
     max_staleness: int = 0
+    #: the environment of multi-turn episodes (``--env``); ``None`` or ``SingleTurn``: one turn per sample
+    env: Environment | None = None
 
     def __post_init__(self) -> None:
         #: the training steps the engine's weights have had; set at the first step (a resumed run's start)
@@ -100,6 +114,8 @@ class Controller:
         algorithm, and to the placement policy that rollouts may overlap training. Called once by
         the trainer before the first step."""
         self.algorithm.setup(self.sampling.max_new_tokens)
+        if self.env is not None:
+            self.env.setup(self.tokenizer)
         if self.max_staleness:
             if not self.placement.supports_overlap:
                 raise ConfigError(f"--trainer.max_staleness {self.max_staleness}: {type(self.placement).__name__} "
@@ -141,6 +157,7 @@ class Controller:
         record.samples = result()
         record.rollout_wait_s = time.perf_counter() - started
         record.count_reward_errors(job)
+        record.add_env_stats(job)
 
     def rollout(self, record: StepRecord, prompts: list[Prompt], first_group: int = 0) -> list[Sample]:
         """GENERATE and REWARD: ``n`` samples per prompt from the rollout engine, scored and shaped
@@ -149,6 +166,7 @@ class Controller:
         job = self._job(prompts, record.timer, first_group)
         samples = self.placement.rollout(job)
         record.count_reward_errors(job)
+        record.add_env_stats(job)
         return samples
 
     def filter(self, record: StepRecord) -> None:
@@ -237,13 +255,15 @@ class Controller:
         metrics.update(self._filter_metrics(record))
         if self.max_staleness:
             metrics.update(self._staleness_metrics(record))
+        if self.env is not None and self.env.multi_turn:
+            metrics.update(self._env_metrics(record))
         metrics["sync/gb_per_s"] = record.synced_bytes / 1e9 / max(record.timer.seconds["sync"], 1e-9)
         metrics["sync/gb"] = record.synced_bytes / 1e9
 
     # -- what the stages are made of --------------------------------------------------------------
     def _job(self, prompts: list[Prompt], timer: StageTimer, first_group: int = 0) -> RolloutJob:
         return RolloutJob(prompts, self.sampling, self.engine, self.reward, self.algorithm, self.tokenizer, timer,
-                          first_group, policy_version=self.policy_version or 0)
+                          first_group, policy_version=self.policy_version or 0, env=self.env)
 
     def _collate(self, kept: list[Sample], samples: list[Sample]) -> RolloutBatch:
         """The kept samples as a padded batch with the algorithm's loss mask; with none kept, one sample
@@ -269,6 +289,22 @@ class Controller:
                                              dtype=torch.float64), "max")
         return {"async/staleness_mean": float(sums[0] / sums[1].clamp(min=1.0)),
                 "async/staleness_max": float(most[0]), "async/rollout_wait_s": float(most[1])}
+
+    def _env_metrics(self, record: StepRecord) -> dict[str, float]:
+        """The episodes' counts summed over every rank (``env/<name>``), and turns per episode. Ranks may
+        count different names (an environment's own ``Turn.metrics``): the names are gathered first."""
+        counts = record.env_counts
+        names = sorted(counts)
+        if self.fabric.world_size > 1:
+            import torch.distributed as dist
+
+            everyone: list[list[str] | None] = [None] * self.fabric.world_size
+            dist.all_gather_object(everyone, names)
+            names = sorted({name for part in everyone for name in part or []})
+        totals = self._all_reduce(torch.tensor([counts.get(n, 0.0) for n in names], dtype=torch.float64), "sum")
+        out = {f"env/{name}": float(value) for name, value in zip(names, totals.tolist(), strict=True)}
+        out["env/turns_mean"] = out.get("env/turns", 0.0) / max(out.get("env/episodes", 0.0), 1.0)
+        return out
 
     def _model_outputs(self, batch: RolloutBatch) -> None:
         """The values and log-probabilities the algorithm needs, on ``batch``'s rows (set in place)."""

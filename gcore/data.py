@@ -29,7 +29,8 @@ class DataConfig:
             ``arithmetic`` (addition/subtraction word problems, for the ``math`` reward), ``compare``
             (which of two numbers is larger or smaller, for the ``math`` reward) or ``mixed`` (compare
             questions, metadata ``reward: math``, among open-ended prompts for a generative judge,
-            ``reward: judge``; for the ``routed`` reward).
+            ``reward: judge``; for the ``routed`` reward) or ``reveal`` (the multi-turn task of ``--env reveal``:
+            the prompt ``?=`` hides the digit that the environment reveals after the first turn).
         task_digits: the ``arithmetic``, ``compare`` and ``mixed`` tasks' number sizes in digits, ``[fewest, most]``:
             ``[2, 3]`` draws 10-999; ``[1, 2]`` (1-99) is an arithmetic level a 135M-parameter instruct model
             sometimes solves.
@@ -58,7 +59,7 @@ class DataConfig:
     """
 
     path: str | None = None
-    task: Literal["target_char", "arithmetic", "compare", "mixed"] = "target_char"
+    task: Literal["target_char", "arithmetic", "compare", "mixed", "reveal"] = "target_char"
     task_digits: tuple[int, int] = (2, 3)
     task_judged_share: tuple[float, float] = (0.1, 0.9)
     prompt_key: str = "prompt"
@@ -228,7 +229,7 @@ def tokenize_rows(rows: list[tuple[dict, str]], config: DataConfig, tokenizer, m
         if not isinstance(raw, str) or not raw:
             raise DataError(f"{source}: {config.prompt_key!r} must be a non-empty string")
         try:
-            text = config.prompt_template.format(prompt=raw)
+            text = content = config.prompt_template.format(prompt=raw)
         except (KeyError, IndexError, ValueError) as err:
             raise DataError(f"--data.prompt_template {config.prompt_template!r}: {err}") from None
         if config.chat_template:
@@ -252,7 +253,7 @@ def tokenize_rows(rows: list[tuple[dict, str]], config: DataConfig, tokenizer, m
                             "--data.metadata_keys")
         answer = row.get(config.answer_key)
         prompts.append(Prompt(index, text, token_ids, None if answer is None else str(answer), source,
-                              {key: row[key] for key in metadata_keys}))
+                              {key: row[key] for key in metadata_keys}, content))
     return prompts
 
 

@@ -8,11 +8,15 @@ its name and error; the other plugins still load.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata as md
+import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
-from gcore.errors import PluginError
+from gcore.errors import ConfigError, PluginError
 
 #: plugin family -> entry-point group
 GROUPS: dict[str, str] = {
@@ -21,6 +25,7 @@ GROUPS: dict[str, str] = {
     "algorithm": "gcore.algorithms",
     "placement": "gcore.placements",
     "backend": "gcore.backends",
+    "env": "gcore.envs",
 }
 
 
@@ -90,11 +95,36 @@ def resolve(family: str, name: str) -> str:
 
 def load(family: str, name: str) -> type:
     """The class registered under ``name`` (or a class path)."""
-    import importlib
-
     path = resolve(family, name)
     module, _, attr = path.rpartition(".")
     try:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as err:
         raise PluginError(f"cannot import {family} class {path!r}: {err}") from err
+
+
+def load_callable(spec: str, flag: str = "--reward.function") -> Callable:
+    """Import ``pkg.module:function`` or ``path/to/file.py:function`` (user code: a reward function, a tool);
+    errors name ``flag``."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{flag} {spec!r}: expected 'package.module:function' or 'file.py:function'")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise ConfigError(f"{flag}: file {module_name} does not exist")
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            assert module_spec is not None and module_spec.loader is not None  # a .py file has both
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        fn = getattr(module, attr)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(f"{flag} {spec!r} cannot be loaded: {type(err).__name__}: {err}") from err
+    if not callable(fn):
+        raise ConfigError(f"{flag} {spec!r} is not callable")
+    return fn

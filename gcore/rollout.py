@@ -13,22 +13,18 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
 
 from gcore.algorithms.base import Algorithm
 from gcore.engines.base import Engine
+from gcore.envs.base import Environment
+from gcore.envs.episodes import EpisodeStats, Generate, Tokenizer, run_episodes
 from gcore.errors import RewardError
 from gcore.rewards.base import RewardModel, as_reward, describe_sample
 from gcore.types import Generation, Prompt, Sample, SamplingParams
 
-STAGES = ("generate", "reward", "swap", "prepare", "train", "sync")
-LOCAL_STAGES = ("generate", "reward", "swap", "prepare")  # no collective inside: a controller's own work
-
-
-class Decoder(Protocol):
-    """What a job needs of a tokenizer (a ``transformers`` tokenizer is one)."""
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str | list[str]: ...
+#: ``env``: a multi-turn rollout's wait for its environment's observations with nothing to generate
+STAGES = ("generate", "env", "reward", "swap", "prepare", "train", "sync")
+LOCAL_STAGES = ("generate", "env", "reward", "swap", "prepare")  # no collective inside: a controller's own work
 
 
 class StageTimer:
@@ -58,7 +54,9 @@ class RolloutJob:
 
     A placement policy's ``rollout(job)`` generates ``prompts`` with ``sampling`` (on ``engine``, or
     on engines it launched itself), turns the completions into samples with ``job.samples`` and
-    scores them with ``job.score``, timing its stages in ``timer``. The job counts the samples
+    scores them with ``job.score``, timing its stages in ``timer``. With a multi-turn environment
+    (``job.multi_turn``) a policy runs ``job.episodes(generate)`` instead of one ``generate`` and
+    ``job.samples``: the episode loop calls ``generate`` once per turn batch. The job counts the samples
     whose scoring failed (``reward_errors``), for the controller's ``reward/errors``. A job started
     ahead of its step (``PlacementPolicy.start_rollout``) is given that step's ``timer`` before its
     result is collected.
@@ -69,12 +67,30 @@ class RolloutJob:
     engine: Engine  # the rollout engine ``PlacementPolicy.launch`` returned
     reward: RewardModel
     algorithm: Algorithm  # shapes the raw reward (``Algorithm.shape_reward``)
-    tokenizer: Decoder  # decodes the responses
+    tokenizer: Tokenizer  # decodes the responses (and encodes an environment's observations)
     timer: StageTimer
     first_group: int = 0  # the groups of ``prompts`` are numbered from here
     policy_version: int = 0  # the training steps the engine's weights have had (``Sample.policy_version``)
+    env: Environment | None = None  # ``--env``; ``None`` or ``SingleTurn``: one generation per sample
     reward_errors: int = 0
     first_reward_error: str | None = None
+    env_stats: EpisodeStats | None = None  # what the episode loop measured (multi-turn only)
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether the samples are multi-turn episodes (``episodes``) rather than single generations."""
+        return self.env is not None and self.env.multi_turn
+
+    def episodes(self, generate: Generate) -> list[Sample]:
+        """Run the multi-turn episodes of ``prompts`` (``n`` each) on ``generate`` (an engine's, or one
+        that splits over workers); their stage times and counts go to ``env_stats`` (the caller adds
+        the times to ``timer``: ``env_stats.generate_s`` and ``env_stats.env_wait_s``)."""
+        assert self.env is not None, "episodes needs an environment (job.multi_turn)"
+        stats = EpisodeStats()
+        samples = run_episodes(self.env, generate, self.prompts, self.sampling, self.tokenizer, self.first_group,
+                               self.policy_version, stats)
+        self.env_stats = stats
+        return samples
 
     def samples(self, outputs: list[list[Generation]], start: int = 0) -> list[Sample]:
         """One ``Sample`` per generation of ``prompts[start:]`` (``outputs[i]`` are the completions
@@ -109,6 +125,9 @@ class RolloutJob:
             except (TypeError, ValueError) as err:
                 name = type(reward).__name__
                 raise RewardError(f"{name} gave {err} on sample ({describe_sample(sample)})") from None
+            if sample.env_reward:  # a multi-turn episode's environment rewards, summed over its turns
+                sample.reward_info["env"] = sample.env_reward
+                value = as_reward(value + sample.env_reward)
             sample.reward_info["raw"] = value
             sample.reward = value
             sample.reward = float(self.algorithm.shape_reward(sample))

@@ -3,7 +3,7 @@ initialised model can learn; ``arithmetic``, word problems for a small pretraine
 ``compare``, which of two numbers is larger, a level a 135M-parameter instruct model answers about half
 the time (BENCHMARKS.md), so GRPO's groups hold both right and wrong answers from the first step;
 ``mixed``, compare questions mixed with open-ended prompts for a generative judge, whose share changes
-along the dataset (for the ``routed`` reward)."""
+along the dataset (for the ``routed`` reward); ``reveal``, the multi-turn task of ``--env reveal``."""
 
 from __future__ import annotations
 
@@ -25,6 +25,12 @@ def target_char_rows(num_prompts: int, seed: int = 0) -> list[dict[str, str]]:
         digit = str(rng.randrange(10))
         rows.append({"prompt": f"{digit}=", "answer": digit})
     return rows
+
+
+def reveal_rows(num_prompts: int, seed: int = 0) -> list[dict[str, str]]:
+    """The multi-turn task of ``--env reveal``: the prompt ``?=`` hides the digit (the answer), which the
+    environment reveals after the model's first turn; the second turn is scored as ``target_char``."""
+    return [{"prompt": "?=", "answer": row["answer"]} for row in target_char_rows(num_prompts, seed)]
 
 
 #: (question, operation) templates of the arithmetic task; ``{a}`` and ``{b}`` are the operands
@@ -186,6 +192,7 @@ def _distinct_rows(num_prompts: int, split: str, digits: tuple[int, int], rng_se
 #: the embedded tasks by name: ``(num_prompts, seed, split, digits) -> rows`` (``target_char`` ignores ``digits``;
 #: ``mixed`` also takes ``judged_share``)
 TASKS = {"target_char": lambda n, seed, split, digits: target_char_rows(n, seed + (split == "test") * 10_000),
-         "arithmetic": arithmetic_rows, "compare": compare_rows, "mixed": mixed_rows}
+         "arithmetic": arithmetic_rows, "compare": compare_rows, "mixed": mixed_rows,
+         "reveal": lambda n, seed, split, digits: reveal_rows(n, seed + (split == "test") * 10_000)}
 #: the columns of an embedded task's rows that become ``Prompt.metadata``
 TASK_METADATA: dict[str, list[str]] = {"mixed": ["reward"]}

@@ -26,6 +26,7 @@ from gcore.errors import ConfigError, GcoreError, Interrupted
 from gcore.liveness import SIGNALS, ControllerWatch, report_rank_failure
 from gcore.loggers import LoggerName, continue_metrics, make_logger, quiet_dependencies
 from gcore.model import ModelConfig, ModelSource, load_tokenizer, make_workdir, materialize
+from gcore.envs.base import Environment
 from gcore.placement.base import PlacementPolicy
 from gcore.rendezvous import loopback_store
 from gcore.rewards.base import RewardModel
@@ -185,10 +186,12 @@ class Trainer:
         algorithm: Algorithm | None = None,
         placement: PlacementPolicy | None = None,
         backend: TrainingBackend | None = None,
+        env: Environment | None = None,
     ) -> None:
         from gcore.algorithms.grpo import GRPO
         from gcore.backends.torch import TorchBackend
         from gcore.engines.hf import HFEngine
+        from gcore.envs.base import SingleTurn
         from gcore.placement.static import StaticPlacement
         from gcore.rewards.rule import TargetCharReward
 
@@ -201,6 +204,7 @@ class Trainer:
         self.algorithm = algorithm or GRPO()
         self.placement = placement or StaticPlacement()
         self.backend = backend or TorchBackend()
+        self.env = env or SingleTurn()
         self.rollout_engine: Engine = self.engine  # what the controller calls; set by the placement's launch
         self._validate()
 
@@ -362,7 +366,7 @@ class Trainer:
         controller = controller_class(fabric, self.rollout_engine, self.reward, self.algorithm, self.backend,
                                       self.placement, tokenizer, self.sampling,
                                       draw_prompts=lambda k: take([extra.next_global()[0] for _ in range(k)]),
-                                      max_staleness=c.max_staleness)
+                                      max_staleness=c.max_staleness, env=self.env)
         controller.setup()
         checkpointer.setup(fabric, self.backend, shared={"sampler": sampler, "algorithm": self.algorithm,
                                                          "placement": self.placement},
@@ -531,6 +535,7 @@ class Trainer:
             "algorithm": plugin(self.algorithm),
             "placement": plugin(self.placement),
             "backend": plugin(self.backend),
+            "env": plugin(self.env),
         }
 
 

@@ -20,6 +20,9 @@ class Prompt:
     answer: str | None = None
     source: str = ""  # "file:line", for error messages
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: the user message before ``--data.chat_template`` wrapped it (``None``: ``text`` itself); what an
+    #: environment that renders its own conversation (``--env tools``) starts from
+    content: str | None = None
 
 
 @dataclass
@@ -81,6 +84,12 @@ class Sample:
     #: the weights that generated it: the number of training steps (updates) they had had. A sample
     #: trained at step ``s`` is ``s - policy_version`` versions old (0 in the synchronous loop).
     policy_version: int = 0
+    #: multi-turn episodes (``--env``, docs/agents.md): 1 where ``response_ids`` holds a token the model
+    #: generated, 0 where it holds an observation's token (context, never trained); ``None``: all the
+    #: model's (one turn). ``response_logprobs`` is 0 at observation tokens.
+    response_mask: list[int] | None = None
+    turns: int = 1  # model turns in the episode
+    env_reward: float = 0.0  # the sum of the environment's rewards for the turns (added to the reward model's)
 
 
 @dataclass
@@ -153,7 +162,10 @@ def collate(samples: list[Sample], pad_id: int, temperature: float) -> RolloutBa
         p, r = len(s.prompt.token_ids), len(s.response_ids)
         input_ids[row, : p + r] = torch.tensor(s.prompt.token_ids + s.response_ids, dtype=torch.long)
         attention_mask[row, : p + r] = 1
-        response_mask[row, p - 1 : p + r - 1] = 1.0
+        if s.response_mask is None:
+            response_mask[row, p - 1 : p + r - 1] = 1.0
+        else:  # a multi-turn episode: the observations' tokens are context, not trained
+            response_mask[row, p - 1 : p + r - 1] = torch.tensor(s.response_mask, dtype=torch.float)
         engine_logprobs[row, p - 1 : p + r - 1] = torch.tensor(s.response_logprobs, dtype=torch.float)
     return RolloutBatch(
         input_ids=input_ids,

@@ -95,9 +95,10 @@ def gae(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation over the response tokens of each row; returns (advantages, returns).
 
-    ``mask`` marks each row's response positions, one contiguous run. The state after the last
-    response token is terminal (value 0): ``delta_t = r_t + gamma * V_{t+1} - V_t`` and
-    ``A_t = delta_t + gamma * lam * A_{t+1}``; the returns are ``A_t + V_t``.
+    ``mask`` marks the tokens the model generated. The state after the last one is terminal (value
+    0): ``delta_t = r_t + gamma * V_{t+1} - V_t`` and ``A_t = delta_t + gamma * lam * A_{t+1}``, where
+    ``t+1`` is the row's next model token: the tokens of a multi-turn episode's observations (mask 0
+    between model turns) are skipped, not terminal. The returns are ``A_t + V_t``.
     """
     rewards64, values64, mask64 = token_rewards.double(), values.double() * mask.double(), mask.double()
     advantages = torch.zeros_like(values64)
@@ -106,7 +107,9 @@ def gae(
     for t in reversed(range(values64.shape[1])):
         delta = rewards64[:, t] + gamma * next_value - values64[:, t]
         advantages[:, t] = (delta + gamma * lam * next_advantage) * mask64[:, t]
-        next_value, next_advantage = values64[:, t], advantages[:, t]
+        model = mask64[:, t] > 0
+        next_value = torch.where(model, values64[:, t], next_value)
+        next_advantage = torch.where(model, advantages[:, t], next_advantage)
     returns = (advantages + values64) * mask64
     return advantages.to(values.dtype), returns.to(values.dtype)
 

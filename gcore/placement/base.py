@@ -80,10 +80,17 @@ class PlacementPolicy(ABC):
     def rollout(self, job: RolloutJob) -> list[Sample]:
         """Generate ``job.sampling.n`` samples per prompt of ``job`` and score them (``job.samples``,
         ``job.score``), timing the stages in ``job.timer``. Default: on ``job.engine``, in this process."""
-        with job.timer("generate"):
+        if job.multi_turn:
             self.before_generate(job.engine)
-            outputs = job.engine.generate([p.token_ids for p in job.prompts], job.sampling)
-        samples = job.samples(outputs)
+            samples = job.episodes(job.engine.generate)
+            assert job.env_stats is not None  # set by episodes
+            job.timer.add("generate", job.env_stats.generate_s)
+            job.timer.add("env", job.env_stats.env_wait_s)
+        else:
+            with job.timer("generate"):
+                self.before_generate(job.engine)
+                outputs = job.engine.generate([p.token_ids for p in job.prompts], job.sampling)
+            samples = job.samples(outputs)
         with job.timer("reward"):
             job.score(samples)
         with job.timer("swap"):

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import re
-from collections.abc import Callable
-from pathlib import Path
 from typing import Literal
 
 from gcore.errors import ConfigError
+from gcore.registry import load_callable
 from gcore.rewards.base import DEFAULT_TIMEOUT, RuleReward
 from gcore.types import Sample
 
@@ -60,32 +57,6 @@ class RegexReward(RuleReward):
         if "{answer}" in pattern:
             pattern = pattern.replace("{answer}", re.escape(sample.prompt.answer or ""))
         return self.match_score if re.search(pattern, sample.response_text) else self.miss_score
-
-
-def load_callable(spec: str) -> Callable:
-    """Import ``pkg.module:function`` or ``path/to/file.py:function``."""
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"--reward.function {spec!r}: expected 'package.module:function' or 'file.py:function'")
-    try:
-        if module_name.endswith(".py"):
-            path = Path(module_name)
-            if not path.is_file():
-                raise ConfigError(f"--reward.function: file {module_name} does not exist")
-            module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            assert module_spec is not None and module_spec.loader is not None  # a .py file has both
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-        fn = getattr(module, attr)
-    except ConfigError:
-        raise
-    except Exception as err:
-        raise ConfigError(f"--reward.function {spec!r} cannot be loaded: {type(err).__name__}: {err}") from err
-    if not callable(fn):
-        raise ConfigError(f"--reward.function {spec!r} is not callable")
-    return fn
 
 
 class CallableReward(RuleReward):
