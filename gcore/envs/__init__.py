@@ -1,0 +1,1 @@
+"""Environments for multi-turn episodes (docs/agents.md)."""
