@@ -9,6 +9,7 @@ from gcore.algorithms import DAPO, GRPO, PPO, RLOO, Algorithm, LossScale
 from gcore.backends import TorchBackend, TrainingBackend
 from gcore.data import DataConfig
 from gcore.engines import Engine, HFEngine
+from gcore.envs import Environment, Turn
 from gcore.errors import ConfigError, DataError, GcoreError, PluginError, RewardError
 from gcore.model import ModelConfig, ModelSource
 from gcore.placement import DynamicPlacement, PlacementPolicy, StaticPlacement, Telemetry
@@ -33,6 +34,7 @@ __all__ = [
     "DataError",
     "DynamicPlacement",
     "Engine",
+    "Environment",
     "FitResult",
     "GcoreError",
     "Generation",
@@ -59,6 +61,7 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "TrainingBackend",
+    "Turn",
     "fit",
     "__version__",
 ]

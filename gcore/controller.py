@@ -71,8 +71,9 @@ class StepRecord:
         if job.env_stats is not None:
             for name, value in job.env_stats.counts.items():
                 self.env_counts[name] = self.env_counts.get(name, 0.0) + value
-            self.env_counts["step_s"] = self.env_counts.get("step_s", 0.0) + job.env_stats.env_busy_s
-            self.env_counts["generate_calls"] = self.env_counts.get("generate_calls", 0.0) + job.env_stats.generate_calls
+            stats = job.env_stats
+            self.env_counts["step_s"] = self.env_counts.get("step_s", 0.0) + stats.env_busy_s
+            self.env_counts["generate_calls"] = self.env_counts.get("generate_calls", 0.0) + stats.generate_calls
 
 
 @dataclass

@@ -22,11 +22,11 @@ from gcore.checkpointer import Checkpointer, version_number
 from gcore.controller import Controller
 from gcore.data import CostBalancer, DataConfig, PromptSampler, load_eval_prompts, load_prompts, with_synthetic_feature
 from gcore.engines.base import Engine
+from gcore.envs.base import Environment
 from gcore.errors import ConfigError, GcoreError, Interrupted
 from gcore.liveness import SIGNALS, ControllerWatch, report_rank_failure
 from gcore.loggers import LoggerName, continue_metrics, make_logger, quiet_dependencies
 from gcore.model import ModelConfig, ModelSource, load_tokenizer, make_workdir, materialize
-from gcore.envs.base import Environment
 from gcore.placement.base import PlacementPolicy
 from gcore.rendezvous import loopback_store
 from gcore.rewards.base import RewardModel

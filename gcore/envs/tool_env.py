@@ -93,8 +93,8 @@ class ToolEnvironment(Environment):
         metrics = {"tool_calls": float(len(calls)), "tool_errors": 0.0}
         results = []
         for call in calls:
-            outcome = call_tool(self._functions, call, self.tool_timeout_s)
-            content = outcome.content[: self.max_result_chars]
+            outcome = call_tool(self._functions, call, self.tool_timeout_s, self.max_result_chars)
+            content = outcome.content
             if outcome.error is not None:
                 metrics["tool_errors"] += 1.0
                 metrics[f"tool_errors/{outcome.error}"] = metrics.get(f"tool_errors/{outcome.error}", 0.0) + 1.0

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from gcore.engines.base import Engine
 from gcore.model import ModelSource
 from gcore.rewards.base import RewardModel
-from gcore.rollout import RolloutJob
+from gcore.rollout import RolloutJob, StageTimer
 from gcore.types import Sample
 
 
@@ -132,3 +133,45 @@ class PlacementPolicy(ABC):
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` returned, when a run resumes (after ``setup``, which may have
         seen a different number of devices)."""
+
+
+class Background:
+    """Rollouts that run in a thread while the controller trains (``--trainer.max_staleness`` with
+    multi-turn episodes: the episode loop calls the engine once per turn, so it cannot be sent ahead
+    as one request). The engine-worker pool is not thread-safe: a policy ``join``s before it uses
+    the pool from the controller's thread again (``before_sync``), so the weight update waits for
+    the rollout in flight, and every turn of it is sampled by the same weights."""
+
+    def __init__(self) -> None:
+        self._executor: ThreadPoolExecutor | None = None
+        self._running: list[Future[list[Sample]]] = []
+
+    def start(self, job: RolloutJob, run: Callable[[RolloutJob], list[Sample]]) -> Callable[[], list[Sample]]:
+        """Run ``run(job)`` in the thread; returns the function that waits for its samples and adds what it
+        timed and counted to ``job`` (whose ``timer`` is the collecting step's by then)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gcore-rollout")
+        own = replace(job, timer=StageTimer())
+        future = self._executor.submit(run, own)
+        self._running.append(future)
+
+        def result() -> list[Sample]:
+            samples = future.result()
+            for stage, seconds in own.timer.seconds.items():
+                job.timer.add(stage, seconds)
+            job.reward_errors += own.reward_errors
+            job.first_reward_error = job.first_reward_error or own.first_reward_error
+            job.env_stats = own.env_stats
+            return samples
+
+        return result
+
+    def join(self) -> None:
+        """Wait for the rollouts in flight (their errors are raised when their samples are asked for)."""
+        wait(self._running)
+        self._running.clear()
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None

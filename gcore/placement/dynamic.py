@@ -16,9 +16,9 @@ import torch
 from gcore.engines.base import JUDGE, POLICY, REWARD, Engine, Role
 from gcore.errors import ConfigError
 from gcore.model import ModelSource
-from gcore.placement.base import PlacementPolicy, Telemetry
+from gcore.placement.base import Background, PlacementPolicy, Telemetry
 from gcore.rewards.base import RewardModel
-from gcore.rollout import RolloutJob
+from gcore.rollout import RolloutJob, StageTimer
 from gcore.threads import usable_cores, worker_threads
 from gcore.types import Generation, Sample
 
@@ -112,6 +112,7 @@ class DynamicPlacement(PlacementPolicy):
         self.controllers = 1  # controllers sharing each pool (set by ``launch``)
         self.machines = 1
         self.pool: WorkerPool | None = None
+        self._background = Background()  # multi-turn rollouts that overlap training
         self.policy_engine: PoolEngine | None = None
         self.judge_engine: PoolEngine | None = None
         self.reward_pool: PoolReward | None = None
@@ -239,6 +240,10 @@ class DynamicPlacement(PlacementPolicy):
                 role_engine.workers = scorers
         pool.busy.clear()
         started = time.perf_counter()
+        if job.multi_turn:
+            if pool.queue_syncs:  # rollouts overlap training: the episode loop runs in a thread
+                return self._background.start(job, lambda own: self._episode_rollout(own, scorers, started))
+            return lambda: self._episode_rollout(job, scorers, started)
         size = self.stream_groups
         if pool.queue_syncs:
             size = max(size, math.ceil(len(prompts) / len(generators)))
@@ -246,6 +251,22 @@ class DynamicPlacement(PlacementPolicy):
         requests = {start: pool.submit("generate", (POLICY, [p.token_ids for p in chunk], job.sampling),
                                        generators, POLICY) for start, chunk in chunks.items()}
         return lambda: self._finish_rollout(job, requests, scorers, started)
+
+    def _episode_rollout(self, job: RolloutJob, scorers: list[int], started: float) -> list[Sample]:
+        """Multi-turn: the episode loop on the generation partition (each turn batch split over it), then
+        the episodes judged on the reward partition. The wait for the environment is timed as ``env``:
+        ``update`` does not count it as the generation partition's idle time (no split shortens it)."""
+        pool, timer = self.pool, job.timer
+        assert pool is not None and self.policy_engine is not None  # set by launch
+        samples = job.episodes(self.policy_engine.generate)
+        assert job.env_stats is not None  # set by episodes
+        reward = self.reward_pool if scorers and self.reward_pool is not None else None  # None: in the controller
+        scored = time.perf_counter()
+        job.score(samples, reward)
+        in_controller = time.perf_counter() - scored
+        self._rollout_telemetry(timer, scorers, in_controller, time.perf_counter() - started)
+        timer.add("env", job.env_stats.env_wait_s)
+        return samples
 
     def _finish_rollout(self, job: RolloutJob, requests: dict[int, Job], scorers: list[int],
                         started: float) -> list[Sample]:
@@ -265,7 +286,13 @@ class DynamicPlacement(PlacementPolicy):
             scored = time.perf_counter()
             job.score(finished, reward)  # on the reward partition, while generation goes on
             in_controller += time.perf_counter() - scored
-        wall = time.perf_counter() - started
+        self._rollout_telemetry(timer, scorers, in_controller, time.perf_counter() - started)
+        return [sample for start in sorted(by_chunk) for sample in by_chunk[start]]
+
+    def _rollout_telemetry(self, timer: StageTimer, scorers: list[int], in_controller: float, wall: float) -> None:
+        """The rollout's busy seconds per device of each partition (what ``update`` balances) and idle."""
+        assert self.pool is not None  # set by launch
+        pool = self.pool
         busy_generate = pool.busy.get(POLICY, 0.0)
         busy_judge = pool.busy.get(self.reward_role, 0.0) if scorers else in_controller
         generate_devices = self.total - len(scorers)  # the split when the rollout started
@@ -274,11 +301,14 @@ class DynamicPlacement(PlacementPolicy):
         timer.add("rollout", wall)
         timer.add("idle_generate", generate_devices * wall - busy_generate)
         timer.add("idle_reward", len(scorers) * wall - busy_judge if scorers else 0.0)
-        return [sample for start in sorted(by_chunk) for sample in by_chunk[start]]
 
     def shutdown(self) -> None:
+        self._background.shutdown()
         if self.pool is not None:
             self.pool.close()
+
+    def before_sync(self, engine: Engine) -> None:
+        self._background.join()
 
     def state_dict(self) -> dict:
         return {"total": self.total, "judge_devices": self.judge_devices}
@@ -348,7 +378,9 @@ class DynamicPlacement(PlacementPolicy):
         judge_busy = self._pool_busy(telemetry, REWARD_STAGE) if self.judge_devices else telemetry.busiest(REWARD_STAGE)
         floors = (telemetry.busiest("generate_floor"), telemetry.busiest("reward_floor"))
         rollout = max(telemetry.busiest("rollout"), generate_busy, judge_busy)
-        idle_generate, idle_judge = rollout - generate_busy, rollout - judge_busy
+        # waiting for a multi-turn environment's observations idles the generators whatever the split
+        idle_generate = max(rollout - telemetry.busiest("env") - generate_busy, 0.0)
+        idle_judge = rollout - judge_busy
         moved = 0
         if rollout > 0 and abs(idle_generate - idle_judge) > self.hysteresis * rollout:
             target = self.target_judge_devices(generate_busy, judge_busy, *floors)

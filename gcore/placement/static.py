@@ -14,7 +14,7 @@ import torch
 from gcore.engines.base import JUDGE, POLICY, Engine
 from gcore.errors import ConfigError
 from gcore.model import ModelSource
-from gcore.placement.base import PlacementPolicy
+from gcore.placement.base import Background, PlacementPolicy
 from gcore.rewards.base import RewardModel
 from gcore.rollout import RolloutJob
 from gcore.types import Sample
@@ -57,6 +57,7 @@ class StaticPlacement(PlacementPolicy):
         self._offload = False
         self.pool: WorkerPool | None = None
         self.judge_engine: PoolEngine | None = None
+        self._background = Background()  # multi-turn rollouts that overlap training
 
     @property
     def telemetry_keys(self) -> tuple[str, ...]:
@@ -100,6 +101,10 @@ class StaticPlacement(PlacementPolicy):
         (the judge swap and the scoring) runs when the result is asked for."""
         if self.pool is None:
             return super().start_rollout(job)
+        if job.multi_turn:
+            if self.pool.queue_syncs:  # rollouts overlap training: the episode loop runs in a thread
+                return self._background.start(job, self._episode_rollout)
+            return lambda: self._episode_rollout(job)
         pool = self.pool
         pool.revive()
         pool.busy.clear()
@@ -108,13 +113,29 @@ class StaticPlacement(PlacementPolicy):
                                         list(range(pool.size)))
         return lambda: self._finish_rollout(job, requests, started)
 
+    def _episode_rollout(self, job: RolloutJob) -> list[Sample]:
+        """Multi-turn: the episode loop on every worker (each turn batch split over them), then judged."""
+        assert self.pool is not None  # set by launch
+        self.pool.revive()
+        self.pool.busy.clear()
+        started = time.perf_counter()
+        samples = job.episodes(job.engine.generate)
+        assert job.env_stats is not None  # set by episodes
+        job.timer.add("generate", job.env_stats.generate_s)
+        job.timer.add("env", job.env_stats.env_wait_s)
+        return self._judge(job, samples, time.perf_counter() - started)
+
     def _finish_rollout(self, job: RolloutJob, requests: list[Job], started: float) -> list[Sample]:
         assert self.pool is not None  # set by launch
-        pool, everyone, timer = self.pool, list(range(self.pool.size)), job.timer
-        with timer("generate"):
-            outputs = pool.collect_generate(requests)
+        with job.timer("generate"):
+            outputs = self.pool.collect_generate(requests)
             generate_s = time.perf_counter() - started
-        samples = job.samples(outputs)
+        return self._judge(job, job.samples(outputs), generate_s)
+
+    def _judge(self, job: RolloutJob, samples: list[Sample], generate_s: float) -> list[Sample]:
+        """Swap every worker to the judge (if any), score, swap back; the rollout's idle telemetry."""
+        assert self.pool is not None  # set by launch
+        pool, everyone, timer = self.pool, list(range(self.pool.size)), job.timer
         if self.judge_engine is not None:
             with timer("swap"):
                 pool.assign([JUDGE] * pool.size)
@@ -133,6 +154,7 @@ class StaticPlacement(PlacementPolicy):
         return samples
 
     def shutdown(self) -> None:
+        self._background.shutdown()
         if self.pool is not None:
             self.pool.close()
 
@@ -145,5 +167,6 @@ class StaticPlacement(PlacementPolicy):
             engine.sleep()
 
     def before_sync(self, engine: Engine) -> None:
+        self._background.join()
         if self._offload:
             engine.wake_up()
