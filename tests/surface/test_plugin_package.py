@@ -50,6 +50,16 @@ def test_installed_plugin_is_listed_and_used(installed, tmp_path):
     assert len(rows) == 2 and all(0.5 <= float(r["reward/mean"]) <= 1 for r in rows)
 
 
+def test_installed_environment_runs_episodes(installed, tmp_path):
+    assert "echo" in _gcore(installed, "plugins", cwd=tmp_path).stdout
+    run = _gcore(installed, "fit", "--trainer.default_root_dir", str(tmp_path), *FAST, "--env", "echo",
+                 "--data.task", "reveal", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()))
+    assert [float(r["env/echoes"]) for r in rows] == [float(r["env/episodes"]) for r in rows]  # every one ended
+    assert all(float(r["env/turns_mean"]) == 2.0 for r in rows)
+
+
 def test_without_the_package_the_names_are_unknown(tmp_path):
     listed = _gcore(None, "plugins", cwd=tmp_path)
     assert "brevity" not in listed.stdout

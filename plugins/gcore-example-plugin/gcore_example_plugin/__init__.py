@@ -1,10 +1,10 @@
-"""An example gcore plugin package: one reward and one algorithm, registered by entry points."""
+"""An example gcore plugin package: a reward, an algorithm and an environment, registered by entry points."""
 
 from __future__ import annotations
 
 import torch
 
-from gcore import Algorithm, RolloutBatch, RuleReward, Sample
+from gcore import Algorithm, Environment, RolloutBatch, RuleReward, Sample, Turn
 from gcore.algorithms import group_normalize
 
 
@@ -32,3 +32,24 @@ class Reinforce(Algorithm):
     def policy_loss(self, logprobs: torch.Tensor, batch: RolloutBatch):
         advantages = batch.advantages.unsqueeze(-1).expand_as(logprobs)
         return -advantages * logprobs, {}
+
+
+class Echo(Environment):
+    """A two-turn game: the environment shows the prompt's answer after the first turn, and says
+    whether the second turn repeated it (reward 1) or not (0).
+
+    Args:
+        max_turns: model turns per episode.
+    """
+
+    def __init__(self, max_turns: int = 2) -> None:
+        super().__init__(max_turns=max_turns)
+
+    def reset(self, prompt):
+        return {"answer": prompt.answer or "", "shown": False}
+
+    def step(self, state, response):
+        if state["shown"]:
+            return Turn(reward=float(state["answer"] in response), done=True, metrics={"echoes": 1.0})
+        state["shown"] = True
+        return Turn(observation=f"|{state['answer']}=")

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from gcore_example_plugin import BrevityReward, Reinforce
+from gcore_example_plugin import BrevityReward, Echo, Reinforce
 
 from gcore.testing import make_batch, make_sample, tiny_fit
 
@@ -32,3 +32,11 @@ def test_trains_inside_gcore():
         assert 1 - metrics["response_length/mean"] / 16 <= metrics["reward/mean"] <= 1
         # REINFORCE trained: its loss reports no clipped ratio, unlike GRPO's
         assert metrics["samples/trained"] > 0 and "clip_frac" not in metrics and "ratio" not in metrics
+
+
+def test_echo_rewards_a_repeated_answer():
+    env = Echo()
+    state = env.reset(make_sample("?=", "", answer="7").prompt)
+    assert env.step(state, "abc").observation == "|7="
+    last = env.step(state, "77")
+    assert last.done and last.reward == 1.0

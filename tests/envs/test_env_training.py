@@ -1,0 +1,52 @@
+"""Multi-turn episodes through the whole step: every algorithm, the worker placements, and the one-step-off loop."""
+
+import math
+
+import pytest
+
+from gcore import DAPO, GRPO, PPO, RLOO, DynamicPlacement, StaticPlacement, Trainer, TrainerConfig
+from gcore.data import DataConfig
+from gcore.envs.reveal import RevealEnvironment
+from gcore.model import ModelConfig
+from gcore.types import SamplingParams
+
+
+def _fit(tmp_path, steps=2, **plugins):
+    trainer = plugins.pop("trainer", {})
+    return Trainer(
+        trainer=TrainerConfig(max_steps=steps, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                              save_final=False, **trainer),
+        model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
+        data=DataConfig(task="reveal", prompts_per_step=4),
+        sampling=SamplingParams(n=4, max_new_tokens=6),
+        env=plugins.pop("env", RevealEnvironment()),
+        **plugins,
+    ).fit()
+
+
+def _assert_episodes(history, prompts=4, n=4):
+    for metrics in history:
+        assert metrics["env/episodes"] >= prompts * n and metrics["env/turns_mean"] == 2.0
+        assert metrics.get("env/errors", 0.0) == 0.0
+        assert metrics["response_length/max"] > 6  # two turns and the observation between them
+        assert math.isfinite(metrics["loss"])
+
+
+@pytest.mark.parametrize("make", [GRPO, PPO, RLOO, lambda: DAPO(max_rounds=2)], ids=["grpo", "ppo", "rloo", "dapo"])
+def test_every_algorithm_trains_on_two_turn_episodes(tmp_path, make):
+    result = _fit(tmp_path, algorithm=make())
+    _assert_episodes(result.history)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("placement, staleness", [
+    (lambda: StaticPlacement(workers=2), 0),
+    (lambda: DynamicPlacement(workers=2), 0),
+    (lambda: DynamicPlacement(workers=2), 1),
+], ids=["static-workers", "dynamic", "dynamic-async"])
+def test_episodes_on_engine_workers(tmp_path, placement, staleness):
+    result = _fit(tmp_path, steps=3, placement=placement(), trainer={"max_staleness": staleness})
+    _assert_episodes(result.history)
+    if staleness:  # the episodes of steps 1 and 2 ran while the step before trained
+        assert [m["async/staleness_max"] for m in result.history] == [0.0, 1.0, 1.0]
