@@ -9,7 +9,7 @@ from gcore.algorithms import DAPO, GRPO, PPO, RLOO, Algorithm, LossScale
 from gcore.backends import TorchBackend, TrainingBackend
 from gcore.data import DataConfig
 from gcore.engines import Engine, HFEngine
-from gcore.errors import ConfigError, DataError, GcoreError, PluginError, RewardError
+from gcore.errors import AlgorithmError, ConfigError, DataError, GcoreError, PluginError, RewardError
 from gcore.model import ModelConfig, ModelSource
 from gcore.placement import DynamicPlacement, PlacementPolicy, StaticPlacement, Telemetry
 from gcore.rewards import CallableReward, Judge, RegexReward, RewardModel, RuleReward, TargetCharReward
@@ -27,6 +27,7 @@ __all__ = [
     "PPO",
     "RLOO",
     "Algorithm",
+    "AlgorithmError",
     "CallableReward",
     "ConfigError",
     "DataConfig",

@@ -22,7 +22,7 @@ from gcore.checkpointer import Checkpointer, version_number
 from gcore.controller import Controller
 from gcore.data import CostBalancer, DataConfig, PromptSampler, load_eval_prompts, load_prompts, with_synthetic_feature
 from gcore.engines.base import Engine
-from gcore.errors import ConfigError, GcoreError, Interrupted
+from gcore.errors import AlgorithmError, ConfigError, GcoreError, Interrupted, RewardError
 from gcore.liveness import SIGNALS, ControllerWatch, report_rank_failure
 from gcore.loggers import LoggerName, continue_metrics, make_logger, quiet_dependencies
 from gcore.model import ModelConfig, ModelSource, load_tokenizer, make_workdir, materialize
@@ -433,6 +433,10 @@ class Trainer:
             if run.eval_prompts and run.start_step < c.max_steps:  # the trained policy
                 evaluations.append(self._evaluate(run, c.max_steps, bar))
             run.checkpointer.wait()
+        except (AlgorithmError, RewardError):  # a plugin's code failed: the save in flight is still completed
+            bar.close()
+            run.checkpointer.finish_for_exit()
+            raise
         except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (``Interrupted``)
             bar.close()
             last = run.checkpointer.finish_for_exit()

@@ -8,13 +8,15 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from gcore.algorithms.grpo import GRPO
 from gcore.checkpoint import CheckpointError, export_main
-from gcore.errors import RewardError
+from gcore.errors import GcoreError, RewardError
 from gcore.rewards.rule import CallableReward
 from gcore.testing import tiny_fit
 
@@ -149,3 +151,68 @@ def test_a_reward_beyond_float32_is_named_before_any_update(tmp_path):
                                           r"range \(\+-3.403e\+38\), got 1e\+300 on sample \(prompt <target_char"):
         tiny_fit(steps=1, reward=CallableReward(_reward_file(tmp_path, "    return 1e300")))
 
+
+
+class _Ends(GRPO):
+    """GRPO whose ``method`` runs ``body`` (code that ends the process) on its second call."""
+
+    def __init__(self, method: str, body: str) -> None:
+        super().__init__()
+        self.method, self.body, self.calls = method, body, 0
+
+    def _maybe_end(self, method: str) -> None:
+        if method == self.method:
+            self.calls += 1
+            if self.calls == 2:
+                exec(self.body)  # noqa: S102  the test's own code
+
+    def advantages(self, batch):
+        self._maybe_end("advantages")
+        return super().advantages(batch)
+
+    def shape_reward(self, sample):
+        self._maybe_end("shape_reward")
+        return super().shape_reward(sample)
+
+    def keep_group(self, rewards):
+        self._maybe_end("keep_group")
+        return super().keep_group(rewards)
+
+    def loss(self, logprobs, batch, scale, entropy=None):
+        self._maybe_end("loss")
+        return super().loss(logprobs, batch, scale, entropy)
+
+
+@pytest.mark.parametrize(("method", "body", "raised"), [
+    ("advantages", "sys.exit(0)", "SystemExit: 0"),
+    ("shape_reward", "raise KeyboardInterrupt", "KeyboardInterrupt"),
+    ("keep_group", "sys.exit('bye')", "SystemExit: bye"),
+    ("loss", "raise GeneratorExit", "GeneratorExit"),
+])
+def test_an_algorithm_whose_code_exits_stops_the_run_naming_the_method(method, body, raised):
+    # before: SystemExit left Trainer.fit (from the CLI: exit status 0, nothing said); a KeyboardInterrupt
+    # of the algorithm's own read as Ctrl-C
+    with pytest.raises(GcoreError) as err:
+        tiny_fit(steps=2, algorithm=_Ends(method, body))
+    assert type(err.value).__name__ == "AlgorithmError"
+    assert str(err.value) == (f"algorithm _Ends.{method} raised {raised}; an algorithm's code must raise an "
+                              "exception, not end the process")
+
+
+def test_an_algorithm_that_exits_ends_the_cli_run_in_one_line_keeping_its_checkpoints(gcore_cli, tmp_path):
+    # before: exit status 0, no message, the run folder as if it had succeeded
+    (tmp_path / "exiting.py").write_text(
+        "import sys\nfrom gcore.algorithms.grpo import GRPO\n\n\nclass ExitingGRPO(GRPO):\n    calls = 0\n\n"
+        "    def advantages(self, batch):\n        ExitingGRPO.calls += 1\n"
+        "        if ExitingGRPO.calls == 3:\n            sys.exit(0)\n        return super().advantages(batch)\n")
+    result = gcore_cli("--algorithm", "exiting.ExitingGRPO", "--trainer.max_steps", "4",
+                       "--trainer.checkpoint_every", "1")
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == ("gcore: error: algorithm ExitingGRPO.advantages raised SystemExit: 0; an algorithm's code "
+                         "must raise an exception, not end the process"), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    checkpoints = tmp_path / "runs" / "gcore" / "checkpoints"
+    # steps 0 and 1 were saved (the second asynchronously, maybe in flight when step 2 failed): both complete
+    assert sorted(os.listdir(checkpoints)) == ["step_00000000", "step_00000001"], os.listdir(checkpoints)
+    assert all((checkpoints / step / "manifest.json").is_file() for step in os.listdir(checkpoints))
