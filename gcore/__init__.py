@@ -3,7 +3,8 @@
 Public API: the five plugin interfaces, the built-in plugins, the configs, and ``Trainer``/``fit``.
 """
 
-# first, before anything imports torch: sets OpenMP's wait policy, which it reads once (docs/threads.md)
+# first, before anything imports torch: sets OpenMP's wait policy, which it reads once (docs/threads.md), and
+# torch's C++ log level, read once too (docs/failure-modes.md)
 from gcore import threads as _threads
 from gcore.algorithms import DAPO, GRPO, PPO, RLOO, Algorithm, LossScale
 from gcore.backends import TorchBackend, TrainingBackend

@@ -216,3 +216,16 @@ def test_an_algorithm_that_exits_ends_the_cli_run_in_one_line_keeping_its_checkp
     # steps 0 and 1 were saved (the second asynchronously, maybe in flight when step 2 failed): both complete
     assert sorted(os.listdir(checkpoints)) == ["step_00000000", "step_00000001"], os.listdir(checkpoints)
     assert all((checkpoints / step / "manifest.json").is_file() for step in os.listdir(checkpoints))
+
+
+@pytest.mark.parametrize(("users", "seen"), [(None, "ERROR"), ("INFO", "INFO")])
+def test_importing_gcore_quiets_torchs_cpp_warnings_unless_the_user_chose(users, seen):
+    # torch reads TORCH_CPP_LOG_LEVEL once, on import: gcore sets it first, and launched controllers inherit it
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    if users is not None:
+        env["TORCH_CPP_LOG_LEVEL"] = users
+    code = "import os, gcore, torch; print(os.environ['TORCH_CPP_LOG_LEVEL'])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == seen
