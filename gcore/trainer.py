@@ -20,7 +20,15 @@ from gcore.algorithms.base import Algorithm
 from gcore.backends.base import TrainingBackend
 from gcore.checkpointer import Checkpointer, version_number
 from gcore.controller import Controller
-from gcore.data import CostBalancer, DataConfig, PromptSampler, load_eval_prompts, load_prompts, with_synthetic_feature
+from gcore.data import (
+    CostBalancer,
+    DataConfig,
+    PromptSampler,
+    check_tokenizer,
+    load_eval_prompts,
+    load_prompts,
+    with_synthetic_feature,
+)
 from gcore.engines.base import Engine
 from gcore.errors import AlgorithmError, ConfigError, GcoreError, Interrupted, RewardError
 from gcore.liveness import SIGNALS, ControllerWatch, report_rank_failure
@@ -283,6 +291,7 @@ class Trainer:
             # before the process group exists: transformers saves only on rank 0 once it does, and
             # every controller builds (and loads) its own copy of the embedded model
             tokenizer = load_tokenizer(self.model_config)
+            check_tokenizer(self.data_config, tokenizer)  # before the model is built and controllers launched
             source = self.model_config.source(materialize(self.model_config, tokenizer, c.seed, workdir))
             store.enter_context(loopback_store(fabric, c.num_nodes, c.collective_timeout))
             store.enter_context(threads.launching())  # Fabric's OMP_NUM_THREADS in a controller is not the user's

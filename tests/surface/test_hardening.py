@@ -229,3 +229,30 @@ def test_importing_gcore_quiets_torchs_cpp_warnings_unless_the_user_chose(users,
     code = "import os, gcore, torch; print(os.environ['TORCH_CPP_LOG_LEVEL'])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == seen
+
+
+def test_a_chat_template_the_tokenizer_lacks_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    # before: the model was built and the controllers launched; each failed while loading its prompts
+    from gcore.data import DataConfig
+    from gcore.errors import DataError
+    from gcore.model import ModelConfig
+    from gcore.trainer import Trainer, TrainerConfig
+
+    def built(*args, **kwargs):
+        raise AssertionError("the model was built before the data options were checked")
+
+    monkeypatch.setattr("gcore.trainer.materialize", built)
+    trainer = Trainer(trainer=TrainerConfig(max_steps=1, default_root_dir=str(tmp_path), enable_progress_bar=False),
+                      model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
+                      data=DataConfig(chat_template=True))  # the embedded character tokenizer has no template
+    with pytest.raises(DataError, match=r"^--data.chat_template true: the tokenizer has no chat template; ") as err:
+        trainer.fit()
+    assert "\n" not in str(err.value)
+
+
+def test_a_chat_template_the_tokenizer_lacks_is_one_line_from_the_cli_before_any_controller(gcore_cli, tmp_path):
+    result = gcore_cli("--data.chat_template", "true", "--trainer.devices", "2", "--trainer.accelerator", "cpu")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        "gcore: error: --data.chat_template true: the tokenizer has no chat template; use a model whose tokenizer "
+        "has one, or --data.chat_template false (--data.prompt_template formats prompts)"], result.stderr[-3000:]
