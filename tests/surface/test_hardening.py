@@ -256,3 +256,58 @@ def test_a_chat_template_the_tokenizer_lacks_is_one_line_from_the_cli_before_any
     assert result.stderr.strip().splitlines() == [
         "gcore: error: --data.chat_template true: the tokenizer has no chat template; use a model whose tokenizer "
         "has one, or --data.chat_template false (--data.prompt_template formats prompts)"], result.stderr[-3000:]
+
+
+def _sentinel(signum, frame):  # a handler of the caller's own, to see that it comes back
+    raise KeyboardInterrupt
+
+
+def _fit_keeps_the_callers_signal_handlers(run) -> None:
+    import signal
+
+    previous = {sig: signal.signal(sig, _sentinel) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        run()
+        assert signal.getsignal(signal.SIGINT) is _sentinel and signal.getsignal(signal.SIGTERM) is _sentinel
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def test_a_run_gives_back_the_callers_signal_handlers():
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    tiny_fit(steps=1)
+    assert signal.getsignal(signal.SIGINT) is before
+    _fit_keeps_the_callers_signal_handlers(lambda: tiny_fit(steps=1))
+
+
+def test_a_failed_run_gives_back_the_callers_signal_handlers():
+    def failing():
+        with pytest.raises(GcoreError):
+            tiny_fit(steps=2, algorithm=_Ends("advantages", "sys.exit(0)"))
+
+    _fit_keeps_the_callers_signal_handlers(failing)
+
+
+def test_a_ctrl_c_during_the_teardown_still_gives_back_the_callers_signal_handlers(monkeypatch):
+    # before: an error while the run's store was closed skipped the restore, and gcore's handler stayed in the
+    # caller's process (a later Ctrl-C then behaved as in a run)
+    import contextlib
+
+    from gcore import rendezvous
+
+    @contextlib.contextmanager
+    def interrupted_on_close(*args, **kwargs):
+        with rendezvous.loopback_store(*args, **kwargs):
+            yield
+        raise KeyboardInterrupt  # as a Ctrl-C while the store closes
+
+    monkeypatch.setattr("gcore.trainer.loopback_store", interrupted_on_close)
+
+    def run():
+        with pytest.raises(KeyboardInterrupt):
+            tiny_fit(steps=1)
+
+    _fit_keeps_the_callers_signal_handlers(run)
