@@ -199,6 +199,7 @@ def test_an_algorithm_whose_code_exits_stops_the_run_naming_the_method(method, b
                               "exception, not end the process")
 
 
+@pytest.mark.integration
 def test_an_algorithm_that_exits_ends_the_cli_run_in_one_line_keeping_its_checkpoints(gcore_cli, tmp_path):
     # before: exit status 0, no message, the run folder as if it had succeeded
     (tmp_path / "exiting.py").write_text(
@@ -218,6 +219,7 @@ def test_an_algorithm_that_exits_ends_the_cli_run_in_one_line_keeping_its_checkp
     assert all((checkpoints / step / "manifest.json").is_file() for step in os.listdir(checkpoints))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("users", "seen"), [(None, "ERROR"), ("INFO", "INFO")])
 def test_importing_gcore_quiets_torchs_cpp_warnings_unless_the_user_chose(users, seen):
     # torch reads TORCH_CPP_LOG_LEVEL once, on import: gcore sets it first, and launched controllers inherit it
@@ -250,6 +252,7 @@ def test_a_chat_template_the_tokenizer_lacks_is_refused_before_the_model_is_buil
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.integration
 def test_a_chat_template_the_tokenizer_lacks_is_one_line_from_the_cli_before_any_controller(gcore_cli, tmp_path):
     result = gcore_cli("--data.chat_template", "true", "--trainer.devices", "2", "--trainer.accelerator", "cpu")
     assert result.returncode == 2, result.stderr[-3000:]
