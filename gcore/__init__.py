@@ -3,14 +3,15 @@
 Public API: the five plugin interfaces, the built-in plugins, the configs, and ``Trainer``/``fit``.
 """
 
-# first, before anything imports torch: sets OpenMP's wait policy, which it reads once (docs/threads.md)
+# first, before anything imports torch: sets OpenMP's wait policy, which it reads once (docs/threads.md), and
+# torch's C++ log level, read once too (docs/failure-modes.md)
 from gcore import threads as _threads
 from gcore.algorithms import DAPO, GRPO, PPO, RLOO, Algorithm, LossScale
 from gcore.backends import TorchBackend, TrainingBackend
 from gcore.data import DataConfig
 from gcore.engines import Engine, HFEngine
 from gcore.envs import Environment, Turn
-from gcore.errors import ConfigError, DataError, GcoreError, PluginError, RewardError
+from gcore.errors import AlgorithmError, ConfigError, DataError, GcoreError, PluginError, RewardError
 from gcore.model import ModelConfig, ModelSource
 from gcore.placement import DynamicPlacement, PlacementPolicy, StaticPlacement, Telemetry
 from gcore.rewards import CallableReward, Judge, RegexReward, RewardModel, RuleReward, TargetCharReward
@@ -28,6 +29,7 @@ __all__ = [
     "PPO",
     "RLOO",
     "Algorithm",
+    "AlgorithmError",
     "CallableReward",
     "ConfigError",
     "DataConfig",

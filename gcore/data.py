@@ -76,6 +76,14 @@ class DataConfig:
     num_eval_prompts: int = 64
 
 
+def check_tokenizer(config: DataConfig, tokenizer) -> None:  # noqa: ANN001  a transformers tokenizer
+    """The data options that need the tokenizer, checked once before any controller starts (each controller
+    would otherwise fail with it while loading its prompts)."""
+    if config.chat_template and not getattr(tokenizer, "chat_template", None):
+        raise DataError("--data.chat_template true: the tokenizer has no chat template; use a model whose "
+                        "tokenizer has one, or --data.chat_template false (--data.prompt_template formats prompts)")
+
+
 def with_synthetic_feature(prompt: Prompt, megabytes: float) -> Prompt:
     """A copy of ``prompt`` carrying ``metadata["feature"]``: ``megabytes`` of float32 values drawn from
     the prompt's index (the same feature wherever it is made)."""
@@ -233,8 +241,7 @@ def tokenize_rows(rows: list[tuple[dict, str]], config: DataConfig, tokenizer, m
         except (KeyError, IndexError, ValueError) as err:
             raise DataError(f"--data.prompt_template {config.prompt_template!r}: {err}") from None
         if config.chat_template:
-            if not getattr(tokenizer, "chat_template", None):
-                raise DataError("--data.chat_template true: the tokenizer has no chat template")
+            check_tokenizer(config, tokenizer)
             text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                  add_generation_prompt=True)
             token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -19,6 +19,11 @@ class RewardError(GcoreError):
     """A reward function raised on a sample; the message names the sample."""
 
 
+class AlgorithmError(GcoreError):
+    """An algorithm's code ended the process (``sys.exit``, its own ``KeyboardInterrupt``); the message names
+    the algorithm and the method."""
+
+
 class PluginError(GcoreError):
     """A plugin that could not be found or imported."""
 

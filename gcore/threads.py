@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Collection, Mapping, MutableMapping
 from dataclasses import dataclass
 
-from gcore.environ import environ_set
+from gcore.environ import environ_set, quiet_torch_cpp_warnings
 
 log = logging.getLogger(__name__)
 
@@ -286,3 +286,4 @@ def launching() -> contextlib.AbstractContextManager[None]:
     this process's does."""
     return environ_set({USER_THREADS_VARIABLE: str(user_threads_at_import or "")})
 set_wait_policy()  # on import: gcore's ``__init__`` imports this module before anything imports torch
+quiet_torch_cpp_warnings()  # likewise: torch reads TORCH_CPP_LOG_LEVEL once, on import

@@ -20,10 +20,18 @@ from gcore.algorithms.base import Algorithm
 from gcore.backends.base import TrainingBackend
 from gcore.checkpointer import Checkpointer, version_number
 from gcore.controller import Controller
-from gcore.data import CostBalancer, DataConfig, PromptSampler, load_eval_prompts, load_prompts, with_synthetic_feature
+from gcore.data import (
+    CostBalancer,
+    DataConfig,
+    PromptSampler,
+    check_tokenizer,
+    load_eval_prompts,
+    load_prompts,
+    with_synthetic_feature,
+)
 from gcore.engines.base import Engine
 from gcore.envs.base import Environment
-from gcore.errors import ConfigError, GcoreError, Interrupted
+from gcore.errors import AlgorithmError, ConfigError, GcoreError, Interrupted, RewardError
 from gcore.liveness import SIGNALS, ControllerWatch, report_rank_failure
 from gcore.loggers import LoggerName, continue_metrics, make_logger, quiet_dependencies
 from gcore.model import ModelConfig, ModelSource, load_tokenizer, make_workdir, materialize
@@ -281,23 +289,26 @@ class Trainer:
         # here, once, before any controller process or engine is launched
         self.placement.setup(self._world_size(), device_type, self.reward)
         workdir = make_workdir()
-        restore_signals = SIGNALS.install()
-        store = contextlib.ExitStack()  # the single-node rendezvous store lives as long as the run
+        # undone in reverse order, each step also when one before it raised (a Ctrl-C during the teardown): the
+        # caller's signal handlers always come back
+        cleanup = contextlib.ExitStack()
+        cleanup.callback(self.engine.shutdown)
+        cleanup.callback(self.placement.shutdown)
+        cleanup.callback(shutil.rmtree, workdir, ignore_errors=True)
+        cleanup.callback(SIGNALS.install())
         try:
             # before the process group exists: transformers saves only on rank 0 once it does, and
             # every controller builds (and loads) its own copy of the embedded model
             tokenizer = load_tokenizer(self.model_config)
+            check_tokenizer(self.data_config, tokenizer)  # before the model is built and controllers launched
             source = self.model_config.source(materialize(self.model_config, tokenizer, c.seed, workdir))
-            store.enter_context(loopback_store(fabric, c.num_nodes, c.collective_timeout))
-            store.enter_context(threads.launching())  # Fabric's OMP_NUM_THREADS in a controller is not the user's
+            # the single-node rendezvous store lives as long as the run
+            cleanup.enter_context(loopback_store(fabric, c.num_nodes, c.collective_timeout))
+            cleanup.enter_context(threads.launching())  # Fabric's OMP_NUM_THREADS in a controller is not the user's
             fabric.launch()
             return self._run(fabric, tokenizer, source, checkpointer)
         finally:
-            store.close()
-            restore_signals()
-            shutil.rmtree(workdir, ignore_errors=True)
-            self.placement.shutdown()
-            self.engine.shutdown()
+            cleanup.close()
 
     def _run(self, fabric: Fabric, tokenizer: PreTrainedTokenizerBase, source: ModelSource,
              checkpointer: Checkpointer) -> FitResult:
@@ -437,6 +448,10 @@ class Trainer:
             if run.eval_prompts and run.start_step < c.max_steps:  # the trained policy
                 evaluations.append(self._evaluate(run, c.max_steps, bar))
             run.checkpointer.wait()
+        except (AlgorithmError, RewardError):  # a plugin's code failed: the save in flight is still completed
+            bar.close()
+            run.checkpointer.finish_for_exit()
+            raise
         except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (``Interrupted``)
             bar.close()
             last = run.checkpointer.finish_for_exit()

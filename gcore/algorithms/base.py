@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+import types
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
-from gcore.errors import ConfigError
+from gcore.errors import AlgorithmError, ConfigError
 from gcore.types import RolloutBatch, Sample
+from gcore.user_code import describe, from_signal
 
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -188,6 +192,37 @@ def behaviour_weight(
     return raw.clamp(max=cap), raw
 
 
+#: the methods of an algorithm gcore calls during a run, each guarded against code that ends the process
+#: (``_guarded``): a subclass's override of any of them is wrapped when the subclass is defined
+GUARDED_METHODS = ("setup", "loss_scale", "state_dict", "load_state_dict", "rows_to_train", "shape_reward",
+                   "keep_group", "loss_mask", "advantages", "policy_loss", "value_loss", "loss")
+
+
+def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` of an ``Algorithm`` whose ``SystemExit``, ``KeyboardInterrupt`` (its own, not a signal's)
+    or other ``BaseException`` becomes an ``AlgorithmError`` naming the algorithm and the method: the run
+    stops with one line (exit status 2 from the CLI), not with exit status 0 and nothing said. Ordinary
+    exceptions pass through with their traceback."""
+
+    @functools.wraps(method)
+    def guarded(self: Algorithm, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401  as the method's
+        try:
+            return method(self, *args, **kwargs)
+        except Exception:
+            raise
+        except KeyboardInterrupt as err:
+            if from_signal(err):
+                raise
+            cause: BaseException = err
+        except BaseException as err:  # noqa: BLE001  SystemExit and the like: the algorithm's fault
+            cause = err
+        raise AlgorithmError(f"algorithm {type(self).__name__}.{method.__name__} raised {describe(cause)}; an "
+                             f"algorithm's code must raise an exception, not end the process") from cause
+
+    guarded.__gcore_guarded__ = True  # type: ignore[attr-defined]
+    return guarded
+
+
 class Algorithm(ABC):
     """An RL algorithm: the parts a researcher changes are separate methods.
 
@@ -220,6 +255,13 @@ class Algorithm(ABC):
     #: generation rounds a controller may run per step to fill its share of the batch after
     #: ``keep_group`` dropped groups (dynamic sampling); 1 means no re-sampling.
     max_rounds: int = 1
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:  # noqa: ANN401  as object.__init_subclass__
+        super().__init_subclass__(**kwargs)
+        for name in GUARDED_METHODS:
+            method = cls.__dict__.get(name)
+            if isinstance(method, types.FunctionType) and not getattr(method, "__gcore_guarded__", False):
+                setattr(cls, name, _guarded(method))
 
     def __init__(
         self,

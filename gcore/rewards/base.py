@@ -6,19 +6,18 @@ import ctypes
 import functools
 import math
 import numbers
-import signal
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Literal, cast
 
 from gcore.engines.base import Engine
-from gcore.errors import ConfigError, Interrupted, RewardError
+from gcore.errors import ConfigError, RewardError
 from gcore.model import ModelSource
 from gcore.types import Sample
+from gcore.user_code import describe, from_signal
 
 #: the default ``--reward.timeout`` of the rule-based rewards, in seconds per sample
 DEFAULT_TIMEOUT = 30.0
@@ -73,29 +72,6 @@ def _short(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _from_signal(err: KeyboardInterrupt) -> bool:
-    """Whether ``err`` came from a signal (Ctrl-C, SIGTERM) rather than from a reward's own ``raise``.
-
-    Signals reach the main thread only, so a ``KeyboardInterrupt`` in another thread is the code's own.
-    In the main thread, gcore's handler (``gcore fit`` installs one) shows in the traceback; under a
-    handler that leaves no frame (Python's default) the two cannot be told apart, and the run stops.
-    """
-    if isinstance(err, Interrupted):
-        return True
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    handler = signal.getsignal(signal.SIGINT)
-    code = getattr(getattr(handler, "__func__", handler), "__code__", None)
-    if code is None:
-        return True  # Python's default_int_handler (or no Python-level handler): assume the signal
-    tb: TracebackType | None = err.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code is code:
-            return True
-        tb = tb.tb_next
-    return False
-
-
 def _guarded_score(score: Callable[..., list[float]]) -> Callable[..., list[float]]:
     """``score`` of a ``RewardModel`` whose ``SystemExit``, ``KeyboardInterrupt`` (its own, not a signal's)
     or other ``BaseException`` becomes a ``RewardError`` naming the samples: not an exit 0 with nothing
@@ -108,22 +84,17 @@ def _guarded_score(score: Callable[..., list[float]]) -> Callable[..., list[floa
         except Exception:
             raise
         except KeyboardInterrupt as err:
-            if _from_signal(err):
+            if from_signal(err):
                 raise
             cause: BaseException = err
         except BaseException as err:  # noqa: BLE001  SystemExit and the like: the reward's fault
             cause = err
         first = f"; the first: {describe_sample(samples[0])}" if samples else ""
-        raise RewardError(f"{type(self).__name__}.score raised {_describe(cause)} on {len(samples)} "
+        raise RewardError(f"{type(self).__name__}.score raised {describe(cause)} on {len(samples)} "
                           f"samples{first}") from cause
 
     guarded.__gcore_guarded__ = True  # type: ignore[attr-defined]
     return guarded
-
-
-def _describe(err: BaseException) -> str:
-    text = str(err)
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 class RewardTimeout(BaseException):
@@ -332,7 +303,7 @@ class RuleReward(RewardModel):
         """The reward of a call that returned ``value`` (or raised it, when not ``returned``)."""
         if not returned:
             err = cast(BaseException, value)
-            return self._failed(sample, f"raised {_describe(err)}", err)
+            return self._failed(sample, f"raised {describe(err)}", err)
         try:
             return as_reward(value)
         except (TypeError, ValueError) as err:

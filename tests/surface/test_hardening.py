@@ -8,13 +8,15 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from gcore.algorithms.grpo import GRPO
 from gcore.checkpoint import CheckpointError, export_main
-from gcore.errors import RewardError
+from gcore.errors import GcoreError, RewardError
 from gcore.rewards.rule import CallableReward
 from gcore.testing import tiny_fit
 
@@ -149,3 +151,166 @@ def test_a_reward_beyond_float32_is_named_before_any_update(tmp_path):
                                           r"range \(\+-3.403e\+38\), got 1e\+300 on sample \(prompt <target_char"):
         tiny_fit(steps=1, reward=CallableReward(_reward_file(tmp_path, "    return 1e300")))
 
+
+
+class _Ends(GRPO):
+    """GRPO whose ``method`` runs ``body`` (code that ends the process) on its second call."""
+
+    def __init__(self, method: str, body: str) -> None:
+        super().__init__()
+        self.method, self.body, self.calls = method, body, 0
+
+    def _maybe_end(self, method: str) -> None:
+        if method == self.method:
+            self.calls += 1
+            if self.calls == 2:
+                exec(self.body)  # the test's own code
+
+    def advantages(self, batch):
+        self._maybe_end("advantages")
+        return super().advantages(batch)
+
+    def shape_reward(self, sample):
+        self._maybe_end("shape_reward")
+        return super().shape_reward(sample)
+
+    def keep_group(self, rewards):
+        self._maybe_end("keep_group")
+        return super().keep_group(rewards)
+
+    def loss(self, logprobs, batch, scale, entropy=None):
+        self._maybe_end("loss")
+        return super().loss(logprobs, batch, scale, entropy)
+
+
+@pytest.mark.parametrize(("method", "body", "raised"), [
+    ("advantages", "sys.exit(0)", "SystemExit: 0"),
+    ("shape_reward", "raise KeyboardInterrupt", "KeyboardInterrupt"),
+    ("keep_group", "sys.exit('bye')", "SystemExit: bye"),
+    ("loss", "raise GeneratorExit", "GeneratorExit"),
+])
+def test_an_algorithm_whose_code_exits_stops_the_run_naming_the_method(method, body, raised):
+    # before: SystemExit left Trainer.fit (from the CLI: exit status 0, nothing said); a KeyboardInterrupt
+    # of the algorithm's own read as Ctrl-C
+    with pytest.raises(GcoreError) as err:
+        tiny_fit(steps=2, algorithm=_Ends(method, body))
+    assert type(err.value).__name__ == "AlgorithmError"
+    assert str(err.value) == (f"algorithm _Ends.{method} raised {raised}; an algorithm's code must raise an "
+                              "exception, not end the process")
+
+
+@pytest.mark.integration
+def test_an_algorithm_that_exits_ends_the_cli_run_in_one_line_keeping_its_checkpoints(gcore_cli, tmp_path):
+    # before: exit status 0, no message, the run folder as if it had succeeded
+    (tmp_path / "exiting.py").write_text(
+        "import sys\nfrom gcore.algorithms.grpo import GRPO\n\n\nclass ExitingGRPO(GRPO):\n    calls = 0\n\n"
+        "    def advantages(self, batch):\n        ExitingGRPO.calls += 1\n"
+        "        if ExitingGRPO.calls == 3:\n            sys.exit(0)\n        return super().advantages(batch)\n")
+    result = gcore_cli("--algorithm", "exiting.ExitingGRPO", "--trainer.max_steps", "4",
+                       "--trainer.checkpoint_every", "1")
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == ("gcore: error: algorithm ExitingGRPO.advantages raised SystemExit: 0; an algorithm's code "
+                         "must raise an exception, not end the process"), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    checkpoints = tmp_path / "runs" / "gcore" / "checkpoints"
+    # steps 0 and 1 were saved (the second asynchronously, maybe in flight when step 2 failed): both complete
+    assert sorted(os.listdir(checkpoints)) == ["step_00000000", "step_00000001"], os.listdir(checkpoints)
+    assert all((checkpoints / step / "manifest.json").is_file() for step in os.listdir(checkpoints))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("users", "seen"), [(None, "ERROR"), ("INFO", "INFO")])
+def test_importing_gcore_quiets_torchs_cpp_warnings_unless_the_user_chose(users, seen):
+    # torch reads TORCH_CPP_LOG_LEVEL once, on import: gcore sets it first, and launched controllers inherit it
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    if users is not None:
+        env["TORCH_CPP_LOG_LEVEL"] = users
+    code = "import os, gcore, torch; print(os.environ['TORCH_CPP_LOG_LEVEL'])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == seen
+
+
+def test_a_chat_template_the_tokenizer_lacks_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    # before: the model was built and the controllers launched; each failed while loading its prompts
+    from gcore.data import DataConfig
+    from gcore.errors import DataError
+    from gcore.model import ModelConfig
+    from gcore.trainer import Trainer, TrainerConfig
+
+    def built(*args, **kwargs):
+        raise AssertionError("the model was built before the data options were checked")
+
+    monkeypatch.setattr("gcore.trainer.materialize", built)
+    trainer = Trainer(trainer=TrainerConfig(max_steps=1, default_root_dir=str(tmp_path), enable_progress_bar=False),
+                      model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
+                      data=DataConfig(chat_template=True))  # the embedded character tokenizer has no template
+    with pytest.raises(DataError, match=r"^--data.chat_template true: the tokenizer has no chat template; ") as err:
+        trainer.fit()
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.integration
+def test_a_chat_template_the_tokenizer_lacks_is_one_line_from_the_cli_before_any_controller(gcore_cli, tmp_path):
+    result = gcore_cli("--data.chat_template", "true", "--trainer.devices", "2", "--trainer.accelerator", "cpu")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        "gcore: error: --data.chat_template true: the tokenizer has no chat template; use a model whose tokenizer "
+        "has one, or --data.chat_template false (--data.prompt_template formats prompts)"], result.stderr[-3000:]
+
+
+def _sentinel(signum, frame):  # a handler of the caller's own, to see that it comes back
+    raise KeyboardInterrupt
+
+
+def _fit_keeps_the_callers_signal_handlers(run) -> None:
+    import signal
+
+    previous = {sig: signal.signal(sig, _sentinel) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        run()
+        assert signal.getsignal(signal.SIGINT) is _sentinel and signal.getsignal(signal.SIGTERM) is _sentinel
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def test_a_run_gives_back_the_callers_signal_handlers():
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    tiny_fit(steps=1)
+    assert signal.getsignal(signal.SIGINT) is before
+    _fit_keeps_the_callers_signal_handlers(lambda: tiny_fit(steps=1))
+
+
+def test_a_failed_run_gives_back_the_callers_signal_handlers():
+    def failing():
+        with pytest.raises(GcoreError):
+            tiny_fit(steps=2, algorithm=_Ends("advantages", "sys.exit(0)"))
+
+    _fit_keeps_the_callers_signal_handlers(failing)
+
+
+def test_a_ctrl_c_during_the_teardown_still_gives_back_the_callers_signal_handlers(monkeypatch):
+    # before: an error while the run's store was closed skipped the restore, and gcore's handler stayed in the
+    # caller's process (a later Ctrl-C then behaved as in a run)
+    import contextlib
+
+    from gcore import rendezvous
+
+    @contextlib.contextmanager
+    def interrupted_on_close(*args, **kwargs):
+        with rendezvous.loopback_store(*args, **kwargs):
+            yield
+        raise KeyboardInterrupt  # as a Ctrl-C while the store closes
+
+    monkeypatch.setattr("gcore.trainer.loopback_store", interrupted_on_close)
+
+    def run():
+        with pytest.raises(KeyboardInterrupt):
+            tiny_fit(steps=1)
+
+    _fit_keeps_the_callers_signal_handlers(run)
