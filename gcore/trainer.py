@@ -301,6 +301,7 @@ class Trainer:
             # every controller builds (and loads) its own copy of the embedded model
             tokenizer = load_tokenizer(self.model_config)
             check_tokenizer(self.data_config, tokenizer)  # before the model is built and controllers launched
+            self.env.setup(tokenizer)  # the same for the environment's (a tools environment needs a chat template)
             source = self.model_config.source(materialize(self.model_config, tokenizer, c.seed, workdir))
             # the single-node rendezvous store lives as long as the run
             cleanup.enter_context(loopback_store(fabric, c.num_nodes, c.collective_timeout))
