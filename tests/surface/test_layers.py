@@ -16,9 +16,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "gcore"
 LAYERS: list[tuple[str, ...]] = [
     ("gcore.errors", "gcore.types", "gcore.balance", "gcore.tasks", "gcore.liveness", "gcore.rendezvous",
      "gcore.registry", "gcore.report", "gcore.checkpoint", "gcore.model", "gcore.data", "gcore.assets",
-     "gcore.threads", "gcore.environ", "gcore.loggers", "gcore.checkpointer", "gcore.run_lock"),
+     "gcore.threads", "gcore.environ", "gcore.loggers", "gcore.checkpointer", "gcore.run_lock", "gcore.user_code"),
     ("gcore.engines",),
-    ("gcore.rewards", "gcore.algorithms"),
+    ("gcore.rewards", "gcore.algorithms", "gcore.envs"),
     ("gcore.backends", "gcore.rollout", "gcore.evaluation"),
     ("gcore.placement",),
     ("gcore.controller", "gcore.single_controller"),
