@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Literal
 
 from gcore.errors import ConfigError
 from gcore.registry import load_callable
-from gcore.rewards.base import DEFAULT_TIMEOUT, RuleReward
+from gcore.rewards.base import DEFAULT_TIMEOUT, RewardModel, RuleReward
 from gcore.types import Sample
 
 
@@ -81,3 +82,11 @@ class CallableReward(RuleReward):
     def __setstate__(self, state: dict) -> None:
         vars(self).update(state)
         self._fn = load_callable(self.function)
+
+
+class NoReward(RewardModel):
+    """0 for every sample: with a multi-turn environment (``--env``), the environment's turn rewards are
+    the whole reward (docs/agents.md)."""
+
+    def score(self, samples: Sequence[Sample]) -> list[float]:
+        return [0.0] * len(samples)

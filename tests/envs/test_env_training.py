@@ -50,3 +50,19 @@ def test_episodes_on_engine_workers(tmp_path, placement, staleness):
     _assert_episodes(result.history)
     if staleness:  # the episodes of steps 1 and 2 ran while the step before trained
         assert [m["async/staleness_max"] for m in result.history] == [0.0, 1.0, 1.0]
+
+
+class Fixed(RevealEnvironment):
+    """Rewards the revealing turn 0.25 and the answer 0.5, whatever the model writes."""
+
+    def step(self, state, response):
+        turn = super().step(state, response)
+        turn.reward = 0.5 if turn.done else 0.25
+        return turn
+
+
+def test_environment_rewards_are_summed_into_the_reward(tmp_path):
+    from gcore.rewards.rule import NoReward
+
+    result = _fit(tmp_path, env=Fixed(), reward=NoReward())
+    assert [m["reward/mean"] for m in result.history] == [0.75, 0.75]
