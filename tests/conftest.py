@@ -5,6 +5,8 @@ import sys
 import pytest
 import torch
 
+from gcore.envs import Environment, Turn
+
 # tiny settings that keep a CLI run to a few seconds
 FAST = [
     "--trainer.max_steps", "2",
@@ -170,3 +172,69 @@ def hf_checkpoint(tmp_path, model_type: str) -> str:
 
 # hf engine tests: prompts of different lengths (left padding) and a repeated one (prefilled once, decoded per row)
 HF_PROMPTS = [[1, 5, 6], [1, 7], [1, 8, 9, 10, 11], [1, 5, 6]]
+
+
+class Scripted(Environment):
+    """A multi-turn environment: observation ``|<turn>|`` after each turn, reward 0.25 each; done (reward
+    0.5) after ``turns`` turns (never when ``turns`` is 0)."""
+
+    def __init__(self, turns=3, **kw):
+        kw.setdefault("max_turns", 5)
+        super().__init__(**kw)
+        self.turns = turns
+
+    def reset(self, prompt):
+        return {"turn": 0}
+
+    def step(self, state, response):
+        state["turn"] += 1
+        if self.turns and state["turn"] >= self.turns:
+            return Turn(reward=0.5, done=True, metrics={"answers": 1})
+        return Turn(observation=f"|{state['turn']}|", reward=0.25)
+
+
+class Recording:
+    """An engine's ``generate`` that keeps every call's prompts and outputs."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def __call__(self, prompts, params):
+        outputs = self.engine.generate(prompts, params)
+        self.calls.append(([list(p) for p in prompts], outputs))
+        return outputs
+
+
+def three_turn_trajectory_gap(engine, backend, tokenizer):
+    """Run 2 prompts x 2 episodes of 3 turns on ``engine``; check that every trajectory is exactly the engine's
+    generated ids and log-probabilities with the observations' own ids between them (asserts), and return the
+    largest |trainer - engine| log-probability over the model's tokens, and the samples."""
+    from gcore.envs.episodes import run_episodes
+    from gcore.types import Prompt, SamplingParams, collate
+
+    params = SamplingParams(n=2, max_new_tokens=5, temperature=0.9, stop_token_ids=(tokenizer.eos_token_id,))
+    prompts = [Prompt(i, f"{i}=", tokenizer(f"{i}=")["input_ids"], str(i)) for i in range(2)]
+    generate = Recording(engine)
+    samples = run_episodes(Scripted(turns=3), generate, prompts, params, tokenizer)
+    for sample in samples:  # rebuild the trajectory from what the engine returned
+        expected, mask, logprobs = [], [], []
+        for turn in range(1, 4):
+            context = sample.prompt.token_ids + expected
+            call = next(c for c in generate.calls if context in c[0])
+            gens = call[1][call[0].index(context)]
+            generation = next(g for g in gens if sample.response_ids[len(expected):][: len(g.token_ids)] == g.token_ids)
+            expected += generation.token_ids
+            logprobs += generation.logprobs
+            mask += [1] * len(generation.token_ids)
+            if turn < 3:
+                observation = tokenizer.encode(f"|{turn}|", add_special_tokens=False)
+                expected += observation
+                logprobs += [0.0] * len(observation)
+                mask += [0] * len(observation)
+        assert sample.response_ids == expected
+        assert sample.response_mask == mask
+        assert sample.response_logprobs == logprobs
+    batch = collate(samples, tokenizer.pad_token_id, params.temperature)
+    assert int(batch.response_mask.sum()) == sum(sum(s.response_mask) for s in samples)
+    trainer = backend.compute_logprobs(batch, "policy")
+    return float(((trainer - batch.engine_logprobs) * batch.response_mask).abs().max()), samples

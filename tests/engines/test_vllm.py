@@ -188,3 +188,14 @@ def test_grpo_with_vllm_learns(tmp_path):
     ).fit()
     rewards = [m["reward/mean"] for m in result.history]
     assert sum(rewards[-5:]) / 5 > 3 * sum(rewards[:5]) / 5, rewards
+
+
+def test_three_turn_episodes_are_the_engines_tokens_and_the_trainers_logprobs(tmp_path):
+    """Multi-turn episodes on vLLM (docs/agents.md): each turn continues from the trajectory's ids, and
+    the trainer's log-probabilities of the model's tokens equal vLLM's."""
+    from conftest import three_turn_trajectory_gap
+
+    tokenizer, engine, backend = _engine_and_backend(tmp_path, "cpu")
+    gap, samples = three_turn_trajectory_gap(engine, backend, tokenizer)
+    assert all(s.turns == 3 and s.finished for s in samples)
+    assert gap < PARITY

@@ -4,6 +4,7 @@ import threading
 
 import pytest
 import torch
+from conftest import Recording, Scripted, three_turn_trajectory_gap
 from lightning.fabric import Fabric
 
 from gcore import GRPO, HFEngine, ModelConfig, Prompt, SamplingParams, TorchBackend
@@ -11,25 +12,6 @@ from gcore.envs import Environment, Turn
 from gcore.envs.episodes import EpisodeStats, run_episodes
 from gcore.errors import ConfigError
 from gcore.model import ModelSource, char_tokenizer, materialize
-from gcore.types import collate
-
-
-class Scripted(Environment):
-    """Observation ``|<turn>|`` after each turn; done after ``turns`` turns (never when ``turns`` is 0)."""
-
-    def __init__(self, turns=3, **kw):
-        kw.setdefault("max_turns", 5)
-        super().__init__(**kw)
-        self.turns = turns
-
-    def reset(self, prompt):
-        return {"turn": 0}
-
-    def step(self, state, response):
-        state["turn"] += 1
-        if self.turns and state["turn"] >= self.turns:
-            return Turn(reward=0.5, done=True, metrics={"answers": 1})
-        return Turn(observation=f"|{state['turn']}|", reward=0.25)
 
 
 @pytest.fixture(scope="module")
@@ -46,60 +28,18 @@ def _prompts(tokenizer, k=2):
     return [Prompt(i, f"{i}=", tokenizer(f"{i}=")["input_ids"], str(i)) for i in range(k)]
 
 
-class Recording:
-    """An engine's ``generate`` that keeps every call's prompts and outputs."""
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
-
-    def __call__(self, prompts, params):
-        outputs = self.engine.generate(prompts, params)
-        self.calls.append(([list(p) for p in prompts], outputs))
-        return outputs
-
-
 def test_three_turn_trajectories_are_the_engines_tokens_and_the_trainers_logprobs(tiny):
     """The ids trained on are the engine's generated ids and the observations' ids, in order, each turn
     continued from the previous ids (no re-tokenization); the trainer's log-probabilities of the model
-    tokens equal the engine's; observation tokens are masked out of the loss."""
+    tokens equal the engine's; observation tokens are masked out of the loss (the same check runs for
+    vLLM and SGLang in their CI parts: tests/engines/)."""
     tokenizer, path, engine = tiny
-    params = SamplingParams(n=2, max_new_tokens=5, temperature=0.9, stop_token_ids=(tokenizer.eos_token_id,))
-    generate, stats = Recording(engine), EpisodeStats()
-    samples = run_episodes(Scripted(turns=3), generate, _prompts(tokenizer), params, tokenizer, stats=stats)
+    backend = TorchBackend()
+    backend.setup(Fabric(accelerator="cpu", devices=1), ModelSource(path), GRPO(kl_coef=0.0), embedded=True)
+    gap, samples = three_turn_trajectory_gap(engine, backend, tokenizer)
     assert len(samples) == 4 and all(s.turns == 3 and s.finished for s in samples)
     assert [s.env_reward for s in samples] == [1.0] * 4  # 0.25 + 0.25 + 0.5
-    assert stats.counts["answers"] == 4 and stats.counts["turns"] == 12
-    for sample in samples:
-        # rebuild the trajectory from what the engine returned and the observations' own tokenization
-        expected, mask, logprobs, turn = [], [], [], 0
-        context = sample.prompt.token_ids
-        while True:
-            call = next(c for c in generate.calls if context in c[0])
-            row = call[0].index(context)
-            gens = call[1][row]
-            generation = next(g for g in gens if sample.response_ids[len(expected):][: len(g.token_ids)] == g.token_ids)
-            expected += generation.token_ids
-            logprobs += generation.logprobs
-            mask += [1] * len(generation.token_ids)
-            turn += 1
-            if turn == 3:
-                break
-            observation = tokenizer.encode(f"|{turn}|", add_special_tokens=False)
-            expected += observation
-            logprobs += [0.0] * len(observation)
-            mask += [0] * len(observation)
-            context = sample.prompt.token_ids + expected
-        assert sample.response_ids == expected
-        assert sample.response_mask == mask
-        assert sample.response_logprobs == logprobs
-    fabric = Fabric(accelerator="cpu", devices=1)
-    backend = TorchBackend()
-    backend.setup(fabric, ModelSource(path), GRPO(kl_coef=0.0), embedded=True)
-    batch = collate(samples, tokenizer.pad_token_id, params.temperature)
-    assert int(batch.response_mask.sum()) == sum(sum(s.response_mask) for s in samples)
-    trainer = backend.compute_logprobs(batch, "policy")
-    gap = ((trainer - batch.engine_logprobs) * batch.response_mask).abs().max()
-    assert float(gap) < 1e-4
+    assert gap < 1e-4
 
 
 def test_limits_truncate_an_episode(tiny):
