@@ -56,6 +56,7 @@ class Episode:
     reward: float = 0.0
     last_text: str = ""
     done: bool = False  # the environment ended it
+    failed: bool = False  # its environment step raised or timed out
     over: bool = False  # no more turns: done, truncated or failed
 
     def sample(self, policy_version: int) -> Sample:
@@ -73,6 +74,7 @@ class EpisodeStats:
     env_busy_s: float = 0.0  # summed ``step`` seconds over episodes (they overlap one another)
     generate_calls: int = 0
     counts: dict[str, float] = field(default_factory=dict)  # env/<name>: turns, errors, truncated, Turn.metrics
+    first_error: str | None = None  # the first environment error (logged once per rollout)
 
     def add(self, name: str, value: float = 1.0) -> None:
         self.counts[name] = self.counts.get(name, 0.0) + value
@@ -98,7 +100,7 @@ def run_episodes(env: Environment, generate: Generate, prompts: Sequence[Prompt]
         ready: list[Episode] = []
         for episode, generation in zip(episodes, (g for group in first for g in group), strict=True):
             _take_turn(episode, generation, tokenizer)
-            _ask(pool, env, episode, pending, deadline, stats)
+            _ask(pool, env, episode, pending, deadline)
         while pending or ready:
             if pending:  # take the observations that are back; wait when there is nothing to generate
                 waited = time.perf_counter()
@@ -117,13 +119,16 @@ def run_episodes(env: Environment, generate: Generate, prompts: Sequence[Prompt]
                 outputs = _generate(generate, [e.prompt.token_ids + e.ids for e in members], params, stats)
                 for episode, group in zip(members, outputs, strict=True):
                     _take_turn(episode, group[0], tokenizer)
-                    _ask(pool, env, episode, pending, deadline, stats)
+                    _ask(pool, env, episode, pending, deadline)
     finally:  # a step past its deadline keeps its thread; nobody waits for it
         pool.shutdown(wait=False, cancel_futures=True)
     samples = [e.sample(policy_version) for e in episodes]
     stats.add("episodes", len(episodes))
     stats.add("turns", sum(e.turns for e in episodes))
-    stats.add("truncated", sum(not e.done for e in episodes))
+    stats.add("truncated", sum(not e.done and not e.failed for e in episodes))  # cut by max_turns or max_tokens
+    if stats.first_error:  # one line per rollout, however many episodes failed
+        log.warning("%d episode(s) ended on an environment error, their turns so far kept (env/errors); the "
+                    "first: %s", sum(e.failed for e in episodes), stats.first_error)
     return samples
 
 
@@ -146,8 +151,7 @@ def _take_turn(episode: Episode, generation: Generation, tokenizer: Tokenizer) -
 
 
 def _ask(pool: ThreadPoolExecutor, env: Environment, episode: Episode,
-         pending: dict[Future[tuple[Turn, float]], Episode], deadline: dict[Future[tuple[Turn, float]], float],
-         stats: EpisodeStats) -> None:
+         pending: dict[Future[tuple[Turn, float]], Episode], deadline: dict[Future[tuple[Turn, float]], float]) -> None:
     """Send the episode's last turn to the environment (in the pool), unless the episode is over."""
     if episode.over:
         return
@@ -188,16 +192,15 @@ def _observe(env: Environment, episode: Episode, future: Future[tuple[Turn, floa
     if not future.done():
         stats.add("errors")
         stats.add("timeouts")
-        log.warning("%s.step did not return within --env.timeout_s %.0f s; the episode ends there (env/errors)",
-                    name, env.timeout_s)
-        episode.over = True
+        stats.first_error = stats.first_error or f"{name}.step did not return within --env.timeout_s {env.timeout_s:g} s"
+        episode.over = episode.failed = True
         return False
     try:
         turn, seconds = future.result()
     except Exception as err:  # noqa: BLE001  an environment's error ends its episode, counted, not the run
         stats.add("errors")
-        log.warning("%s.step raised %s: %s; the episode ends there (env/errors)", name, type(err).__name__, err)
-        episode.over = True
+        stats.first_error = stats.first_error or f"{name}.step raised {type(err).__name__}: {err}"
+        episode.over = episode.failed = True
         return False
     if not isinstance(turn, Turn):
         raise ConfigError(f"--env {type(env).__module__}.{name}: step returned {type(turn).__name__}, not a "
