@@ -192,7 +192,8 @@ def _observe(env: Environment, episode: Episode, future: Future[tuple[Turn, floa
     if not future.done():
         stats.add("errors")
         stats.add("timeouts")
-        stats.first_error = stats.first_error or f"{name}.step did not return within --env.timeout_s {env.timeout_s:g} s"
+        late = f"{name}.step did not return within --env.timeout_s {env.timeout_s:g} s"
+        stats.first_error = stats.first_error or late
         episode.over = episode.failed = True
         return False
     try:
