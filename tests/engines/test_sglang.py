@@ -251,3 +251,19 @@ def test_grpo_with_sglang_learns(tmp_path, seed):
     rewards = _rewards(tmp_path, seed, steps=20)
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     assert last > 3 * first and last - first > 0.05, rewards
+
+
+@pytest.mark.integration
+@pytest.mark.sglang
+def test_three_turn_episodes_are_the_engines_tokens_and_the_trainers_logprobs(tmp_path):
+    """Multi-turn episodes on SGLang (docs/agents.md): each turn continues from the trajectory's ids, and
+    the trainer's log-probabilities of the model's tokens equal SGLang's."""
+    from conftest import three_turn_trajectory_gap
+
+    tokenizer, engine, backend = _engine_and_backend(tmp_path, "cpu")
+    try:
+        gap, samples = three_turn_trajectory_gap(engine, backend, tokenizer)
+        assert all(s.turns == 3 and s.finished for s in samples)
+        assert gap < PARITY
+    finally:
+        engine.shutdown()
