@@ -1,12 +1,14 @@
-"""``--trainer.max_staleness`` 0 vs 1 on the same workload, alternated in one script (CPU engine workers).
+"""``--trainer.max_staleness`` 0 vs 1 (or any K, ``--ks``) on one workload, alternated (CPU engine workers).
 
     python benchmarks/async_overlap.py --rounds 2 --steps 20 -- --placement dynamic --placement.workers 1
+    python benchmarks/async_overlap.py --ks 0 1 2 --rounds 1 -- --placement.workers 2
 
-Runs ``gcore fit`` (this checkout first on ``PYTHONPATH``) with the same seed and options, K=0 then K=1,
-``--rounds`` times, and prints for each run the machine load (``/proc/loadavg``) before it, the
-samples per second over the steps after ``--warmup`` (samples generated / the sum of ``time/step``),
-the median step, train and rollout-wait times, the staleness the K=1 run logged, and then the reward
-per step of each K (the mean over the rounds) and over the last quarter of the steps, to see
+Runs ``gcore fit`` (this checkout first on ``PYTHONPATH``) with the same seed and options, each K of
+``--ks`` in turn (default K=0 then K=1), ``--rounds`` times, and prints for each run the machine load
+(``/proc/loadavg``) before it, the samples per second over the steps after ``--warmup`` (samples
+generated / the sum of ``time/step``), the median step, train and rollout-wait times, the staleness
+each K >= 1 run logged (and the samples it regenerated because they were older than K), and then the
+reward per step of each K (the mean over the rounds) and over the last quarter of the steps, to see
 whether learning per step holds. Everything after ``--`` is passed on to ``gcore fit``. Record
 the output in BENCHMARKS.md with the command, the date and the load.
 """
@@ -53,6 +55,7 @@ def run(k: int, args: argparse.Namespace, extra: list[str]) -> dict:
         "step": statistics.median(col("time/step")), "train": statistics.median(col("time/train")),
         "wait": statistics.median(col("async/rollout_wait_s")) if k else float("nan"),
         "staleness": max(col("async/staleness_max", rows), default=0.0),
+        "regenerated": sum(col("async/regenerated_stale", rows)),
         "rewards": col("reward/mean", rows),
     }
 
@@ -63,19 +66,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timings")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--ks", type=int, nargs="+", default=[0, 1], help="the max_staleness values to run")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     print(f"gcore fit {' '.join(extra)} --trainer.max_steps {args.steps} --trainer.seed {args.seed}; "
           f"{os.cpu_count()} cores", flush=True)
     results = []
     for round_ in range(args.rounds):
-        for k in (0, 1):
+        for k in args.ks:
             r = run(k, args, extra)
             results.append(r)
             print(f"round {round_} K={k}: load {r['load']}; {r['samples_per_s']:.2f} samples/s; median step "
                   f"{r['step']:.2f}s, train {r['train']:.2f}s, rollout wait {r['wait']:.2f}s; staleness max "
-                  f"{r['staleness']:.0f}; run {r['wall']:.0f}s", flush=True)
-    for k in (0, 1):
+                  f"{r['staleness']:.0f}, regenerated {r['regenerated']:.0f}; run {r['wall']:.0f}s", flush=True)
+    for k in args.ks:
         mine = [r for r in results if r["k"] == k]
         rates = [r["samples_per_s"] for r in mine]
         curve = [statistics.mean(values) for values in zip(*(r["rewards"] for r in mine), strict=True)]

@@ -54,6 +54,9 @@ class StepRecord:
     reward_errors: int = 0  # samples whose reward failed and got the fallback (``reward/errors``)
     first_reward_error: str | None = None
     rollout_wait_s: float = 0.0  # seconds waited for a rollout started ahead (``max_staleness``)
+    #: samples thrown away at collection and generated again with the current weights, because a sample of
+    #: their group would have been trained more than ``max_staleness`` versions old (``async/regenerated_stale``)
+    regenerated_stale: int = 0
     synced_bytes: int = 0  # the weights SYNC sent to the rollout engine
     #: multi-turn episodes' counts (``EpisodeStats.counts``: episodes, turns, steps, errors, truncated, an
     #: environment's own ``Turn.metrics``), logged as ``env/<name>`` summed over every rank
@@ -84,9 +87,10 @@ class Controller:
     ``collect`` (GENERATE and REWARD, asked of the placement policy), ``filter``, ``end_rollout``,
     ``run_ahead``, ``prepare``, ``train``, ``sync``, ``place`` (the placement policy re-decides
     from every rank's stage times) and ``log``. A variant of the step (the one-controller baseline
-    in ``single_controller.py``) overrides only the stages that differ. With ``max_staleness`` 1
-    (docs/asynchronous.md), ``collect`` takes the rollout started during the step before, and
-    ``run_ahead`` starts the next step's before ``train``.
+    in ``single_controller.py``) overrides only the stages that differ. With ``max_staleness`` K >= 1
+    (docs/asynchronous.md), ``collect`` takes the rollout started K steps before (regenerating any
+    group with a sample more than K versions old), and ``run_ahead`` starts the rollouts of the next K
+    steps not yet in flight before ``train``.
     """
 
     fabric: Fabric
@@ -159,6 +163,37 @@ class Controller:
         record.rollout_wait_s = time.perf_counter() - started
         record.count_reward_errors(job)
         record.add_env_stats(job)
+        self._bound_staleness(record)
+
+    def _bound_staleness(self, record: StepRecord) -> None:
+        """The strict bound of ``max_staleness`` K: a group with a sample that would be trained more than K
+        versions old (``staleness``) is thrown away and generated again now, with the current weights, for
+        the same prompt and under the same group number (counted in ``record.regenerated_stale``). The
+        pipeline of ``run_ahead`` keeps every sample within K; this catches whatever did not (a rollout
+        that came in later than planned, a placement that recorded an older version)."""
+        limit = self.max_staleness
+        stale = sorted({s.group for s in record.samples if staleness(s, record.step) > limit})
+        if not stale:
+            return
+        members = {group: [s for s in record.samples if s.group == group] for group in stale}
+        fresh = self.rollout(record, [members[group][0].prompt for group in stale])
+        regenerated: dict[int, list[Sample]] = {group: [] for group in stale}
+        for sample in fresh:  # numbered 0, 1, ... in the order of ``stale``: back to the groups they replace
+            sample.group = stale[sample.group]
+            regenerated[sample.group].append(sample)
+        record.regenerated_stale += sum(len(m) for m in members.values())
+        log.warning("step %d: %d sample(s) in %d group(s) would have been trained more than %d version(s) old "
+                    "(--trainer.max_staleness): generated again with the current weights (async/regenerated_stale)",
+                    record.step, record.regenerated_stale, len(stale), limit)
+        samples: list[Sample] = []
+        done: set[int] = set()
+        for sample in record.samples:  # the groups in their order, the stale ones replaced
+            if sample.group not in regenerated:
+                samples.append(sample)
+            elif sample.group not in done:
+                samples.extend(regenerated[sample.group])
+                done.add(sample.group)
+        record.samples = samples
 
     def rollout(self, record: StepRecord, prompts: list[Prompt], first_group: int = 0) -> list[Sample]:
         """GENERATE and REWARD: ``n`` samples per prompt from the rollout engine, scored and shaped
@@ -204,6 +239,11 @@ class Controller:
 
     def prepare(self, record: StepRecord) -> RolloutBatch:
         """PREPARE: the padded batch, the log-probabilities and values the loss needs, advantages."""
+        if self.max_staleness:  # the strict bound (``_bound_staleness``): no sample trained older than K
+            oldest = max((staleness(s, record.step) for s in record.kept), default=0)
+            if oldest > self.max_staleness:
+                raise RuntimeError(f"step {record.step}: a sample {oldest} versions old would be trained "
+                                   f"(--trainer.max_staleness {self.max_staleness})")
         with record.timer("prepare"):
             batch = self._collate(record.kept, record.samples)
             self._model_outputs(batch)
@@ -282,14 +322,17 @@ class Controller:
         return batch
 
     def _staleness_metrics(self, record: StepRecord) -> dict[str, float]:
-        """How many versions old the trained samples were (``step - policy_version``), over every rank,
-        and the slowest controller's wait for its rollout to come in."""
-        ages = torch.tensor([float(record.step - s.policy_version) for s in record.kept], dtype=torch.float64)
-        sums = self._all_reduce(torch.tensor([ages.sum(), len(ages)], dtype=torch.float64), "sum")
+        """How many versions old the trained samples were (``staleness``), over every rank, the samples
+        generated again because they would have been older than ``max_staleness``, and the slowest
+        controller's wait for its rollout to come in."""
+        ages = torch.tensor([float(staleness(s, record.step)) for s in record.kept], dtype=torch.float64)
+        sums = self._all_reduce(torch.tensor([ages.sum(), len(ages), record.regenerated_stale], dtype=torch.float64),
+                                "sum")
         most = self._all_reduce(torch.tensor([ages.max() if len(ages) else 0.0, record.rollout_wait_s],
                                              dtype=torch.float64), "max")
         return {"async/staleness_mean": float(sums[0] / sums[1].clamp(min=1.0)),
-                "async/staleness_max": float(most[0]), "async/rollout_wait_s": float(most[1])}
+                "async/staleness_max": float(most[0]), "async/rollout_wait_s": float(most[1]),
+                "async/regenerated_stale": float(sums[2])}
 
     def _env_metrics(self, record: StepRecord) -> dict[str, float]:
         """The episodes' counts summed over every rank (``env/<name>``), and turns per episode. Ranks may
@@ -374,6 +417,14 @@ class Controller:
         if self.fabric.world_size == 1:
             return tensor
         return _tensor(self.fabric.all_reduce(tensor, reduce_op=op))
+
+
+def staleness(sample: Sample, step: int) -> int:
+    """How many versions old ``sample`` is when trained at ``step``: ``step`` minus the oldest version that
+    sampled any of its tokens. A sample is generated by one version today (``Sample.policy_version``, the
+    version its request was sent with; a worker can only have newer weights by then), so this is
+    ``step - policy_version``; per-token versions (partial rollouts) would take their oldest here."""
+    return step - sample.policy_version
 
 
 def _tensor(result: object) -> torch.Tensor:

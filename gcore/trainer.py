@@ -89,9 +89,10 @@ class TrainerConfig:
         controllers: ``None``: one controller per process (G-Core's parallel controllers); ``1``: one
             controller on rank 0 drives the engines and training shards of every process, and all
             rollout data passes through it (the single-driver baseline, for comparison).
-        max_staleness: 0: the synchronous step. 1: the next step's rollout runs on the engine worker
-            processes while this step trains (``--placement dynamic``, or ``static`` with
-            ``--placement.workers``), so a sample is at most one version old; the loss corrects for it
+        max_staleness: 0: the synchronous step. K >= 1: the rollouts of the next K steps run on the
+            engine worker processes while this step trains (``--placement dynamic``, or ``static`` with
+            ``--placement.workers``), so a sample is at most K versions old (a group with a sample that
+            would be older is generated again, ``async/regenerated_stale``); the loss corrects for it
             (``--algorithm.behaviour_is_cap``). See docs/asynchronous.md.
     """
 
@@ -133,8 +134,8 @@ class TrainerConfig:
             (self.max_skipped_updates >= 0,
              f"--trainer.max_skipped_updates must be >= 0, got {self.max_skipped_updates}"),
             (self.eval_every >= 0, f"--trainer.eval_every must be >= 0, got {self.eval_every}"),
-            (self.max_staleness in (0, 1), f"--trainer.max_staleness {self.max_staleness}: valid choices are 0 "
-             "(synchronous) and 1 (the next step's rollout runs while this one trains)"),
+            (self.max_staleness >= 0, f"--trainer.max_staleness must be >= 0 (0: synchronous; K: the rollouts of "
+             f"the next K steps run while this one trains), got {self.max_staleness}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -44,12 +44,14 @@ def test_every_algorithm_trains_on_two_turn_episodes(tmp_path, make):
     (lambda: StaticPlacement(workers=2), 0),
     (lambda: DynamicPlacement(workers=2), 0),
     (lambda: DynamicPlacement(workers=2), 1),
-], ids=["static-workers", "dynamic", "dynamic-async"])
+    (lambda: StaticPlacement(workers=2), 2),
+], ids=["static-workers", "dynamic", "dynamic-async", "static-workers-async-2"])
 def test_episodes_on_engine_workers(tmp_path, placement, staleness):
     result = _fit(tmp_path, steps=3, placement=placement(), trainer={"max_staleness": staleness})
     _assert_episodes(result.history)
-    if staleness:  # the episodes of steps 1 and 2 ran while the step before trained
-        assert [m["async/staleness_max"] for m in result.history] == [0.0, 1.0, 1.0]
+    if staleness:  # the episodes of steps 1 and 2 ran while a step before trained, with its weights
+        assert [m["async/staleness_max"] for m in result.history] == [0.0, 1.0, min(2.0, staleness)]
+        assert all(m["async/regenerated_stale"] == 0.0 for m in result.history)
 
 
 class Fixed(RevealEnvironment):

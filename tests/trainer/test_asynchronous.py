@@ -14,6 +14,7 @@ from gcore.errors import ConfigError
 from gcore.model import ModelConfig
 from gcore.placement.dynamic import DynamicPlacement
 from gcore.placement.static import StaticPlacement
+from gcore.rollout import RolloutJob
 from gcore.trainer import Trainer, TrainerConfig
 from gcore.types import RolloutBatch, SamplingParams
 
@@ -80,8 +81,9 @@ def test_max_staleness_is_refused_where_the_engine_runs_in_the_controller(tmp_pa
         with pytest.raises(ConfigError, match=r"--trainer.max_staleness 1 needs engine worker processes.*"
                                               r"--placement dynamic, or --placement static with --placement.workers"):
             Trainer(trainer=TrainerConfig(max_staleness=1, default_root_dir=str(tmp_path)), placement=placement)
-    with pytest.raises(ConfigError, match="valid choices are 0"):
-        Trainer(trainer=TrainerConfig(max_staleness=2), placement=DynamicPlacement())
+    with pytest.raises(ConfigError, match="max_staleness must be >= 0"):
+        Trainer(trainer=TrainerConfig(max_staleness=-1), placement=DynamicPlacement())
+    Trainer(trainer=TrainerConfig(max_staleness=3, default_root_dir=str(tmp_path)), placement=DynamicPlacement())
 
 
 @pytest.mark.integration
@@ -94,14 +96,86 @@ def test_the_refusal_comes_from_the_cli_before_any_process_starts(gcore_cli):
 class RecordingGRPO(GRPO):
     """GRPO that records the policy version of every trained sample, step by step."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.versions: list[list[int]] = []
-
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
         assert batch.policy_versions is not None  # set whenever max_staleness >= 1
         self.versions.append(batch.policy_versions.tolist())
+        self.groups.append(batch.group_ids.tolist())
         return super().advantages(batch)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.versions: list[list[int]] = []
+        self.groups: list[list[int]] = []
+
+
+class LaggingPlacement(StaticPlacement):
+    """The engine in the controller's process, pretending to overlap: a rollout started ahead runs when it
+    is collected, and its first group comes back recorded as sampled by weights ``max_staleness + 1``
+    versions older than the controller had when it started the rollout (as a worker that missed weight
+    updates would): at any step, more than ``max_staleness`` versions old."""
+
+    def __init__(self, max_staleness: int) -> None:
+        super().__init__()
+        self.max_staleness = max_staleness
+
+    @property
+    def supports_overlap(self) -> bool:
+        return True
+
+    def start_rollout(self, job: RolloutJob):
+        def result():
+            samples = self.rollout(job)
+            for sample in samples:
+                if sample.group == 0:
+                    sample.policy_version = job.policy_version - self.max_staleness - 1
+            return samples
+
+        return result
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_a_sample_older_than_max_staleness_is_never_trained_its_group_is_generated_again(tmp_path, max_staleness):
+    algorithm, steps, prompts, n = RecordingGRPO(), 4, 3, 2
+    result = Trainer(
+        trainer=TrainerConfig(max_steps=steps, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                              save_final=False, max_staleness=max_staleness, logger=[]),
+        model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
+        data=DataConfig(prompts_per_step=prompts), sampling=SamplingParams(n=n, max_new_tokens=4),
+        algorithm=algorithm, placement=LaggingPlacement(max_staleness),
+    ).fit()
+    for step, versions in enumerate(algorithm.versions):
+        assert len(versions) == prompts * n and all(0 <= step - v <= max_staleness for v in versions), (step, versions)
+        assert sorted(set(algorithm.groups[step])) == list(range(prompts))  # the stale group replaced, not lost
+    history = result.history
+    # step 0 generates now; every later step's rollout was started ahead, its first group recorded too old
+    assert [row["async/regenerated_stale"] for row in history] == [0.0] + [float(n)] * (steps - 1)
+    assert all(row["async/staleness_max"] <= max_staleness for row in history)
+    assert [row["samples/trained"] for row in history] == [float(prompts * n)] * steps
+
+
+@pytest.mark.integration
+@pytest.mark.slow  # starts two engine worker processes: ~30-60 s each
+@pytest.mark.parametrize("placement", [lambda: DynamicPlacement(workers=2), lambda: StaticPlacement(workers=2)],
+                         ids=["dynamic", "static_workers"])
+def test_two_steps_off_trains_on_samples_at_most_two_versions_old(placement, tmp_path):
+    algorithm = RecordingGRPO()
+    steps = 5
+    result = Trainer(
+        trainer=TrainerConfig(max_steps=steps, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                              save_final=False, max_staleness=2),
+        model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
+        data=DataConfig(prompts_per_step=4), sampling=SamplingParams(n=4, max_new_tokens=6),
+        algorithm=algorithm, placement=placement(),
+    ).fit()
+    # step 0 generates now and starts steps 1 and 2 with version 0; from then on step s starts step s + 2
+    # with version s, trained two versions old
+    expected = [0, 1, 2, 2, 2]
+    assert [sorted({step - v for v in versions}) for step, versions in enumerate(algorithm.versions)] == \
+        [[k] for k in expected]
+    history = result.history
+    assert [row["async/staleness_max"] for row in history] == [float(k) for k in expected]
+    assert [row["async/regenerated_stale"] for row in history] == [0.0] * steps
+    assert all(row["samples/trained"] == 16.0 and math.isfinite(row["loss"]) for row in history)
 
 
 @pytest.mark.integration
