@@ -8,13 +8,14 @@ registry, before jsonargparse sees them.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 
 import yaml
 
 from gcore import registry
-from gcore.errors import GcoreError
+from gcore.errors import ConfigError, GcoreError
 
 #: the default plugin of each family
 DEFAULTS = {"engine": "hf", "reward": "target_char", "algorithm": "grpo", "placement": "static", "backend": "torch",
@@ -116,6 +117,7 @@ def build_fit_parser():  # noqa: ANN201
         "plugin's own options.",
         parser_mode="gcore_yaml",
         epilog=_plugins_epilog(),
+        exit_on_error=False,  # ``parse`` turns jsonargparse's usage dump and message into one line
     )
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML config file (may repeat)")
     parser.add_class_arguments(TrainerConfig, "trainer")
@@ -145,6 +147,28 @@ def _explain_plugin_error(config) -> None:  # noqa: ANN001 - a jsonargparse Name
             raise
         except Exception as err:  # noqa: BLE001  a plugin's constructor may raise anything; reported with its name
             raise GcoreError(f"--{family} {spec.class_path}: {type(err).__name__}: {err}") from None
+
+
+def parse(parser, argv: Sequence[str]):  # noqa: ANN001, ANN201  a jsonargparse parser and Namespace
+    """``parser.parse_args`` of ``argv`` with the plugin defaults; a bad option is a one-line ``ConfigError``
+    naming the option and what it expected (jsonargparse would print the whole usage, 50 lines, first)."""
+    from jsonargparse import ArgumentError
+
+    try:
+        return parser.parse_args(with_default_plugins(resolve_argv(argv)))
+    except ArgumentError as err:
+        raise ConfigError(f"{one_line(str(err))} (gcore fit --help lists the options)") from None
+
+
+def one_line(message: str) -> str:
+    """jsonargparse's error message in one line: ``--trainer.max_steps: Expected a <class 'int'>. Got value:
+    abc`` for a nested one (the option's keys joined, the innermost expectation), else its lines joined."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    keys = [m.group(1) for line in lines if (m := re.match(r'Parser key "([^"]+)":', line))]
+    expected = next((line for line in lines if line.startswith("Expected a ") and "Got value" in line), None)
+    if keys and expected is not None:
+        return f"--{'.'.join(keys)}: {expected}"
+    return " ".join(lines)[:500]
 
 
 def with_default_plugins(argv: Sequence[str]) -> list[str]:
@@ -201,7 +225,7 @@ def fit_main(argv: Sequence[str]) -> int:
     from gcore.trainer import Trainer
 
     parser = build_fit_parser()
-    config = parser.parse_args(with_default_plugins(resolve_argv(argv)))
+    config = parse(parser, argv)
     try:
         init = parser.instantiate_classes(config)
     except GcoreError:
@@ -268,7 +292,7 @@ def eval_main(argv: Sequence[str]) -> int:
               "(gcore fit --help); the others are ignored.")
         return 0
     parser = build_fit_parser()
-    config = parser.parse_args(with_default_plugins(resolve_argv(argv)))
+    config = parse(parser, argv)
     init = parser.instantiate_classes(config)
     model_config, data, sampling = init["model"], init["data"], init["sampling"]
     engine, reward = init["engine"], init["reward"]

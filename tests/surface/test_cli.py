@@ -116,6 +116,17 @@ def test_malformed_dataset_names_file_and_line(gcore_cli, tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--trainer.max_steps", "abc"], "--trainer.max_steps: Expected a <class 'int'>. Got value: abc"),
+    (["--algorithm.clip_eps", "abc"], "--algorithm.clip_eps: Expected a <class 'float'>. Got value: abc"),
+    (["--trainer.nonexistent", "3"], "unrecognized arguments: --trainer.nonexistent 3"),
+])
+def test_a_value_of_the_wrong_type_is_one_line_without_the_usage(gcore_cli, args, message):
+    result = gcore_cli(*args)
+    assert result.returncode == 2 and result.stderr.strip() == f"gcore: error: {message} (gcore fit --help lists " \
+                                                                 "the options)"
+
+
 def test_unknown_config_key_is_named(gcore_cli):
     result = gcore_cli("--algorithm.clip_epsilon", "0.2")
     assert result.returncode == 2 and "clip_epsilon" in result.stderr
