@@ -19,7 +19,7 @@ import time
 
 #: each task of the suite and its level (``--data.task_digits``; ``count_letter`` ignores it). The untrained
 #: SmolLM2-135M-Instruct's greedy accuracy on the first 32 held-out problems (``--probe``, 48 new tokens, 2026-11-26,
-#: the 2-core CPU): count_letter 0/32, middle 11/32, multiply 2/32, count_even 1/32, digit_sum 0/32 (its replies
+#: the 2-core CPU): count_letter 0/32, middle 11/32, multiply 1/32, count_even 1/32, digit_sum 0/32 (its replies
 #: do the sum, mostly wrongly, and never box it), compare 8/32
 SUITE_LEVELS: dict[str, tuple[int, int]] = {
     "count_letter": (1, 1),
