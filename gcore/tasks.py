@@ -2,6 +2,8 @@
 initialised model can learn; ``arithmetic``, word problems for a small pretrained instruct model;
 ``compare``, which of two numbers is larger, a level a 135M-parameter instruct model answers about half
 the time (BENCHMARKS.md), so GRPO's groups hold both right and wrong answers from the first step;
+``count_letter``, ``middle``, ``multiply``, ``count_even`` and ``digit_sum``, the real-model suite's tasks of
+other families (``benchmarks/task_suite.py``);
 ``mixed``, compare questions mixed with open-ended prompts for a generative judge, whose share changes
 along the dataset (for the ``routed`` reward); ``reveal``, the multi-turn task of ``--env reveal``."""
 
@@ -155,6 +157,121 @@ def mixed_rows(num_prompts: int, seed: int = 0, split: Literal["train", "test"] 
     return rows
 
 
+# ----------------------------------------------------------------------------------------------------------- #
+# the real-model suite's task families (benchmarks/vs_trl.py --tasks): each scored by the ``math`` reward,     #
+# each split by ``held_out`` on what defines the problem, never on its wording                                  #
+# ----------------------------------------------------------------------------------------------------------- #
+
+#: the words of the ``count_letter`` task: common English words of 4-10 letters, many with a repeated letter
+_WORDS = (
+    "apple banana cherry letter little coffee butter bottle pepper summer winter dinner rabbit parrot carrot "
+    "yellow window pillow follow hollow balloon kitten mitten puppy happy sunny funny bubble puzzle middle "
+    "paddle saddle riddle cookie rocket pocket ticket basket garden market planet silver mirror pebble "
+    "needle noodle marble purple circle giraffe elephant mountain blossom cabbage address success tomorrow "
+    "committee bookkeeper mississippi papaya pizza jazz llama dolphin tiger zebra monkey turtle "
+    "teacher student library freedom cassette tattoo coconut avocado potato tomato lemonade strawberry "
+    "raspberry blueberry pineapple grapefruit umbrella computer keyboard letterbox football baseball "
+    "sweetness goodness darkness happiness kindness seventeen eighteen thirteen fourteen bookshelf "
+    "classroom afternoon sunflower snowball waterfall rainbow mushroom cheese breeze sneeze cotton button "
+    "lantern village harbour battery gallery pepperoni spaghetti broccoli vanilla chocolate"
+).split()
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def count_letter_rows(num_prompts: int, seed: int = 0, split: Literal["train", "test"] = "train",
+                      digits: tuple[int, int] = (2, 3)) -> list[dict[str, str]]:
+    """String manipulation: "The word 'strawberry' is spelled s-t-r-a-w-b-e-r-r-y. How many times does the letter
+    'r' appear in it?"; the answer is
+    the count (0 when the letter is absent, about one question in six). ``digits`` is ignored (the words are a
+    fixed list). ``held_out`` decides by the word and the letter. Score with the ``math`` reward."""
+    del digits
+
+    def propose(rng: random.Random, low: int, high: int) -> _Proposal:
+        index = rng.randrange(len(_WORDS))
+        word = _WORDS[index]
+        letter = rng.choice(_LETTERS) if rng.random() < 1 / 6 else rng.choice(word)
+        key = (index, ord(letter), "count")
+        return key, key, lambda: {
+            "prompt": f"The word '{word}' is spelled {'-'.join(word)}. How many times does the letter '{letter}' "
+                      f"appear in it? {ANSWER_FORMAT}",
+            "answer": str(word.count(letter))}
+
+    return _distinct_rows(num_prompts, split, (1, 1), f"count_letter-{split}-{seed}", "words", "questions", propose)
+
+
+def middle_rows(num_prompts: int, seed: int = 0, split: Literal["train", "test"] = "train",
+                digits: tuple[int, int] = (2, 3)) -> list[dict[str, str]]:
+    """Ordering: "Sort the numbers A, B and C from smallest to largest. Which number is in the middle?"; the answer
+    is the median of three distinct numbers of ``digits`` (fewest, most) digits, listed in random order.
+    ``held_out`` decides by the set of numbers, whatever their order. Score with the ``math`` reward."""
+    def propose(rng: random.Random, low: int, high: int) -> _Proposal | None:
+        numbers = [rng.randrange(low, high) for _ in range(3)]
+        if len(set(numbers)) < 3:
+            return None
+        small, mid, large = sorted(numbers)
+        a, b, c = numbers
+        key = (small, large, f"middle{mid}")
+        return key, key, lambda: {
+            "prompt": f"Sort the numbers {a}, {b} and {c} from smallest to largest. Which number is in the middle? "
+                      f"{ANSWER_FORMAT}",
+            "answer": str(mid)}
+
+    return _distinct_rows(num_prompts, split, digits, f"middle-{split}-{seed}-{digits[0]}-{digits[1]}", "triples",
+                          "sets", propose)
+
+
+def multiply_rows(num_prompts: int, seed: int = 0, split: Literal["train", "test"] = "train",
+                  digits: tuple[int, int] = (2, 3)) -> list[dict[str, str]]:
+    """Arithmetic of another family than ``arithmetic``'s: "What is A times D?", A of ``digits`` (fewest, most)
+    digits, D a single digit 2-9, the operands' order drawn. ``held_out`` decides by the pair, smaller first. Score
+    with the ``math`` reward."""
+    def propose(rng: random.Random, low: int, high: int) -> _Proposal:
+        a, d = rng.randrange(low, high), rng.randrange(2, 10)
+        first, second = (a, d) if rng.random() < 0.5 else (d, a)
+        key = (min(a, d), max(a, d), "*")  # 7 x 5 and 5 x 7 are one problem
+        return key, key, lambda: {"prompt": f"What is {first} times {second}? {ANSWER_FORMAT}", "answer": str(a * d)}
+
+    return _distinct_rows(num_prompts, split, digits, f"multiply-{split}-{seed}-{digits[0]}-{digits[1]}", "pairs",
+                          "products", propose)
+
+
+def count_even_rows(num_prompts: int, seed: int = 0, split: Literal["train", "test"] = "train",
+                    digits: tuple[int, int] = (2, 3)) -> list[dict[str, str]]:
+    """Parity: "How many of these numbers are even: A, B, C, D?"; the answer is the count, 0-4, of four distinct
+    numbers of ``digits`` (fewest, most) digits. ``held_out`` decides by the set of numbers. Score with the
+    ``math`` reward."""
+    def propose(rng: random.Random, low: int, high: int) -> _Proposal | None:
+        numbers = [rng.randrange(low, high) for _ in range(4)]
+        if len(set(numbers)) < 4:
+            return None
+        key = (0, 0, "even" + ",".join(map(str, sorted(numbers))))
+        return key, key, lambda: {
+            "prompt": f"How many of these numbers are even: {', '.join(map(str, numbers))}? {ANSWER_FORMAT}",
+            "answer": str(sum(n % 2 == 0 for n in numbers))}
+
+    return _distinct_rows(num_prompts, split, digits, f"count_even-{split}-{seed}-{digits[0]}-{digits[1]}",
+                          "numbers", "sets", propose)
+
+
+#: the ``digit_sum`` task's required answer format: a LaTeX box (the ``math`` reward reads the last one first)
+BOXED_FORMAT = "Write only the final number inside \\boxed{}, for example \\boxed{7}."
+
+
+def digit_sum_rows(num_prompts: int, seed: int = 0, split: Literal["train", "test"] = "train",
+                   digits: tuple[int, int] = (2, 3)) -> list[dict[str, str]]:
+    """A format-constrained answer: "What is the sum of the digits of N? Write only the final number inside
+    \\boxed{}..."; N has ``digits`` (fewest, most) digits. ``held_out`` decides by N. Score with the ``math``
+    reward, which reads the last ``\\boxed{}`` (a reply without one and without "The answer is" scores 0)."""
+    def propose(rng: random.Random, low: int, high: int) -> _Proposal:
+        n = rng.randrange(low, high)
+        key = (n, 0, "digitsum")
+        return key, key, lambda: {"prompt": f"What is the sum of the digits of {n}? {BOXED_FORMAT}",
+                                  "answer": str(sum(int(ch) for ch in str(n)))}
+
+    return _distinct_rows(num_prompts, split, digits, f"digit_sum-{split}-{seed}-{digits[0]}-{digits[1]}", "numbers",
+                          "numbers", propose)
+
+
 #: a proposed problem: (its key, unique in a split; what ``held_out`` decides by; the row, made once accepted)
 _Proposal = tuple[tuple[int, int, str], tuple[int, int, str], Callable[[], dict[str, str]]]
 
@@ -193,6 +310,8 @@ def _distinct_rows(num_prompts: int, split: str, digits: tuple[int, int], rng_se
 #: ``mixed`` also takes ``judged_share``)
 TASKS = {"target_char": lambda n, seed, split, digits: target_char_rows(n, seed + (split == "test") * 10_000),
          "arithmetic": arithmetic_rows, "compare": compare_rows, "mixed": mixed_rows,
-         "reveal": lambda n, seed, split, digits: reveal_rows(n, seed + (split == "test") * 10_000)}
+         "reveal": lambda n, seed, split, digits: reveal_rows(n, seed + (split == "test") * 10_000),
+         "count_letter": count_letter_rows, "middle": middle_rows, "multiply": multiply_rows,
+         "count_even": count_even_rows, "digit_sum": digit_sum_rows}
 #: the columns of an embedded task's rows that become ``Prompt.metadata``
 TASK_METADATA: dict[str, list[str]] = {"mixed": ["reward"]}

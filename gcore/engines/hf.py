@@ -8,6 +8,7 @@ the tiny model's forward. ``use_generate=True`` goes back to ``model.generate``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
@@ -17,6 +18,8 @@ from gcore.engines.base import Engine
 from gcore.errors import ConfigError
 from gcore.model import DTYPES, ModelSource, cache_keyword, check_compiler
 from gcore.types import Generation, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, GenerationMixin, PreTrainedModel
@@ -43,9 +46,16 @@ class HFEngine(Engine):
             A bfloat16 engine beside a float32 trainer samples from a slightly different distribution than
             the one trained (the metric ``rollout/logprob_diff`` says how far apart they are) and decodes
             faster where decoding is bound by reading the weights (BENCHMARKS.md measures it on CPU).
+        sample_special_tokens: let the pad and bos tokens be sampled inside a response, as ``model.generate``
+            (and TRL's GRPOTrainer) does. Off (the default), they are never sampled unless they are stop tokens:
+            a pad token there would read as padding, and HF's embedding gives it no gradient. Where pad is
+            the EOS token (most instruct checkpoints) only bos differs, and a trained model rarely puts
+            mass on it; docs/engines.md, "Sampling".
 
-    The pad and bos tokens are never sampled inside a response (unless they are stop tokens): a
-    pad token there would read as padding, and HF's embedding gives it no gradient. The recorded
+    Sampling is ``SamplingParams`` alone (temperature, top-k, top-p): the checkpoint's
+    ``generation_config.json`` gives only the eos, pad and bos ids; its sampling values (its own
+    temperature, top_k, repetition_penalty, min_p, ...) are ignored, and ``setup`` logs a warning naming
+    any that would change ``model.generate``'s samples (docs/engines.md, "Sampling"). The recorded
     log-probabilities are those of the model's own distribution, as with top-k and top-p.
     """
 
@@ -58,6 +68,7 @@ class HFEngine(Engine):
         cuda_graphs: bool = True,
         compile: bool = False,
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
+        sample_special_tokens: bool = False,
     ) -> None:
         if dtype != "auto" and dtype not in DTYPES:
             raise ConfigError(f"--engine.dtype {dtype!r}: valid choices: auto, {', '.join(DTYPES)}")
@@ -67,6 +78,7 @@ class HFEngine(Engine):
         self.use_generate = use_generate
         self.static_cache = static_cache
         self.cuda_graphs = cuda_graphs
+        self.sample_special_tokens = sample_special_tokens
         if compile and (use_generate or not static_cache):
             raise ConfigError("--engine.compile true compiles the static-cache decoder's step: it needs "
                               "--engine.static_cache true and --engine.use_generate false")
@@ -104,9 +116,17 @@ class HFEngine(Engine):
         pad = generation.pad_token_id if generation.pad_token_id is not None else config.pad_token_id
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
         self.bos_id = generation.bos_token_id if generation.bos_token_id is not None else config.bos_token_id
+        ignored = ignored_generation_values(generation)
+        if ignored:
+            logger.warning("%s: generation_config.json sets %s, which the hf engine ignores (it samples with "
+                           "--sampling.* alone; model.generate would apply them: docs/engines.md, \"Sampling\")",
+                           source.path, ", ".join(f"{k}={v!r}" for k, v in ignored.items()))
 
     def _banned(self, stop_ids: Sequence[int]) -> list[int]:
-        """Token ids never sampled in a response: pad and bos, unless they end a response."""
+        """Token ids never sampled in a response: pad and bos, unless they end a response (none with
+        ``sample_special_tokens``)."""
+        if self.sample_special_tokens:
+            return []
         return [t for t in dict.fromkeys((self.pad_id, self.bos_id)) if t is not None and t not in stop_ids]
 
     @torch.inference_mode()
@@ -318,6 +338,31 @@ def _move(model: torch.nn.Module, device: torch.device) -> None:
     """``model.to(device)`` (in place). Typed as a torch ``Module``'s: transformers' stub of ``PreTrainedModel.to``
     (a ``functools.wraps`` of ``Module.to``) asks for ``self`` again; the call still runs ``PreTrainedModel.to``."""
     model.to(device)
+
+
+#: generation-config fields that change what ``model.generate`` samples, each with the value that changes nothing
+#: (transformers' ``GenerationConfig`` defaults; ``top_k`` is read from the checkpoint's file only, as
+#: transformers' global default of 50 applies to ``generate`` calls that set no ``top_k`` at all)
+SAMPLING_FIELDS: dict[str, object] = {
+    "temperature": 1.0, "top_k": None, "top_p": 1.0, "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
+    "min_length": 0, "min_new_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None, "do_sample": False,
+}
+
+
+def ignored_generation_values(generation: object) -> dict[str, object]:
+    """The sampling values a checkpoint's generation config sets that the hf engine ignores: those of
+    ``SAMPLING_FIELDS`` that differ from their no-op value (``top_k`` 0 counts as no-op too; ``do_sample`` is
+    left out: the engine samples whenever the temperature is above 0)."""
+    out = {}
+    for name, neutral in SAMPLING_FIELDS.items():
+        value = getattr(generation, name, neutral)
+        if name == "do_sample" or value is None or value == neutral or (name == "top_k" and value == 0):
+            continue
+        out[name] = value
+    return out
 
 
 def _sample_rows(probs: torch.Tensor) -> torch.Tensor:
