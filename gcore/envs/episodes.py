@@ -160,11 +160,21 @@ def _ask(pool: ThreadPoolExecutor, env: Environment, episode: Episode,
     deadline[future] = time.monotonic() + env.timeout_s
 
 
+class StepError(Exception):
+    """An environment's ``step`` ended with a ``BaseException`` (``SystemExit``, ``KeyboardInterrupt`` raised by
+    its own code: signals reach the main thread, not this one); an error of that episode, not of the run."""
+
+
 def _step(env: Environment, state: Any, text: str) -> tuple[Turn, float]:  # noqa: ANN401  the episode's state
     started = time.perf_counter()
-    turn = env.step(state, text)
-    if inspect.isawaitable(turn):
-        turn = asyncio.run(_await(turn))
+    try:
+        turn = env.step(state, text)
+        if inspect.isawaitable(turn):
+            turn = asyncio.run(_await(turn))
+    except Exception:
+        raise
+    except BaseException as err:  # noqa: BLE001  user code that exits: its episode's error, counted
+        raise StepError(f"{type(err).__name__}: {err}") from None
     return turn, time.perf_counter() - started
 
 

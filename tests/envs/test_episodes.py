@@ -60,17 +60,22 @@ class Failing(Environment):
         self.result = result
 
     def step(self, state, response):
-        if isinstance(self.result, Exception):
+        if isinstance(self.result, BaseException):
             raise self.result
         return self.result
 
 
-def test_an_environment_that_raises_ends_its_episode_and_is_counted(tiny):
+@pytest.mark.parametrize("error", [RuntimeError("tool server down"), SystemExit(0), KeyboardInterrupt()],
+                         ids=["exception", "exit", "interrupt"])
+def test_an_environment_that_raises_ends_its_episode_and_is_counted(tiny, error):
+    """Even ``SystemExit`` or ``KeyboardInterrupt`` from the environment's own code: its episodes end, the run
+    goes on (a real Ctrl-C reaches the main thread, not the environment's)."""
     tokenizer, _, engine = tiny
     stats = EpisodeStats()
-    samples = run_episodes(Failing(RuntimeError("tool server down")), engine.generate, _prompts(tokenizer),
+    samples = run_episodes(Failing(error), engine.generate, _prompts(tokenizer),
                            SamplingParams(n=2, max_new_tokens=3), tokenizer, stats=stats)
     assert stats.counts["errors"] == 4 and all(s.turns == 1 and not s.finished for s in samples)
+    assert stats.first_error is not None and type(error).__name__ in stats.first_error
 
 
 @pytest.mark.parametrize("result, named", [("text", "str, not a gcore.envs.Turn"),
