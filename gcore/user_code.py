@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import TracebackType
 
 from gcore.errors import Interrupted
@@ -38,3 +40,20 @@ def describe(err: BaseException) -> str:
     """``SystemExit: 0``, ``KeyboardInterrupt``: the exception's type and, when it has one, its text."""
     text = str(err)
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+@contextmanager
+def ending_as(error: Callable[[BaseException], Exception]) -> Iterator[None]:
+    """Run user code; a ``BaseException`` that is no ``Exception`` (``SystemExit``, the code's own
+    ``KeyboardInterrupt``) is raised as ``error(cause)``, from the cause. Ordinary exceptions and real
+    signals (``from_signal``) pass through unchanged."""
+    try:
+        yield
+    except Exception:
+        raise
+    except KeyboardInterrupt as err:
+        if from_signal(err):
+            raise
+        raise error(err) from err
+    except BaseException as err:  # SystemExit and the like: the user code's fault
+        raise error(err) from err

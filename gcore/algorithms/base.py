@@ -13,7 +13,7 @@ import torch
 
 from gcore.errors import AlgorithmError, ConfigError
 from gcore.types import RolloutBatch, Sample
-from gcore.user_code import describe, from_signal
+from gcore.user_code import describe, ending_as
 
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -206,18 +206,12 @@ def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def guarded(self: Algorithm, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401  as the method's
-        try:
+        def error(cause: BaseException) -> AlgorithmError:
+            return AlgorithmError(f"algorithm {type(self).__name__}.{method.__name__} raised {describe(cause)}; an "
+                                  f"algorithm's code must raise an exception, not end the process")
+
+        with ending_as(error):
             return method(self, *args, **kwargs)
-        except Exception:
-            raise
-        except KeyboardInterrupt as err:
-            if from_signal(err):
-                raise
-            cause: BaseException = err
-        except BaseException as err:  # noqa: BLE001  SystemExit and the like: the algorithm's fault
-            cause = err
-        raise AlgorithmError(f"algorithm {type(self).__name__}.{method.__name__} raised {describe(cause)}; an "
-                             f"algorithm's code must raise an exception, not end the process") from cause
 
     guarded.__gcore_guarded__ = True  # type: ignore[attr-defined]
     return guarded

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from gcore.envs.base import Environment, Turn
 from gcore.errors import ConfigError
 from gcore.types import Generation, Prompt, Sample, SamplingParams
+from gcore.user_code import describe, ending_as
 
 log = logging.getLogger(__name__)
 
@@ -167,14 +168,10 @@ class StepError(Exception):
 
 def _step(env: Environment, state: Any, text: str) -> tuple[Turn, float]:  # noqa: ANN401  the episode's state
     started = time.perf_counter()
-    try:
+    with ending_as(lambda cause: StepError(describe(cause))):  # its episode's error, counted
         turn = env.step(state, text)
         if inspect.isawaitable(turn):
             turn = asyncio.run(_await(turn))
-    except Exception:
-        raise
-    except BaseException as err:  # noqa: BLE001  user code that exits: its episode's error, counted
-        raise StepError(f"{type(err).__name__}: {err}") from None
     return turn, time.perf_counter() - started
 
 

@@ -17,7 +17,7 @@ from gcore.engines.base import Engine
 from gcore.errors import ConfigError, RewardError
 from gcore.model import ModelSource
 from gcore.types import Sample
-from gcore.user_code import describe, from_signal
+from gcore.user_code import describe, ending_as
 
 #: the default ``--reward.timeout`` of the rule-based rewards, in seconds per sample
 DEFAULT_TIMEOUT = 30.0
@@ -79,19 +79,13 @@ def _guarded_score(score: Callable[..., list[float]]) -> Callable[..., list[floa
 
     @functools.wraps(score)
     def guarded(self: RewardModel, samples: Sequence[Sample]) -> list[float]:
-        try:
+        def error(cause: BaseException) -> RewardError:
+            first = f"; the first: {describe_sample(samples[0])}" if samples else ""
+            return RewardError(f"{type(self).__name__}.score raised {describe(cause)} on {len(samples)} "
+                               f"samples{first}")
+
+        with ending_as(error):
             return score(self, samples)
-        except Exception:
-            raise
-        except KeyboardInterrupt as err:
-            if from_signal(err):
-                raise
-            cause: BaseException = err
-        except BaseException as err:  # noqa: BLE001  SystemExit and the like: the reward's fault
-            cause = err
-        first = f"; the first: {describe_sample(samples[0])}" if samples else ""
-        raise RewardError(f"{type(self).__name__}.score raised {describe(cause)} on {len(samples)} "
-                          f"samples{first}") from cause
 
     guarded.__gcore_guarded__ = True  # type: ignore[attr-defined]
     return guarded
