@@ -153,20 +153,26 @@ def test_a_sample_older_than_max_staleness_is_never_trained_its_group_is_generat
     assert [row["samples/trained"] for row in history] == [float(prompts * n)] * steps
 
 
+def _recorded_run(tmp_path, placement, steps, max_staleness):
+    """A tiny run over engine workers whose algorithm records the policy versions it trains on."""
+    algorithm = RecordingGRPO()
+    result = Trainer(
+        trainer=TrainerConfig(max_steps=steps, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                              save_final=False, max_staleness=max_staleness),
+        model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
+        data=DataConfig(prompts_per_step=4), sampling=SamplingParams(n=4, max_new_tokens=6),
+        algorithm=algorithm, placement=placement,
+    ).fit()
+    return algorithm, result
+
+
 @pytest.mark.integration
 @pytest.mark.slow  # starts two engine worker processes: ~30-60 s each
 @pytest.mark.parametrize("placement", [lambda: DynamicPlacement(workers=2), lambda: StaticPlacement(workers=2)],
                          ids=["dynamic", "static_workers"])
 def test_two_steps_off_trains_on_samples_at_most_two_versions_old(placement, tmp_path):
-    algorithm = RecordingGRPO()
     steps = 5
-    result = Trainer(
-        trainer=TrainerConfig(max_steps=steps, default_root_dir=str(tmp_path), enable_progress_bar=False,
-                              save_final=False, max_staleness=2),
-        model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
-        data=DataConfig(prompts_per_step=4), sampling=SamplingParams(n=4, max_new_tokens=6),
-        algorithm=algorithm, placement=placement(),
-    ).fit()
+    algorithm, result = _recorded_run(tmp_path, placement(), steps, max_staleness=2)
     # step 0 generates now and starts steps 1 and 2 with version 0; from then on step s starts step s + 2
     # with version s, trained two versions old
     expected = [0, 1, 2, 2, 2]
@@ -183,15 +189,8 @@ def test_two_steps_off_trains_on_samples_at_most_two_versions_old(placement, tmp
 @pytest.mark.parametrize("placement", [DynamicPlacement(workers=1), StaticPlacement(workers=1)],
                          ids=["dynamic", "static_workers"])
 def test_one_step_off_trains_only_on_samples_at_most_one_version_old(placement, tmp_path):
-    algorithm = RecordingGRPO()
     steps = 4
-    result = Trainer(
-        trainer=TrainerConfig(max_steps=steps, default_root_dir=str(tmp_path), enable_progress_bar=False,
-                              save_final=False, max_staleness=1),
-        model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
-        data=DataConfig(prompts_per_step=4), sampling=SamplingParams(n=4, max_new_tokens=6),
-        algorithm=algorithm, placement=placement,
-    ).fit()
+    algorithm, result = _recorded_run(tmp_path, placement, steps, max_staleness=1)
     assert len(algorithm.versions) == steps
     # step 0 has nothing in flight before it: its samples are fresh; every later step trains on the
     # rollout started during the step before it, with the weights of that step (one version old)
