@@ -71,12 +71,12 @@ class StepRecord:
 
     def add_env_stats(self, job: RolloutJob) -> None:
         """Add what the episode loop of ``job`` counted (multi-turn rollouts only)."""
-        if job.env_stats is not None:
-            for name, value in job.env_stats.counts.items():
-                self.env_counts[name] = self.env_counts.get(name, 0.0) + value
-            stats = job.env_stats
-            self.env_counts["step_s"] = self.env_counts.get("step_s", 0.0) + stats.env_busy_s
-            self.env_counts["generate_calls"] = self.env_counts.get("generate_calls", 0.0) + stats.generate_calls
+        stats = job.env_stats
+        if stats is None:
+            return
+        for name, value in (*stats.counts.items(), ("step_s", stats.env_busy_s),
+                            ("generate_calls", float(stats.generate_calls))):
+            self.env_counts[name] = self.env_counts.get(name, 0.0) + value
 
 
 @dataclass
