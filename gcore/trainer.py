@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -286,7 +287,7 @@ class Trainer:
         c = self.config
         quiet_dependencies()
         threads.warn_if_spinning()
-        _check_writable(c.default_root_dir)
+        _check_root_writable(c.default_root_dir)
         lock = RunLock(os.path.join(c.default_root_dir, c.name))
         if _launching_process():  # one run per run folder; the controllers it launches share its lock
             lock.acquire()
@@ -303,6 +304,7 @@ class Trainer:
                                     resume=c.resume, seed=c.seed, signature=self._run_signature(),
                                     collective_timeout=c.collective_timeout, allow_changed_run=c.resume_changed_run)
         checkpointer.pick(c.max_steps)  # before anything is built: nothing to do fails at once
+        self._check_run_writable(checkpointer)
         fabric, device_type = self._fabric(checkpointer.resumed_log_version())
         # invalid combinations failed in __init__ (``_validate``); the placement's fit to the devices fails
         # here, once, before any controller process or engine is launched
@@ -576,7 +578,38 @@ class Trainer:
         }
 
 
-def _check_writable(root: str) -> None:
+    def _check_run_writable(self, checkpointer: Checkpointer) -> None:
+        """A one-line error, before the model is built, when the run cannot write where it will: the
+        checkpoint folder (with ``checkpoint_every``), and the ``version_N`` folder and ``metrics.csv`` a
+        resumed run continues (a read-only mount, another user's folder)."""
+        c = self.config
+        run = os.path.join(c.default_root_dir, c.name)
+        if c.checkpoint_every:
+            _check_writable(checkpointer.root, "checkpoints are written there (--trainer.checkpoint_every)")
+        version = checkpointer.resumed_log_version()
+        if version is not None:
+            why = "a resumed run continues its metrics (or start a new run with another --trainer.name)"
+            folder = os.path.join(run, f"version_{version}")
+            _check_writable(folder, why)
+            metrics = os.path.join(folder, "metrics.csv")
+            if os.path.exists(metrics) and not os.access(metrics, os.W_OK):
+                raise ConfigError(f"{metrics}: cannot write there ({os.strerror(errno.EACCES)}); {why}")
+
+
+def _check_writable(folder: str, why: str) -> None:
+    """A one-line ``ConfigError`` when ``folder`` (or, while it does not exist, the nearest folder above it
+    that does) takes no new file; ``why`` says what is written there."""
+    existing = os.path.abspath(folder)
+    while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".gcore-write-test-"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{existing}: cannot write there ({err.strerror or err}); {why}") from None
+
+
+def _check_root_writable(root: str) -> None:
     """A one-line error, before any model is built, when runs cannot be written under ``root``."""
     try:
         os.makedirs(root, exist_ok=True)
