@@ -122,7 +122,9 @@ def _fit_error(tmp_path, monkeypatch, capsys, *args: str) -> str:
     ("trainer:\n  max_steps: 2\n    name: x\n", "cfg.yaml:3:9: mapping values are not allowed here"),
     ("trainer: !!python/object/apply:os.system ['true']\n",
      "cfg.yaml:1:10: could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply:os.system'"),
-], ids=["unclosed", "indent", "python-tag"])
+    ("trainer:\n  max_steps: !!python/object/new:builtins.int [2]\n",
+     "cfg.yaml:2:14: could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/new:builtins.int'"),
+], ids=["unclosed", "indent", "python-apply", "python-new"])
 def test_a_config_file_that_is_not_yaml_names_its_line_and_column(tmp_path, monkeypatch, capsys, text, error):
     (tmp_path / "cfg.yaml").write_text(text)
     assert _fit_error(tmp_path, monkeypatch, capsys, "--config", "cfg.yaml") == f"gcore: error: --config {error}"
