@@ -33,6 +33,11 @@ class _InterruptingBackend(TorchBackend):
         raise KeyboardInterrupt  # its own, no signal
 
 
+class _RefusingBackend(TorchBackend):
+    def validate(self, algorithm, world_size, single_controller):
+        sys.exit(1)  # checked when the Trainer is made, before any run
+
+
 class _ExitingPlacement(StaticPlacement):
     def launch(self, engine, reward, source, device, seed=0):
         sys.exit("no room")
@@ -46,9 +51,10 @@ class _EndingEnv(SingleTurn):
 @pytest.mark.parametrize(("plugins", "where", "raised"), [
     ({"engine": _ExitingEngine()}, "engine _ExitingEngine.generate", "SystemExit: 0"),
     ({"backend": _InterruptingBackend()}, "backend _InterruptingBackend.train", "KeyboardInterrupt"),
+    ({"backend": _RefusingBackend()}, "backend _RefusingBackend.validate", "SystemExit: 1"),
     ({"placement": _ExitingPlacement()}, "placement _ExitingPlacement.launch", "SystemExit: no room"),
     ({"env": _EndingEnv()}, "env _EndingEnv.setup", "GeneratorExit"),
-], ids=["engine", "backend", "placement", "env"])
+], ids=["engine", "backend", "backend-validate", "placement", "env"])
 def test_a_plugin_whose_code_ends_the_process_stops_the_run_naming_it(plugins, where, raised):
     # before: the SystemExit (or the plugin's own KeyboardInterrupt, read as Ctrl-C) left Trainer.fit
     with pytest.raises(PluginExit) as err:
