@@ -230,15 +230,20 @@ def check_custom_code(path: str, trust_remote_code: bool) -> None:
 
 
 def check_pickled_weights(path: str) -> None:
-    """A one-line ``ConfigError`` for a ``*.bin`` weights file that holds Python objects other than tensors
-    (a pickle could run code; transformers loads it with ``weights_only`` and fails with a traceback).
-    A file in torch's zip format is read mapped (the pickle, not the tensor data); an older one whole."""
+    """A one-line ``ConfigError`` for a ``pytorch_model*.bin`` weights file that holds Python objects other
+    than tensors (a pickle could run code; transformers loads it with ``weights_only`` and fails with a
+    traceback). Only where transformers loads them: a folder with safetensors weights is loaded from those,
+    and other ``.bin`` files (``training_args.bin``) are not weights. A file in torch's zip format is read
+    mapped (the pickle, not the tensor data); an older one whole."""
     import pickle
     import warnings
     import zipfile
 
-    for name in sorted(os.listdir(path)):
-        if not name.endswith(".bin"):
+    names = sorted(os.listdir(path))
+    if any(name.endswith(".safetensors") for name in names):
+        return
+    for name in names:
+        if not (name.startswith("pytorch_model") and name.endswith(".bin")):
             continue
         file = os.path.join(path, name)
         try:

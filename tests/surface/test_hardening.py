@@ -365,6 +365,8 @@ def test_a_pickled_weights_file_with_python_objects_is_refused_in_one_line(tmp_p
     weights = load_file(folder / "model.safetensors")
     (folder / "model.safetensors").unlink()
     torch.save(weights, folder / "pytorch_model.bin")  # real weights in torch's format load
+    with open(folder / "training_args.bin", "wb") as f:  # a trainer's pickled arguments: no weights, not loaded
+        pickle.dump({"args": _Payload(str(tmp_path / "marker"))}, f)
     assert materialize(ModelConfig(path=str(folder)), None, 0, str(tmp_path / "work")) == str(folder)
     with open(folder / "pytorch_model.bin", "wb") as f:
         pickle.dump({"weight": _Payload(str(tmp_path / "marker"))}, f)
