@@ -11,7 +11,7 @@ from gcore.backends import TorchBackend, TrainingBackend
 from gcore.data import DataConfig
 from gcore.engines import Engine, HFEngine
 from gcore.envs import Environment, Turn
-from gcore.errors import AlgorithmError, ConfigError, DataError, GcoreError, PluginError, RewardError
+from gcore.errors import AlgorithmError, ConfigError, DataError, GcoreError, PluginError, PluginExit, RewardError
 from gcore.model import ModelConfig, ModelSource
 from gcore.placement import DynamicPlacement, PlacementPolicy, StaticPlacement, Telemetry
 from gcore.rewards import CallableReward, Judge, RegexReward, RewardModel, RuleReward, TargetCharReward
@@ -47,6 +47,7 @@ __all__ = [
     "ModelSource",
     "PlacementPolicy",
     "PluginError",
+    "PluginExit",
     "Prompt",
     "RegexReward",
     "RewardError",

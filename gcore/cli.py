@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import yaml
 
 from gcore import registry
+from gcore.config_errors import check_config_file, config_paths, unknown_option
 from gcore.errors import ConfigError, GcoreError
 
 #: the default plugin of each family
@@ -151,13 +152,20 @@ def _explain_plugin_error(config) -> None:  # noqa: ANN001 - a jsonargparse Name
 
 def parse(parser, argv: Sequence[str]):  # noqa: ANN001, ANN201  a jsonargparse parser and Namespace
     """``parser.parse_args`` of ``argv`` with the plugin defaults; a bad option is a one-line ``ConfigError``
-    naming the option and what it expected (jsonargparse would print the whole usage, 50 lines, first)."""
+    naming the option and what it expected (jsonargparse would print the whole usage, 50 lines, first): a
+    config file that is not YAML with its line and column, an unknown option with its file and line and
+    the valid choices (``gcore.config_errors``)."""
     from jsonargparse import ArgumentError
 
+    configs = config_paths(argv)
+    for path in configs:  # yaml's own line and column, before jsonargparse folds them into its message
+        check_config_file(path)
     try:
         return parser.parse_args(with_default_plugins(resolve_argv(argv)))
     except ArgumentError as err:
-        raise ConfigError(f"{one_line(str(err))} (gcore fit --help lists the options)") from None
+        unknown = unknown_option(str(err), parser)
+        text = unknown.describe(configs) if unknown is not None else one_line(str(err))
+        raise ConfigError(f"{text} (gcore fit --help lists the options)") from None
 
 
 def one_line(message: str) -> str:

@@ -19,7 +19,12 @@ class RewardError(GcoreError):
     """A reward function raised on a sample; the message names the sample."""
 
 
-class AlgorithmError(GcoreError):
+class PluginExit(GcoreError):
+    """A plugin's code ended the process (``sys.exit``, its own ``KeyboardInterrupt``, another
+    ``BaseException``); the message names the plugin's family, class and method."""
+
+
+class AlgorithmError(PluginExit):
     """An algorithm's code ended the process (``sys.exit``, its own ``KeyboardInterrupt``); the message names
     the algorithm and the method."""
 
@@ -29,7 +34,7 @@ class PluginError(GcoreError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """A run stopped by a signal (SIGTERM; Ctrl-C raises ``KeyboardInterrupt`` itself); ``signum`` names it."""
+    """A run stopped by a signal (SIGINT or SIGTERM, raised by gcore's handler); ``signum`` names it."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)

@@ -306,7 +306,7 @@ def from_collective(err: BaseException) -> bool:
 
 
 class Signals:
-    """SIGINT and SIGTERM raise ``KeyboardInterrupt`` / ``Interrupted`` in the main thread, so that a run
+    """SIGINT and SIGTERM raise ``Interrupted`` (a ``KeyboardInterrupt``) in the main thread, so that a run
     finishes its save in flight and says where to continue; ``deferred()`` holds one signal back
     while a save is being started (a second one goes through at once)."""
 
@@ -329,7 +329,9 @@ class Signals:
 
     @staticmethod
     def _raise(signum: int) -> None:
-        raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
+        # ``Interrupted`` for both: a signal held by ``deferred`` is raised outside the handler, and must
+        # still read as a signal (``user_code.from_signal``), not as a plugin's own ``KeyboardInterrupt``
+        raise Interrupted(signum)
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:

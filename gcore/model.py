@@ -204,6 +204,57 @@ def check_weights(path: str) -> None:
                 raise ConfigError(f"{file}: corrupt or truncated safetensors file ({detail})") from None
 
 
+def check_custom_code(path: str, trust_remote_code: bool) -> None:
+    """A one-line ``ConfigError`` for a model folder that only its own code could load: its ``config.json``
+    names custom code (``auto_map``) for a ``model_type`` transformers does not know, and
+    ``--model.trust_remote_code`` is off. (With a ``model_type`` transformers knows, its own classes load
+    the folder and no code from it runs.)"""
+    import json
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return  # no config or not JSON: reported where the config is loaded
+    if not isinstance(config, dict) or trust_remote_code or not config.get("auto_map"):
+        return
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        auto_map = config["auto_map"]
+        classes = ", ".join(map(str, auto_map.values() if isinstance(auto_map, dict) else auto_map))
+        raise ConfigError(f"--model.path {path}: config.json names custom code ({classes}) for a model_type "
+                          f"transformers does not know ({model_type!r}); pass --model.trust_remote_code true only "
+                          "if you trust this folder's code")
+
+
+def check_pickled_weights(path: str) -> None:
+    """A one-line ``ConfigError`` for a ``pytorch_model*.bin`` weights file that holds Python objects other
+    than tensors (a pickle could run code; transformers loads it with ``weights_only`` and fails with a
+    traceback). Only where transformers loads them: a folder with safetensors weights is loaded from those,
+    and other ``.bin`` files (``training_args.bin``) are not weights. A file in torch's zip format is read
+    mapped (the pickle, not the tensor data); an older one whole."""
+    import pickle
+    import warnings
+    import zipfile
+
+    names = sorted(os.listdir(path))
+    if any(name.endswith(".safetensors") for name in names):
+        return
+    for name in names:
+        if not (name.startswith("pytorch_model") and name.endswith(".bin")):
+            continue
+        file = os.path.join(path, name)
+        try:
+            with warnings.catch_warnings():  # torch's note on the pickle protocol of a file it then refuses
+                warnings.simplefilter("ignore")
+                torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
+        except pickle.UnpicklingError:
+            raise ConfigError(f"{file}: refused: it holds Python objects other than tensors, which could run code "
+                              "on load; convert the weights to safetensors from a trusted copy") from None
+
+
 WORKDIR_PREFIX = "gcore-model-"
 
 
@@ -243,6 +294,8 @@ def materialize(config: ModelConfig, tokenizer, seed: int, workdir: str) -> str:
                   "(`gcore import` converts it once for later runs)", flush=True)
             return import_gguf(config.path, workdir, config.torch_dtype)
         check_weights(config.path)
+        check_pickled_weights(config.path)
+        check_custom_code(config.path, config.trust_remote_code)
         return config.path
     from safetensors.torch import save_file
 

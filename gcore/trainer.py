@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -31,7 +32,7 @@ from gcore.data import (
 )
 from gcore.engines.base import Engine
 from gcore.envs.base import Environment
-from gcore.errors import AlgorithmError, ConfigError, GcoreError, Interrupted, RewardError
+from gcore.errors import ConfigError, GcoreError, Interrupted, PluginExit, RewardError
 from gcore.liveness import SIGNALS, ControllerWatch, report_rank_failure
 from gcore.loggers import LoggerName, continue_metrics, make_logger, quiet_dependencies
 from gcore.model import ModelConfig, ModelSource, load_tokenizer, make_workdir, materialize
@@ -40,9 +41,11 @@ from gcore.rendezvous import loopback_store
 from gcore.rewards.base import RewardModel
 from gcore.run_lock import RunLock
 from gcore.types import Prompt, SamplingParams
+from gcore.user_code import culprit, describe, ending_as
 
 if TYPE_CHECKING:
     from lightning.fabric import Fabric
+    from lightning.fabric.loggers import Logger
     from tqdm import tqdm
     from transformers import PreTrainedTokenizerBase
 
@@ -215,7 +218,9 @@ class Trainer:
         self.backend = backend or TorchBackend()
         self.env = env or SingleTurn()
         self.rollout_engine: Engine = self.engine  # what the controller calls; set by the placement's launch
-        self._validate()
+        self._loggers: list[Logger] = []  # made with the run's Fabric
+        with ending_as(self._plugin_exit):
+            self._validate()
 
     def _validate(self) -> None:
         """Every check that needs no process: the trainer's own flags, then the plugins' (``validate``)."""
@@ -235,6 +240,18 @@ class Trainer:
             raise ConfigError("--trainer.eval_every runs with one controller per process (not --trainer.controllers 1)")
         self.backend.validate(self.algorithm, world, single_controller=self._single_controller())
         self.placement.validate(world, single_controller=self._single_controller())
+
+    def _plugin_exit(self, cause: BaseException) -> PluginExit | None:
+        """The one-line error for a plugin's code that ended the process (``user_code.ending_as``), naming the
+        plugin's family, class and method; ``None`` when no plugin's code was running."""
+        plugins = [("engine", self.engine), ("engine", self.rollout_engine), ("reward", self.reward),
+                   ("algorithm", self.algorithm), ("placement", self.placement), ("backend", self.backend),
+                   ("env", self.env), *(("logger", logger) for logger in self._loggers)]
+        where = culprit(cause, plugins)
+        if where is None:
+            return None
+        return PluginExit(f"{where} raised {describe(cause)}; a plugin's code must raise an exception, not end "
+                          "the process")
 
     def _world_size(self) -> int:
         return self.config.devices * self.config.num_nodes
@@ -259,6 +276,7 @@ class Trainer:
         device_type = "cuda" if accelerator in ("cuda", "gpu") else "cpu"
         names = [c.logger] if isinstance(c.logger, str) else list(c.logger)
         loggers = [make_logger(name, c.default_root_dir, c.name, log_version) for name in names]
+        self._loggers = list(loggers)
         strategy = self.backend.strategy(self._world_size(), device_type, timedelta(seconds=c.collective_timeout))
         fabric = Fabric(accelerator=accelerator, devices=c.devices, num_nodes=c.num_nodes, strategy=strategy,
                         precision=c.precision, loggers=loggers)  # type: ignore[arg-type]  # a precision string
@@ -269,12 +287,13 @@ class Trainer:
         c = self.config
         quiet_dependencies()
         threads.warn_if_spinning()
-        _check_writable(c.default_root_dir)
+        _check_root_writable(c.default_root_dir)
         lock = RunLock(os.path.join(c.default_root_dir, c.name))
         if _launching_process():  # one run per run folder; the controllers it launches share its lock
             lock.acquire()
         try:
-            return self._fit()
+            with ending_as(self._plugin_exit):  # a plugin's ``sys.exit`` anywhere in the run: one line, exit 2
+                return self._fit()
         finally:
             lock.release()
 
@@ -285,6 +304,7 @@ class Trainer:
                                     resume=c.resume, seed=c.seed, signature=self._run_signature(),
                                     collective_timeout=c.collective_timeout, allow_changed_run=c.resume_changed_run)
         checkpointer.pick(c.max_steps)  # before anything is built: nothing to do fails at once
+        self._check_run_writable(checkpointer)
         fabric, device_type = self._fabric(checkpointer.resumed_log_version())
         # invalid combinations failed in __init__ (``_validate``); the placement's fit to the devices fails
         # here, once, before any controller process or engine is launched
@@ -432,25 +452,27 @@ class Trainer:
         step = run.start_step
         skipping = 0  # consecutive steps that skipped an update (non-finite loss or gradient)
         try:
-            for step in range(run.start_step, c.max_steps):
-                if run.eval_prompts and step % c.eval_every == 0:
-                    evaluations.append(self._evaluate(run, step, bar))
-                metrics = self._step(run, step, bar)
-                history.append(metrics)
-                bar.set_description("step", refresh=False)
-                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s=f"{metrics['time/step']:.2f}")
-                bar.update(1)
-                skipping = skipping + 1 if metrics.get("skipped_updates", 0.0) > 0 else 0
-                if c.max_skipped_updates and skipping >= c.max_skipped_updates:
-                    run.checkpointer.wait()
-                    raise GcoreError(
-                        f"step {step}: {skipping} steps in a row skipped their update because the loss or the "
-                        f"gradient was NaN or infinite (loss {metrics.get('loss', float('nan')):g}, grad_norm "
-                        f"{metrics.get('grad_norm', float('nan')):g}); stopping (see --trainer.max_skipped_updates)")
-            if run.eval_prompts and run.start_step < c.max_steps:  # the trained policy
-                evaluations.append(self._evaluate(run, c.max_steps, bar))
-            run.checkpointer.wait()
-        except (AlgorithmError, RewardError):  # a plugin's code failed: the save in flight is still completed
+            with ending_as(self._plugin_exit):  # here, so that the save in flight is completed (below)
+                for step in range(run.start_step, c.max_steps):
+                    if run.eval_prompts and step % c.eval_every == 0:
+                        evaluations.append(self._evaluate(run, step, bar))
+                    metrics = self._step(run, step, bar)
+                    history.append(metrics)
+                    bar.set_description("step", refresh=False)
+                    bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s=f"{metrics['time/step']:.2f}")
+                    bar.update(1)
+                    skipping = skipping + 1 if metrics.get("skipped_updates", 0.0) > 0 else 0
+                    if c.max_skipped_updates and skipping >= c.max_skipped_updates:
+                        run.checkpointer.wait()
+                        raise GcoreError(
+                            f"step {step}: {skipping} steps in a row skipped their update because the loss or the "
+                            f"gradient was NaN or infinite (loss {metrics.get('loss', float('nan')):g}, grad_norm "
+                            f"{metrics.get('grad_norm', float('nan')):g}); stopping (see "
+                            "--trainer.max_skipped_updates)")
+                if run.eval_prompts and run.start_step < c.max_steps:  # the trained policy
+                    evaluations.append(self._evaluate(run, c.max_steps, bar))
+                run.checkpointer.wait()
+        except (PluginExit, RewardError):  # a plugin's code failed: the save in flight is still completed
             bar.close()
             run.checkpointer.finish_for_exit()
             raise
@@ -556,7 +578,38 @@ class Trainer:
         }
 
 
-def _check_writable(root: str) -> None:
+    def _check_run_writable(self, checkpointer: Checkpointer) -> None:
+        """A one-line error, before the model is built, when the run cannot write where it will: the
+        checkpoint folder (with ``checkpoint_every``), and the ``version_N`` folder and ``metrics.csv`` a
+        resumed run continues (a read-only mount, another user's folder)."""
+        c = self.config
+        run = os.path.join(c.default_root_dir, c.name)
+        if c.checkpoint_every:
+            _check_writable(checkpointer.root, "checkpoints are written there (--trainer.checkpoint_every)")
+        version = checkpointer.resumed_log_version()
+        if version is not None:
+            why = "a resumed run continues its metrics (or start a new run with another --trainer.name)"
+            folder = os.path.join(run, f"version_{version}")
+            _check_writable(folder, why)
+            metrics = os.path.join(folder, "metrics.csv")
+            if os.path.exists(metrics) and not os.access(metrics, os.W_OK):
+                raise ConfigError(f"{metrics}: cannot write there ({os.strerror(errno.EACCES)}); {why}")
+
+
+def _check_writable(folder: str, why: str) -> None:
+    """A one-line ``ConfigError`` when ``folder`` (or, while it does not exist, the nearest folder above it
+    that does) takes no new file; ``why`` says what is written there."""
+    existing = os.path.abspath(folder)
+    while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".gcore-write-test-"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{existing}: cannot write there ({err.strerror or err}); {why}") from None
+
+
+def _check_root_writable(root: str) -> None:
     """A one-line error, before any model is built, when runs cannot be written under ``root``."""
     try:
         os.makedirs(root, exist_ok=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
 
@@ -43,17 +43,34 @@ def describe(err: BaseException) -> str:
 
 
 @contextmanager
-def ending_as(error: Callable[[BaseException], Exception]) -> Iterator[None]:
+def ending_as(error: Callable[[BaseException], Exception | None]) -> Iterator[None]:
     """Run user code; a ``BaseException`` that is no ``Exception`` (``SystemExit``, the code's own
-    ``KeyboardInterrupt``) is raised as ``error(cause)``, from the cause. Ordinary exceptions and real
-    signals (``from_signal``) pass through unchanged."""
+    ``KeyboardInterrupt``) is raised as ``error(cause)``, from the cause (or unchanged where ``error``
+    gives ``None``: not the user code's). Ordinary exceptions and real signals (``from_signal``) pass
+    through unchanged."""
     try:
         yield
     except Exception:
         raise
-    except KeyboardInterrupt as err:
-        if from_signal(err):
+    except BaseException as err:  # SystemExit and the like: the user code's fault, unless a real signal
+        if isinstance(err, KeyboardInterrupt) and from_signal(err):
             raise
-        raise error(err) from err
-    except BaseException as err:  # SystemExit and the like: the user code's fault
-        raise error(err) from err
+        replacement = error(err)
+        if replacement is None:
+            raise
+        raise replacement from err
+
+
+def culprit(err: BaseException, plugins: Iterable[tuple[str, object]]) -> str | None:
+    """``engine MyEngine.generate``: the family, class and method of the innermost frame of ``err``'s
+    traceback that runs a method of one of ``plugins`` (pairs of a family and a plugin object), or
+    ``None`` when no plugin's method was running."""
+    families = {id(plugin): family for family, plugin in plugins if plugin is not None}
+    found = None
+    tb: TracebackType | None = err.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if id(owner) in families:
+            found = f"{families[id(owner)]} {type(owner).__name__}.{tb.tb_frame.f_code.co_name}"
+        tb = tb.tb_next
+    return found

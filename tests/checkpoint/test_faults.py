@@ -280,11 +280,13 @@ def test_damaged_model_weights_are_one_line_errors(tmp_path, damage):
         materialize(ModelConfig(path=path), char_tokenizer(), 0, str(tmp_path / "unused"))
 
 
-def test_read_only_output_folder_is_a_one_line_error(tmp_path):
-    folder = tmp_path / "ro"
-    os.makedirs(folder)
+@contextlib.contextmanager
+def _read_only(folder):
+    """``folder`` (created, empty) takes no new file while the block runs: a read-only mount as root (root
+    writes through file modes), else mode 555."""
+    os.makedirs(folder, exist_ok=True)
     mounted = False
-    if os.geteuid() == 0:  # root writes through file modes: use a read-only mount
+    if os.geteuid() == 0:
         mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
                                  capture_output=True, check=False).returncode == 0
         if not mounted:
@@ -292,11 +294,40 @@ def test_read_only_output_folder_is_a_one_line_error(tmp_path):
     else:
         os.chmod(folder, 0o555)
     try:
-        with pytest.raises(ConfigError, match=rf"--trainer.default_root_dir {folder}: cannot write there"):
-            _trainer(folder).fit()
+        yield
     finally:
         if mounted:
             subprocess.run(["umount", "-l", str(folder)], check=False)
+        else:
+            os.chmod(folder, 0o755)
+
+
+def test_read_only_output_folder_is_a_one_line_error(tmp_path):
+    folder = tmp_path / "ro"
+    with _read_only(folder), pytest.raises(ConfigError, match=rf"--trainer.default_root_dir {folder}: cannot write "
+                                                              "there"):
+        _trainer(folder).fit()
+
+
+def test_a_checkpoint_or_resumed_run_folder_that_takes_no_file_is_refused_before_the_model_is_built(
+        tmp_path, monkeypatch):
+    # before: the run trained until its first save (checkpoints/ read-only), or failed with a traceback from the
+    # CSV logger after resuming (another user's version_0/)
+    _trainer(tmp_path, steps=1, checkpoint_every=1, save_final=False).fit()
+    checkpoints, version = tmp_path / "gcore" / "checkpoints", tmp_path / "gcore" / "version_0"
+
+    def built(*args, **kwargs):
+        raise AssertionError("the model was built before the run's folders were checked")
+
+    monkeypatch.setattr("gcore.trainer.materialize", built)
+    with _read_only(tmp_path / "other" / "gcore" / "checkpoints"), \
+            pytest.raises(ConfigError, match=r"/other/gcore/checkpoints: cannot write there \(.+\); checkpoints are "
+                                             r"written there \(--trainer.checkpoint_every\)$"):
+        _trainer(tmp_path / "other", checkpoint_every=1).fit()
+    assert checkpoints.is_dir()
+    with _read_only(version), pytest.raises(ConfigError, match=r"/gcore/version_0: cannot write there \(.+\); a "
+                                                                r"resumed run continues its metrics"):
+        _trainer(tmp_path, steps=2, resume="auto").fit()
 
 
 def test_temp_copies_of_dead_runs_are_removed(tmp_path, monkeypatch):

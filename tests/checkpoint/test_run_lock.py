@@ -71,11 +71,12 @@ def test_resume_of_another_seed_is_refused_unless_told(tmp_path):
     assert [row["step"] for row in result.history] == [2.0]  # it continued from the checkpoint
 
 
-def test_master_port_in_use_is_one_line_naming_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])  # the second: a service listening on every interface
+def test_master_port_in_use_is_one_line_naming_it(tmp_path, monkeypatch, host):
     import socket
 
     busy = socket.socket()
-    busy.bind(("127.0.0.1", 0))
+    busy.bind((host, 0))
     busy.listen(1)
     port = busy.getsockname()[1]
     monkeypatch.setenv("MASTER_PORT", str(port))

@@ -74,11 +74,15 @@ def test_a_reward_names_its_generative_judge_and_placement_can_point_it_elsewher
 
 
 def test_rewards_are_finite_numbers_and_bools_count_as_one_or_zero():
+    from decimal import Decimal
+
     import numpy as np
 
-    assert [as_reward(v) for v in (1, 0.5, True, False, np.float32(0.25), np.bool_(True), torch.tensor(2.0))] \
-        == [1.0, 0.5, 1.0, 0.0, 0.25, 1.0, 2.0]
-    for bad, kind in (("0.5", "str"), (None, "NoneType"), ([1.0], "list"), (torch.ones(2), "Tensor")):
+    assert [as_reward(v) for v in (1, 0.5, True, False, np.float32(0.25), np.bool_(True), torch.tensor(2.0),
+                                   torch.tensor(0.5, requires_grad=True), 2e30)] \
+        == [1.0, 0.5, 1.0, 0.0, 0.25, 1.0, 2.0, 0.5, 2e30]
+    for bad, kind in (("0.5", "str"), (None, "NoneType"), ([1.0], "list"), (torch.ones(2), "Tensor"),
+                      (Decimal("0.5"), "Decimal"), (0.5 + 0j, "complex")):
         with pytest.raises(TypeError, match=f"must be a number, got {kind}"):
             as_reward(bad)
     for bad in (float("nan"), float("inf"), -float("inf"), np.float64("nan")):

@@ -100,3 +100,69 @@ def test_resuming_past_max_steps_is_an_error_before_the_model_is_built(tmp_path)
     assert len(os.listdir(tmp_path / "gcore")) == 2  # no new run folder: it failed before starting one
     assert trainer(3).fit().history == []  # exactly at max_steps: nothing left, not an error
     shutil.rmtree(tmp_path)
+
+
+# --- config files: one line naming the file and line (before: jsonargparse's message, the file unnamed) ---------
+
+def _fit_error(tmp_path, monkeypatch, capsys, *args: str) -> str:
+    """``gcore fit ARGS`` in this process, from ``tmp_path``: its one line on stderr (the run must fail in parsing)."""
+    from gcore.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    code = main(["fit", "--trainer.default_root_dir", str(tmp_path / "runs"), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err[-3000:]
+    assert not (tmp_path / "runs").exists()  # refused before anything was built
+    return err.strip()
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ("trainer:\n  max_steps: 2\n  name: [unclosed\n",
+     "cfg.yaml:4:1: expected ',' or ']', but got '<stream end>' (while parsing a flow sequence at line 3, column 9)"),
+    ("trainer:\n  max_steps: 2\n    name: x\n", "cfg.yaml:3:9: mapping values are not allowed here"),
+    ("trainer: !!python/object/apply:os.system ['true']\n",
+     "cfg.yaml:1:10: could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply:os.system'"),
+    ("trainer:\n  max_steps: !!python/object/new:builtins.int [2]\n",
+     "cfg.yaml:2:14: could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/new:builtins.int'"),
+], ids=["unclosed", "indent", "python-apply", "python-new"])
+def test_a_config_file_that_is_not_yaml_names_its_line_and_column(tmp_path, monkeypatch, capsys, text, error):
+    (tmp_path / "cfg.yaml").write_text(text)
+    assert _fit_error(tmp_path, monkeypatch, capsys, "--config", "cfg.yaml") == f"gcore: error: --config {error}"
+
+
+def _choices(names) -> str:
+    return ", ".join(names)
+
+
+def test_an_unknown_key_in_a_config_file_names_the_file_line_and_valid_choices(tmp_path, monkeypatch, capsys):
+    import dataclasses
+
+    from gcore import registry
+
+    trainer = _choices(f.name for f in dataclasses.fields(TrainerConfig))
+    (tmp_path / "typo.yaml").write_text("trainer:\n  max_steps: 2\n  checkpoint_evry: 1\n")
+    assert _fit_error(tmp_path, monkeypatch, capsys, "--config", "typo.yaml") == (
+        "gcore: error: typo.yaml:3: unknown option trainer.checkpoint_evry (did you mean trainer.checkpoint_every?); "
+        f"valid choices under trainer: {trainer} (gcore fit --help lists the options)")
+    (tmp_path / "top.yaml").write_text("model:\n  hidden_size: 32\ntrainr:\n  max_steps: 2\n")
+    sections = _choices(["trainer", "model", "data", "sampling", *registry.GROUPS])
+    assert _fit_error(tmp_path, monkeypatch, capsys, "--config", "top.yaml") == (
+        f"gcore: error: top.yaml:3: unknown option trainr (did you mean trainer?); valid choices: {sections} "
+        "(gcore fit --help lists the options)")
+
+
+def test_an_unknown_plugin_option_names_the_line_the_class_and_its_options(tmp_path, monkeypatch, capsys):
+    import inspect
+
+    grpo = set(inspect.signature(GRPO).parameters) - {"options"}
+    (tmp_path / "plugin.yaml").write_text("algorithm:\n  class_path: grpo\n  init_args:\n    klcoef: 0.1\n")
+    error = _fit_error(tmp_path, monkeypatch, capsys, "--config", "plugin.yaml")
+    head, choices = error.removesuffix(" (gcore fit --help lists the options)").split(
+        "; valid choices under algorithm: ")
+    assert head == ("gcore: error: plugin.yaml:4: unknown option algorithm.klcoef of gcore.algorithms.grpo.GRPO "
+                    "(did you mean algorithm.kl_coef?)")
+    assert grpo <= set(choices.split(", "))  # GRPO's own, and those it passes on to Algorithm
+    # the same option on the command line is named as a flag
+    error = _fit_error(tmp_path, monkeypatch, capsys, "--algorithm.klcoef", "0.1")
+    assert error.startswith("gcore: error: unknown option --algorithm.klcoef of gcore.algorithms.grpo.GRPO (did you "
+                            "mean --algorithm.kl_coef?); valid choices under --algorithm: ")

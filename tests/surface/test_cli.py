@@ -1,12 +1,14 @@
 """The command line, run as a user runs it: in a fresh process."""
 
 import csv
+import dataclasses
 import json
 
 import pytest
 from conftest import run_gcore
 
 from gcore import registry
+from gcore.trainer import TrainerConfig
 
 pytestmark = pytest.mark.integration
 
@@ -119,7 +121,8 @@ def test_malformed_dataset_names_file_and_line(gcore_cli, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--trainer.max_steps", "abc"], "--trainer.max_steps: Expected a <class 'int'>. Got value: abc"),
     (["--algorithm.clip_eps", "abc"], "--algorithm.clip_eps: Expected a <class 'float'>. Got value: abc"),
-    (["--trainer.nonexistent", "3"], "unrecognized arguments: --trainer.nonexistent 3"),
+    (["--trainer.nonexistent", "3"], "unknown option --trainer.nonexistent; valid choices under --trainer: "
+     + ", ".join(f.name for f in dataclasses.fields(TrainerConfig))),
 ])
 def test_a_value_of_the_wrong_type_is_one_line_without_the_usage(gcore_cli, args, message):
     result = gcore_cli(*args)

@@ -12,9 +12,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PUBLIC_API = {
     "Algorithm", "CallableReward", "ConfigError", "DataConfig", "DataError", "DynamicPlacement", "Engine",
     "FitResult", "GRPO", "GcoreError", "Generation", "HFEngine", "Judge", "LossScale", "ModelConfig",
-    "ModelSource", "PlacementPolicy", "PluginError", "Prompt", "RegexReward", "RewardError", "RewardModel",
-    "RolloutBatch", "RolloutJob", "RuleReward", "Sample", "SamplingParams", "StaticPlacement", "TargetCharReward",
-    "Telemetry", "TorchBackend", "Trainer", "TrainerConfig", "TrainingBackend", "fit", "__version__",
+    "ModelSource", "PlacementPolicy", "PluginError", "PluginExit", "Prompt", "RegexReward", "RewardError",
+    "RewardModel", "RolloutBatch", "RolloutJob", "RuleReward", "Sample", "SamplingParams", "StaticPlacement",
+    "TargetCharReward", "Telemetry", "TorchBackend", "Trainer", "TrainerConfig", "TrainingBackend", "fit",
+    "__version__",
 }
 
 

@@ -314,3 +314,63 @@ def test_a_ctrl_c_during_the_teardown_still_gives_back_the_callers_signal_handle
             tiny_fit(steps=1)
 
     _fit_keeps_the_callers_signal_handlers(run)
+
+
+def _model_folder(tmp_path, name: str) -> Path:
+    from gcore.model import ModelConfig, char_tokenizer, materialize
+
+    return Path(materialize(ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64), char_tokenizer(),
+                            0, str(tmp_path / name)))
+
+
+def test_a_model_folder_only_its_own_code_could_load_is_one_line_and_runs_nothing(tmp_path):
+    # before: a 27-line traceback from transformers asking for trust_remote_code=True
+    from gcore.errors import ConfigError
+    from gcore.model import ModelConfig, materialize
+
+    folder = _model_folder(tmp_path, "remote")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "evil_model", "auto_map": {
+        "AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}}))
+    (folder / "evil.py").write_text(f"open({str(tmp_path / 'marker')!r}, 'w').close()\n")
+    with pytest.raises(ConfigError, match=r"^--model.path .*/remote: config.json names custom code \(evil.EvilConfig, "
+                                          r"evil.EvilModel\) for a model_type transformers does not know \('evil_model'"
+                                          r"\); pass --model.trust_remote_code true only if you trust"):
+        materialize(ModelConfig(path=str(folder)), None, 0, str(tmp_path / "work"))
+    # a model_type transformers knows loads with its own classes: no error, no code run
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoConfig": "evil.EvilConfig"}}))
+    assert materialize(ModelConfig(path=str(folder)), None, 0, str(tmp_path / "work")) == str(folder)
+    assert not (tmp_path / "marker").exists()
+
+
+class _Payload:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_pickled_weights_file_with_python_objects_is_refused_in_one_line(tmp_path):
+    # before: a 41-line traceback (transformers' weights_only load failing deep in the backend's setup)
+    import pickle
+
+    import torch
+    from safetensors.torch import load_file
+
+    from gcore.errors import ConfigError
+    from gcore.model import ModelConfig, materialize
+
+    folder = _model_folder(tmp_path, "bin")
+    weights = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save(weights, folder / "pytorch_model.bin")  # real weights in torch's format load
+    with open(folder / "training_args.bin", "wb") as f:  # a trainer's pickled arguments: no weights, not loaded
+        pickle.dump({"args": _Payload(str(tmp_path / "marker"))}, f)
+    assert materialize(ModelConfig(path=str(folder)), None, 0, str(tmp_path / "work")) == str(folder)
+    with open(folder / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"weight": _Payload(str(tmp_path / "marker"))}, f)
+    with pytest.raises(ConfigError, match=r"/bin/pytorch_model.bin: refused: it holds Python objects other than "
+                                          r"tensors, which could run code on load"):
+        materialize(ModelConfig(path=str(folder)), None, 0, str(tmp_path / "work"))
+    assert not (tmp_path / "marker").exists()
