@@ -91,3 +91,36 @@ def test_own_tools_and_bad_tool_specs(tmp_path):
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="no chat template"):
         ToolEnvironment().setup(char_tokenizer())
+
+
+def test_worked_examples_come_before_the_question_with_the_tools_own_results(tmp_path):
+    """``--env.examples``: each example is a user turn, the call in the parser's format, the result the tool
+    itself returned, and the answer, all before the question; the written call parses back to the same call."""
+    examples = tmp_path / "examples.jsonl"
+    examples.write_text(json.dumps({"prompt": "What is 6 times 7?", "answer": "The answer is 42.",
+                                    "calls": [{"name": "calculator", "arguments": {"expression": "6*7"}}]}) + "\n\n"
+                        + json.dumps({"prompt": "Say hi.", "answer": "hi"}) + "\n")
+    env = _env(examples=str(examples))
+    text = env.tokenizer.decode(env.prompt_ids(Prompt(0, "q", [1], content="What is 2+3?")))
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
+    assert ("<|im_start|>user\nWhat is 6 times 7?<|im_end|>\n<|im_start|>assistant\n" + call + "<|im_end|>\n"
+            "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\nThe answer is 42.<|im_end|>\n"
+            "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\nhi<|im_end|>\n"
+            "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n") in text
+    assert env._parser.parse(call)[0].arguments == {"expression": "6*7"}
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", r"examples.jsonl:1: not JSON"),
+    ('{"prompt": "q"}', r'examples.jsonl:1: each line needs "prompt" and "answer"'),
+    ('{"prompt": "q", "answer": "a", "calls": [{"name": 3}]}', r'examples.jsonl:1: "calls" must be a list'),
+    ('{"prompt": "q", "answer": "a", "calls": [{"name": "calculator", "arguments": {"expression": "1/0"}}]}',
+     r"examples.jsonl:1: the call to 'calculator' fails \(raised\)"),
+    ("", r"the file has no examples"),
+])
+def test_bad_examples_are_one_line_naming_the_file_and_line(tmp_path, line, message):
+    path = tmp_path / "examples.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ConfigError, match=message):
+        _env(examples=str(path))
