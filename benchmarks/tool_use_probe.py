@@ -7,7 +7,9 @@ GRPO can reinforce tool use only if some sampled episodes use the tool and answe
 - ``tools``: the tools described in the system message (the template cannot render ``tools=``);
 - ``instructed``: the same, plus an instruction with a worked example of a call;
 - ``prefilled``: the instruction, and the assistant turn starts with the call's opening
-  ``<tool_call>\\n{"name": "calculator", "arguments": {"expression": "`` (written for the model).
+  ``<tool_call>\\n{"name": "calculator", "arguments": {"expression": "`` (written for the model);
+- ``examples``: the tools described, and four worked examples as earlier turns
+  (``--env.examples examples/real_model/calculator_examples.jsonl``).
 
 Prints, per setting: the turns with a call, the valid calls (no tool error), the episodes the ``math``
 reward scores right, and the answers right among the episodes with a valid call.
@@ -16,6 +18,7 @@ reward scores right, and the answers right among the episodes with a valid call.
 """
 
 import argparse
+from pathlib import Path
 
 import torch
 
@@ -30,6 +33,7 @@ from gcore.types import SamplingParams
 INSTRUCTION = ('Always compute with the calculator tool first. For example, for "What is 12 plus 30?" reply exactly:\n'
                '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12+30"}}\n</tool_call>\n'
                'Then, after the result, reply "The answer is 42."')
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "real_model" / "calculator_examples.jsonl"
 PREFIX = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
 
 
@@ -54,6 +58,7 @@ def main():
     parser.add_argument("--digits", type=int, nargs=2, default=(1, 2))
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--settings", nargs="+", default=["tools", "instructed", "prefilled", "examples"])
     args = parser.parse_args()
 
     tokenizer = load_tokenizer(ModelConfig(path=args.model))
@@ -64,8 +69,10 @@ def main():
     params = SamplingParams(n=args.n, max_new_tokens=args.new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
     settings = {"tools": ToolEnvironment(tools=["calculator"], max_turns=3),
                 "instructed": ToolEnvironment(tools=["calculator"], system_prompt=INSTRUCTION, max_turns=3),
-                "prefilled": Prefilled(tools=["calculator"], system_prompt=INSTRUCTION, max_turns=3)}
-    for name, env in settings.items():
+                "prefilled": Prefilled(tools=["calculator"], system_prompt=INSTRUCTION, max_turns=3),
+                "examples": ToolEnvironment(tools=["calculator"], examples=str(EXAMPLES), max_turns=3)}
+    for name in args.settings:
+        env = settings[name]
         env.setup(tokenizer)
         torch.manual_seed(args.seed)
         stats = EpisodeStats()
