@@ -10,6 +10,7 @@ generate, over the wall time) and the ratio.
 
     python benchmarks/agents_overlap.py                       # the embedded tiny model
     python benchmarks/agents_overlap.py --model /path/to/SmolLM2-135M-Instruct-hf --new-tokens 24
+    python benchmarks/agents_overlap.py --model /path/to/SmolLM2-135M-Instruct-hf --new-tokens 24 --device cuda
 """
 
 import argparse
@@ -57,13 +58,14 @@ def main():
     parser.add_argument("--slow-s", type=float, default=1.0)
     parser.add_argument("--slow-every", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="where the engine runs (cpu, cuda)")
     args = parser.parse_args()
 
     config = ModelConfig(path=args.model) if args.model else ModelConfig()
     tokenizer = load_tokenizer(config)
     path = args.model or materialize(config, tokenizer, 0, tempfile.mkdtemp())
     engine = HFEngine()
-    engine.setup(ModelSource(path), torch.device("cpu"))
+    engine.setup(ModelSource(path), torch.device(args.device))
     prompts = [Prompt(i, f"{i % 10}=", tokenizer(f"{i % 10}=")["input_ids"], str(i % 10)) for i in range(args.prompts)]
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     params = SamplingParams(n=args.n, max_new_tokens=args.new_tokens, stop_token_ids=stop)
