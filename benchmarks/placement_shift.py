@@ -34,9 +34,10 @@ import sys
 import time
 from pathlib import Path
 
+JUDGE_TEMPLATE = "Task: {prompt}\nResponse: {response}\nDoes the response do the task? Answer yes or no."
 
-def routed_reward(judge: str) -> str:
-    template = ("Task: {prompt}\nResponse: {response}\nDoes the response do the task? Answer yes or no.")
+
+def routed_reward(judge: str, template: str = JUDGE_TEMPLATE) -> str:
     judge_reward = {"class_path": "gcore.rewards.generative.GenerativeReward",
                     "init_args": {"path": judge, "template": template, "batch_size": 64}}
     return json.dumps({"class_path": "gcore.rewards.routed.RoutedReward", "init_args": {"routes": {

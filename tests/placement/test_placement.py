@@ -355,6 +355,36 @@ def test_shipped_calibration_matches_its_measurements():
             assert relative_error(predicted[stage], s.measured[stage]) < 0.25, (stage, s)
 
 
+def test_smollm2_judge_calibration_is_the_fit_of_its_measurements_and_simulates_deterministically():
+    """Issue 31's calibration (SmolLM2-135M policy and judge, probability verdict): the shipped YAML's
+    costs, prefill included, are the fit of the shipped measurements, and it simulates a small cluster
+    the same way twice. (Its held-out error is reported, not asserted: docs/simulator.md.)"""
+    import os
+
+    from gcore.simulator.calibration import Setting, fit_costs
+    from gcore.simulator.model import load_workload, simulate, summarize
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "examples", "simulate")
+    with open(os.path.join(root, "smollm2_judge_measurements.json")) as f:
+        data = json.load(f)
+    assert data["workload"] == "smollm2" and data["fit_prefill"]
+    settings = [Setting.from_dict(s) for s in data["settings"]]
+    assert any(s.held_out for s in settings) and all(s.judge_output_tokens == 1 for s in settings)
+    costs = fit_costs([s for s in settings if not s.held_out], prefill=True)
+    shipped, options = load_workload(os.path.join(root, "smollm2_judge_calibrated.yaml"))
+    assert shipped.judge_output_tokens == 1
+    for name, value in costs.items():
+        if name != "swap_s":
+            assert getattr(shipped, name) == pytest.approx(value, rel=1e-3, abs=1e-9), name
+    small = {"samples_per_device": 4, "median_tokens": 40.0, "max_tokens": 128, "prompt_tokens": 32,
+             "resample_fraction": 0.0, "resample_drift": 0.0}
+    from dataclasses import replace
+
+    work = replace(shipped, **small)
+    runs = [summarize(simulate(DynamicPlacement(**options), 8, 2, work, seed=3), 8) for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0]["step_s"] > 0
+
+
 def test_dynamic_split_is_saved_and_restored_on_any_device_count():
     policy = DynamicPlacement(judge_fraction=0.25, max_move_fraction=0.5)
     policy.setup(8, "simulated")
