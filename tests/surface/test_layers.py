@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("gcore.placement",),
     ("gcore.controller", "gcore.single_controller"),
     ("gcore.trainer", "gcore.testing", "gcore.simulator"),
-    ("gcore.cli", "gcore.__main__", "gcore"),
+    ("gcore.cli", "gcore.config_errors", "gcore.__main__", "gcore"),
 ]
 
 
