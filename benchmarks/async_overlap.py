@@ -2,6 +2,7 @@
 
     python benchmarks/async_overlap.py --rounds 2 --steps 20 -- --placement dynamic --placement.workers 1
     python benchmarks/async_overlap.py --ks 0 1 2 --rounds 1 -- --placement.workers 2
+    python benchmarks/async_overlap.py --judge --rounds 1 --steps 8 -- --placement dynamic --placement.workers 2
 
 Runs ``gcore fit`` (this checkout first on ``PYTHONPATH``) with the same seed and options, each K of
 ``--ks`` in turn (default K=0 then K=1), ``--rounds`` times, and prints for each run the machine load
@@ -9,8 +10,10 @@ Runs ``gcore fit`` (this checkout first on ``PYTHONPATH``) with the same seed an
 generated / the sum of ``time/step``), the median step, train and rollout-wait times, the staleness
 each K >= 1 run logged (and the samples it regenerated because they were older than K), and then the
 reward per step of each K (the mean over the rounds) and over the last quarter of the steps, to see
-whether learning per step holds. Everything after ``--`` is passed on to ``gcore fit``. Record
-the output in BENCHMARKS.md with the command, the date and the load.
+whether learning per step holds. ``--judge``: the reward is a generative judge, the embedded tiny
+model (another seed) with the ``probability`` verdict (``--reward generative``), judged in the
+pipeline with K >= 1 (docs/asynchronous.md). Everything after ``--`` is passed on to ``gcore fit``.
+Record the output in BENCHMARKS.md with the command, the date and the load.
 """
 
 from __future__ import annotations
@@ -30,6 +33,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def load() -> str:
     with open("/proc/loadavg") as f:
         return " ".join(f.read().split()[:3])
+
+
+def tiny_judge() -> str:
+    """The embedded tiny model (seed 1, the policy's shape) written as a checkpoint the judge loads."""
+    sys.path.insert(0, ROOT)
+    from gcore.model import ModelConfig, char_tokenizer, materialize
+
+    return materialize(ModelConfig(), char_tokenizer(), 1, tempfile.mkdtemp(prefix="gcore-judge-"))
 
 
 def run(k: int, args: argparse.Namespace, extra: list[str]) -> dict:
@@ -67,8 +78,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timings")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 1], help="the max_staleness values to run")
+    parser.add_argument("--judge", action="store_true", help="a generative judge (the embedded tiny model) scores")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
+    if args.judge:
+        extra += ["--reward", "generative", "--reward.path", tiny_judge(), "--reward.verdict", "probability"]
     print(f"gcore fit {' '.join(extra)} --trainer.max_steps {args.steps} --trainer.seed {args.seed}; "
           f"{os.cpu_count()} cores", flush=True)
     results = []

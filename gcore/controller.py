@@ -256,7 +256,10 @@ class Controller:
             record.metrics.update(self.backend.train(batch, self.algorithm))
 
     def sync(self, record: StepRecord) -> None:
-        """SYNC: the new weights go to the rollout engine."""
+        """SYNC: the new weights go to the rollout engine, once the rollouts that run in a thread of this
+        process (a generative judge's or multi-turn episodes' started ahead) are done: that wait counts
+        as waiting for a rollout (``async/rollout_wait_s``)."""
+        record.rollout_wait_s += self.placement.join_rollouts()
         with record.timer("swap"):
             self.placement.before_sync(self.engine)
         with record.timer("sync"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -110,6 +111,13 @@ class PlacementPolicy(ABC):
         whole ``rollout`` runs when the result is asked for."""
         return lambda: self.rollout(job)
 
+    def join_rollouts(self) -> float:
+        """Wait for the rollouts that run in a thread of this process while the controller trains (a
+        rollout whose judging or episode loop is in the pipeline: ``Background``); returns the seconds
+        waited. The controller calls it before the weight sync, so that nothing uses the engine workers
+        from its own thread meanwhile. Default: nothing runs in a thread."""
+        return 0.0
+
     def shutdown(self) -> None:
         """Stop whatever ``launch`` started."""
 
@@ -136,11 +144,14 @@ class PlacementPolicy(ABC):
 
 
 class Background:
-    """Rollouts that run in a thread while the controller trains (``--trainer.max_staleness`` with
-    multi-turn episodes: the episode loop calls the engine once per turn, so it cannot be sent ahead
-    as one request). The engine-worker pool is not thread-safe: a policy ``join``s before it uses
-    the pool from the controller's thread again (``before_sync``), so the weight update waits for
-    the rollout in flight, and every turn of it is sampled by the same weights."""
+    """Rollouts that run in a thread while the controller trains (``--trainer.max_staleness``): with
+    multi-turn episodes (the episode loop calls the engine once per turn, so it cannot be sent ahead
+    as one request) and with a generative judge (its requests go out as the generation requests
+    finish, so someone must take the results and send them while the controller trains). The
+    rollouts run one after another, in the order they were started. The engine-worker pool is not
+    thread-safe: a policy ``join``s before it uses the pool from the controller's thread again
+    (``join_rollouts``, ``before_sync``), so the weight update waits for the rollouts in flight, and
+    every sample of them is sampled by the weights they were started with."""
 
     def __init__(self) -> None:
         self._executor: ThreadPoolExecutor | None = None
@@ -166,10 +177,13 @@ class Background:
 
         return result
 
-    def join(self) -> None:
-        """Wait for the rollouts in flight (their errors are raised when their samples are asked for)."""
+    def join(self) -> float:
+        """Wait for the rollouts in flight (their errors are raised when their samples are asked for);
+        returns the seconds waited."""
+        started = time.perf_counter()
         wait(self._running)
         self._running.clear()
+        return time.perf_counter() - started
 
     def shutdown(self) -> None:
         if self._executor is not None:

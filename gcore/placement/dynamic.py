@@ -219,15 +219,36 @@ class DynamicPlacement(PlacementPolicy):
     def rollout(self, job: RolloutJob) -> list[Sample]:
         """Generate on one partition and judge on the other at once: each finished request is judged
         while the rest is still generating. Writes per-device busy seconds for ``update``."""
+        if self._pipelined(job):  # in the controller's thread, which waits for the samples anyway
+            return self._send(job, streamed=True)()
         return self.start_rollout(job)()
+
+    def _pipelined(self, job: RolloutJob) -> bool:
+        """Whether ``start_rollout`` runs ``job`` whole in the ``Background`` thread: while rollouts overlap
+        training, one with a generative judge or multi-turn episodes (someone must drive it meanwhile)."""
+        pool = self.pool
+        return pool is not None and pool.queue_syncs and (job.multi_turn or self.reward_role == JUDGE)
 
     def start_rollout(self, job: RolloutJob) -> Callable[[], list[Sample]]:
         """Swap the workers that changed partition and send the generation requests; the judging runs
-        when the result is asked for. While rollouts overlap training (``allow_overlap``), one request
-        per generation worker, so that every worker is busy while no one dispatches requests."""
-        pool, prompts, timer = self.pool, job.prompts, job.timer
-        if pool is None:
+        when the result is asked for. While rollouts overlap training (``allow_overlap``), a rollout
+        with a generative judge or multi-turn episodes runs whole in a thread (``Background``): each
+        finished request is judged on the judge partition while the rest generates and the controller
+        trains, and the weight sync waits for it (``join_rollouts``). A rollout with a rule-based reward
+        sends one request per generation worker, so that every worker is busy while no one dispatches
+        requests, and is scored when it is collected."""
+        if self.pool is None:
             raise RuntimeError("DynamicPlacement.rollout called before launch")
+        if self._pipelined(job):
+            return self._background.start(job, lambda own: self._send(own, streamed=True)())
+        return self._send(job, streamed=not self.pool.queue_syncs)
+
+    def _send(self, job: RolloutJob, streamed: bool) -> Callable[[], list[Sample]]:
+        """Swap the workers that changed partition and send the generation requests (``stream_groups``
+        prompt groups each when ``streamed``, else one per generation worker); returns what collects and
+        scores them (multi-turn: what runs the episode loop)."""
+        pool, prompts, timer = self.pool, job.prompts, job.timer
+        assert pool is not None  # checked by start_rollout
         if pool.peers is None:  # a shared pool restarts lost workers in ``update``, which every controller passes
             pool.revive()
         with timer("swap"):  # the workers that changed partition since the last step swap engines
@@ -241,11 +262,9 @@ class DynamicPlacement(PlacementPolicy):
         pool.busy.clear()
         started = time.perf_counter()
         if job.multi_turn:
-            if pool.queue_syncs:  # rollouts overlap training: the episode loop runs in a thread
-                return self._background.start(job, lambda own: self._episode_rollout(own, scorers, started))
             return lambda: self._episode_rollout(job, scorers, started)
         size = self.stream_groups
-        if pool.queue_syncs:
+        if not streamed:
             size = max(size, math.ceil(len(prompts) / len(generators)))
         chunks = {start: prompts[start : start + size] for start in range(0, len(prompts), size)}
         requests = {start: pool.submit("generate", (POLICY, [p.token_ids for p in chunk], job.sampling),
@@ -306,6 +325,9 @@ class DynamicPlacement(PlacementPolicy):
         self._background.shutdown()
         if self.pool is not None:
             self.pool.close()
+
+    def join_rollouts(self) -> float:
+        return self._background.join()
 
     def before_sync(self, engine: Engine) -> None:
         self._background.join()

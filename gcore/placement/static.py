@@ -94,17 +94,34 @@ class StaticPlacement(PlacementPolicy):
     def rollout(self, job: RolloutJob) -> list[Sample]:
         if self.pool is None:
             return super().rollout(job)
-        return self.start_rollout(job)()
+        return self._rollout_now(job)  # in the controller's thread: it waits for the samples anyway
 
     def start_rollout(self, job: RolloutJob) -> Callable[[], list[Sample]]:
         """With workers: the generation requests go out now (one per worker); the rest of the rollout
-        (the judge swap and the scoring) runs when the result is asked for."""
+        (the judge swap and the scoring) runs when the result is asked for. While rollouts overlap
+        training (``allow_overlap``) a rollout with a generative judge or multi-turn episodes runs whole
+        in a thread (``Background``): generation, the swap to the judge, the judging and the swap back
+        run while the controller trains, and the weight sync waits for them (``join_rollouts``)."""
         if self.pool is None:
             return super().start_rollout(job)
+        if self._pipelined(job):
+            return self._background.start(job, self._rollout_now)
         if job.multi_turn:
-            if self.pool.queue_syncs:  # rollouts overlap training: the episode loop runs in a thread
-                return self._background.start(job, self._episode_rollout)
             return lambda: self._episode_rollout(job)
+        return self._send_generate(job)
+
+    def _pipelined(self, job: RolloutJob) -> bool:
+        """Whether ``start_rollout`` runs ``job`` whole in the ``Background`` thread: while rollouts overlap
+        training, one with a generative judge or multi-turn episodes (someone must drive it meanwhile)."""
+        return self.pool is not None and self.pool.queue_syncs and (job.multi_turn or self.judge_engine is not None)
+
+    def _rollout_now(self, job: RolloutJob) -> list[Sample]:
+        """The whole rollout, generation to the last verdict (in the ``Background`` thread)."""
+        return self._episode_rollout(job) if job.multi_turn else self._send_generate(job)()
+
+    def _send_generate(self, job: RolloutJob) -> Callable[[], list[Sample]]:
+        """Send the generation requests (one per worker); returns what collects and judges them."""
+        assert self.pool is not None  # set by launch
         pool = self.pool
         pool.revive()
         pool.busy.clear()
@@ -165,6 +182,9 @@ class StaticPlacement(PlacementPolicy):
     def after_generate(self, engine: Engine) -> None:
         if self._offload:
             engine.sleep()
+
+    def join_rollouts(self) -> float:
+        return self._background.join()
 
     def before_sync(self, engine: Engine) -> None:
         self._background.join()

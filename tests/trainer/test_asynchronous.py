@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -12,8 +13,10 @@ from gcore.algorithms.grpo import GRPO
 from gcore.data import DataConfig
 from gcore.errors import ConfigError
 from gcore.model import ModelConfig
+from gcore.placement.base import Telemetry
 from gcore.placement.dynamic import DynamicPlacement
 from gcore.placement.static import StaticPlacement
+from gcore.rewards.generative import GenerativeReward
 from gcore.rollout import RolloutJob
 from gcore.trainer import Trainer, TrainerConfig
 from gcore.types import RolloutBatch, SamplingParams
@@ -231,3 +234,126 @@ def test_a_queued_weight_update_reaches_the_worker_after_the_generation_sent_bef
         assert tokens(pool.collect_generate(after)) == tokens(new.generate(prompts, greedy))
     finally:
         pool.close()
+
+
+class Events:
+    """What happened, in order, in the controller's thread and the thread that judges rollouts started ahead;
+    ``wait_for`` holds one thread until the other has reached a point (never longer than ``timeout_s``: a
+    wait that runs out is recorded, and fails the test, instead of hanging it)."""
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        self.seen: list[tuple] = []
+        self.timeout_s = timeout_s
+        self._changed = threading.Condition()
+
+    def mark(self, *event: object) -> None:
+        with self._changed:
+            self.seen.append(event)
+            self._changed.notify_all()
+
+    def wait_for(self, *event: object) -> None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: event in self.seen, self.timeout_s):
+                self.seen.append(("timed out waiting for", *event))
+
+    def index(self, *event: object) -> int:
+        return self.seen.index(event)
+
+
+class GatedJudge(GenerativeReward):
+    """A generative judge that records what it judged: the verdicts it gave each policy version's samples, and
+    when it judged them. A rollout judged in a thread of the controller's process other than the one that trains
+    (a rollout started ahead: the only way its judging can run while the controller trains) holds its last
+    verdict back until the step that started it has begun training: so the test sees the judging of step
+    ``s + 1``'s samples and the training of step ``s`` overlap, whatever the speed of either."""
+
+    def __init__(self, path: str, events: Events) -> None:
+        super().__init__(path, verdict="probability", batch_size=64)
+        self.events = events
+        self.verdicts: dict[tuple[int, bool], list[float]] = {}  # (policy version, judged ahead) -> verdicts
+
+    def score(self, samples):
+        version = samples[0].policy_version
+        assert all(s.policy_version == version for s in samples)  # one rollout's samples
+        ahead = threading.current_thread() is not threading.main_thread()
+        self.events.mark("judge starts", version, ahead)
+        scores = super().score(samples)
+        self.verdicts.setdefault((version, ahead), []).extend(scores)
+        if ahead:  # started ahead at step ``version``: the last verdict waits for that step's training
+            self.events.wait_for("train", version)
+        self.events.mark("judge ends", version, ahead)
+        return scores
+
+
+class GatedGRPO(RecordingGRPO):
+    """GRPO that records the rewards it trains on, and whose training of step ``s`` (its first loss) waits
+    until the judging of the rollout started ahead at step ``s`` has begun."""
+
+    def __init__(self, events: Events, steps: int) -> None:
+        super().__init__()
+        self.events, self.steps = events, steps
+        self.rewards: list[list[float]] = []
+        self._training: set[int] = set()
+
+    def advantages(self, batch: RolloutBatch) -> torch.Tensor:
+        self.rewards.append(batch.rewards.tolist())
+        return super().advantages(batch)
+
+    def loss(self, logprobs, batch, scale, entropy=None):
+        step = len(self.rewards) - 1
+        if step not in self._training:
+            self._training.add(step)
+            self.events.mark("train", step)
+            if step < self.steps - 1:  # the last step starts nothing ahead
+                self.events.wait_for("judge starts", step, True)
+            self.events.mark("train goes on", step)
+        return super().loss(logprobs, batch, scale, entropy)
+
+
+@pytest.mark.integration
+@pytest.mark.slow  # starts engine worker processes (policy and judge): ~30-60 s each
+@pytest.mark.parametrize("placement", [lambda: StaticPlacement(workers=1), lambda: DynamicPlacement(workers=2)],
+                         ids=["static_workers", "dynamic"])
+def test_the_judging_of_a_rollout_started_ahead_overlaps_training_and_its_verdicts_are_trained(placement, tmp_path):
+    """K = 1 with a generative judge (docs/asynchronous.md, the judge in the pipeline): the samples of step
+    ``s + 1`` are judged while step ``s`` trains (on the judge's workers), every trained sample carries the
+    judge's verdict, and dynamic placement's re-split still gets the judge's busy time."""
+    from gcore.model import char_tokenizer, materialize
+
+    judge_path = materialize(ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
+                             char_tokenizer(), seed=1, workdir=str(tmp_path / "judge"))
+    steps, prompts, n = 3, 2, 2
+    events = Events()
+    judge, algorithm, policy = GatedJudge(judge_path, events), GatedGRPO(events, steps), placement()
+    telemetry: list[Telemetry] = []
+    update = policy.update
+    policy.update = lambda t: (telemetry.append(t), update(t))[1]
+    result = Trainer(
+        trainer=TrainerConfig(max_steps=steps, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                              save_final=False, max_staleness=1, logger=[]),
+        model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
+        data=DataConfig(prompts_per_step=prompts), sampling=SamplingParams(n=n, max_new_tokens=4),
+        algorithm=algorithm, placement=policy, reward=judge,
+    ).fit()
+    seen = events.seen
+    assert not [e for e in seen if e[0] == "timed out waiting for"], seen
+    for step in range(steps - 1):
+        # the rollout started ahead at ``step`` (step + 1's samples, version ``step``) is judged while ``step``
+        # trains: its judging begins before the training goes on and ends after the training has begun
+        assert events.index("judge starts", step, True) < events.index("train goes on", step), seen
+        assert events.index("train", step) < events.index("judge ends", step, True), seen
+        # ... and nothing of step + 1 is judged in the controller's thread
+        assert ("judge starts", step, False) not in seen or step == 0, seen
+    # step 0 generates and judges its own samples now; every later step trains on the rollout started ahead
+    assert [e[1:] for e in seen if e[0] == "judge starts"][0] == (0, False)
+    for step, (rewards, versions) in enumerate(zip(algorithm.rewards, algorithm.versions, strict=True)):
+        assert len(rewards) == prompts * n and set(versions) == {max(step - 1, 0)}, (step, versions)
+        judged = judge.verdicts[(max(step - 1, 0), step > 0)]  # no sample trained unjudged: these are the verdicts
+        assert sorted(rewards) == pytest.approx(sorted(judged)), (step, rewards, judged)
+    history = result.history
+    assert [row["async/staleness_max"] for row in history] == [0.0] + [1.0] * (steps - 1)
+    assert all(row["reward/errors"] == 0 and row["time/reward"] > 0 for row in history)
+    if isinstance(policy, DynamicPlacement):  # the split is decided from the judge's busy time, every step
+        assert len(telemetry) == steps and all(t.busiest("reward") > 0 and t.busiest("generate") > 0
+                                                for t in telemetry), telemetry
+        assert all("placement/idle_judge_s" in row for row in history)
