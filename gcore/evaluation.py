@@ -9,6 +9,8 @@ a 0/1 reward such as ``math`` is the share answered correctly:
 - ``eval/accuracy_sampled``: ``--sampling.temperature`` (what training samples see);
 - ``eval/prompts``, ``time/eval``.
 
+With several controllers each evaluates its share of the prompts and the sums are all-reduced.
+
 With a multi-turn environment (``--env``) each completion is a whole episode, run by the same episode
 loop as training (``gcore/envs/episodes.py``); its score is the reward model's plus the environment's
 own rewards, as in training. ``eval/turns_mean`` is then the mean number of model turns per greedy

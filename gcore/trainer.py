@@ -603,8 +603,7 @@ def _check_writable(folder: str, why: str) -> None:
     while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)
     try:
-        with tempfile.NamedTemporaryFile(dir=existing, prefix=".gcore-write-test-"):
-            pass
+        _write_probe(existing)
     except OSError as err:
         raise ConfigError(f"{existing}: cannot write there ({err.strerror or err}); {why}") from None
 
@@ -613,10 +612,15 @@ def _check_root_writable(root: str) -> None:
     """A one-line error, before any model is built, when runs cannot be written under ``root``."""
     try:
         os.makedirs(root, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=root, prefix=".gcore-write-test-"):
-            pass
+        _write_probe(root)
     except OSError as err:
         raise ConfigError(f"--trainer.default_root_dir {root}: cannot write there ({err.strerror or err})") from None
+
+
+def _write_probe(folder: str) -> None:
+    """Create and delete a file in ``folder``; raises the ``OSError`` when it takes none."""
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".gcore-write-test-"):
+        pass
 
 
 def _launching_process() -> bool:
