@@ -186,10 +186,24 @@ class ControllerWatch:
         for rank, proc in self.children.items():
             code = proc.poll()
             if code is not None and code != 0 and rank not in self.lost:
-                if code < 0:
+                state = self._state_of(rank)
+                if state.startswith("failed: "):  # it said why before it ended (a signal may still end it)
+                    self._lose(rank, f"failed ({state[len('failed: '):]}; then {describe_exit(code)}, pid {proc.pid})")
+                elif code < 0:
                     self._lose(rank, f"was {describe_exit(code)} (pid {proc.pid})")
                 else:
                     self._lose(rank, f"failed ({describe_exit(code)}, pid {proc.pid}; its error is above)")
+
+    def _state_of(self, rank: int) -> str:
+        """What a controller last recorded (``done``, ``failed: <why>``), or "" when unknown."""
+        if self.store is None or 0 in self.lost:
+            return ""
+        try:
+            with self._store_lock:
+                key = f"{PREFIX}/state/{rank}"
+                return self.store.get(key).decode() if self.store.check([key]) else ""
+        except Exception:  # noqa: BLE001  the store may be gone; the exit status is then all there is
+            return ""
 
     def _beat(self) -> bool:
         try:

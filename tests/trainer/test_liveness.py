@@ -100,6 +100,21 @@ def test_a_killed_child_controller_is_named_with_its_signal():
     watch._stop.set()
 
 
+@pytest.mark.integration
+def test_a_child_that_failed_and_was_then_killed_is_named_by_its_error():
+    # a failing controller records why, then may die of a signal on its way out (gloo aborts when a
+    # peer is still in a collective): the survivor names the error, not only the signal
+    server = _server()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watch = _watch(0, _client(server), children={1: child}, grace=1e9)
+    server.set("gcore/watch/state/1", "failed: RewardError: bad reward")
+    child.send_signal(signal.SIGABRT)
+    child.wait()
+    watch._check_children()
+    assert watch.lost == {1: f"failed (RewardError: bad reward; then killed by SIGABRT, pid {child.pid})"}
+    assert watch.describe().startswith("controller 1 failed (RewardError: bad reward")
+
+
 def test_losing_the_store_means_losing_controller_zero():
     server = _server()
     watch = _watch(1, _client(server))
