@@ -207,15 +207,17 @@ class _Pipeline:
         resumed run cannot reproduce of the uninterrupted one."""
         drawn: dict[str, Any] = self.drawn.loaded or {}
         own = self.own.loaded
-        if own is not None and own.get("world_size") != self.world_size:
+        notes = []
+        if own is not None and own.get("world_size") != self.world_size or own is None and drawn.get("batches"):
             own = None  # another number of controllers: the shards and the rollouts in flight are dealt out anew
+            notes.append("the checkpoint was written by another number of controllers: the prompts drawn ahead are "
+                         "dealt out anew and generated again when their steps collect them")
         for i, entry in enumerate(drawn.get("batches", [])):
             batch = [int(x) for x in entry["batch"]]
             shard = [int(x) for x in own["shards"][i]] if own is not None else sampler.shard(batch)
             self.ahead.append((batch, shard, float(entry["imbalance"])))
         if own is not None:
             self.controller.load_in_flight(own["rollouts"])
-        notes = []
         again = self.controller.not_reproduced()
         if again:
             notes.append(f"{again} rollout(s) in flight at the checkpoint could not be recorded (they ran in a "
