@@ -265,10 +265,7 @@ class Controller:
                            "seed": job.seed, "deferred": bool(getattr(result, "deferred", False))}
             generations = getattr(result, "generations", None)
             if generations is not None:
-                outputs = generations()
-                entry["tokens"] = [[list(g.token_ids) for g in group] for group in outputs]
-                entry["logprobs"] = [[[float(x) for x in g.logprobs] for g in group] for group in outputs]
-                entry["finished"] = [[bool(g.finished) for g in group] for group in outputs]
+                entry.update(_pack(generations()))
             records.append(entry)
         return records
 
@@ -293,9 +290,7 @@ class Controller:
             return
         job = self._job(prompts, StageTimer(), seed=entry["seed"], version=int(entry["version"]))
         if "tokens" in entry:
-            outputs = [[Generation(list(t), list(lp), bool(f)) for t, lp, f in zip(*row, strict=True)]
-                       for row in zip(entry["tokens"], entry["logprobs"], entry["finished"], strict=True)]
-            self._ahead[step] = (job, self.placement.resume_rollout(job, outputs))
+            self._ahead[step] = (job, self.placement.resume_rollout(job, _unpack(entry)))
         elif entry["deferred"]:
             self._ahead[step] = (job, self.placement.start_rollout(job))
 
@@ -495,6 +490,34 @@ def staleness(sample: Sample, step: int) -> int:
     version its request was sent with; a worker can only have newer weights by then), so this is
     ``step - policy_version``; per-token versions (partial rollouts) would take their oldest here."""
     return step - sample.policy_version
+
+
+def _pack(outputs: list[list[Generation]]) -> dict[str, object]:
+    """An engine's outputs (one list of generations per prompt) as tensors, for a checkpoint (``rank_<r>.pt``,
+    loaded with ``weights_only=True``): every response's token ids and log-probabilities (float64: as the engine
+    gave them) one after another, with their lengths, whether each finished, and how many responses each prompt
+    has."""
+    flat = [g for group in outputs for g in group]
+    return {"counts": [len(group) for group in outputs],
+            "lengths": torch.tensor([len(g.token_ids) for g in flat], dtype=torch.long),
+            "logprob_lengths": torch.tensor([len(g.logprobs) for g in flat], dtype=torch.long),
+            "tokens": torch.tensor([t for g in flat for t in g.token_ids], dtype=torch.long),
+            "logprobs": torch.tensor([x for g in flat for x in g.logprobs], dtype=torch.float64),
+            "finished": torch.tensor([g.finished for g in flat], dtype=torch.bool)}
+
+
+def _unpack(entry: dict) -> list[list[Generation]]:
+    """``_pack``'s outputs back."""
+    lengths = entry["lengths"].tolist()
+    tokens = entry["tokens"].split(lengths)
+    logprobs = entry["logprobs"].split(entry["logprob_lengths"].tolist())
+    flat = [Generation(t.tolist(), lp.tolist(), bool(f))
+            for t, lp, f in zip(tokens, logprobs, entry["finished"].tolist(), strict=True)]
+    out, start = [], 0
+    for count in entry["counts"]:
+        out.append(flat[start : start + count])
+        start += count
+    return out
 
 
 def rollout_seed(seed: int, rank: int, step: int, call: int) -> int:
