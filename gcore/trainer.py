@@ -96,7 +96,8 @@ class TrainerConfig:
             engine worker processes while this step trains (``--placement dynamic``, or ``static`` with
             ``--placement.workers``), so a sample is at most K versions old (a group with a sample that
             would be older is generated again, ``async/regenerated_stale``); the loss corrects for it
-            (``--algorithm.behaviour_is_cap``). See docs/asynchronous.md.
+            (``--algorithm.behaviour_is_cap``). A checkpoint holds the prompts drawn ahead and the rollouts in
+            flight, so a resumed run continues exactly over static engine workers. See docs/asynchronous.md.
     """
 
     max_steps: int = 30
