@@ -258,7 +258,7 @@ class Controller:
         with, and what a resumed run needs to collect the same samples (``InFlight``): the engine's outputs
         (token ids, log-probabilities, whether each response finished), waited for here when the placement can
         give them; else whether starting it again reproduces it (``deferred``). A rollout with neither is
-        recorded without them: the resumed run generates it again when it collects it."""
+        recorded without them: the resumed run generates it again, with the weights resumed."""
         records = []
         for step, (job, result) in sorted(self._ahead.items()):
             entry: dict = {"step": step, "prompts": [p.index for p in job.prompts], "version": job.policy_version,
@@ -284,7 +284,8 @@ class Controller:
         uninterrupted run had it: finished from its recorded outputs (``placement.resume_rollout``), or started
         again when nothing of it had run (``deferred``), with the policy version and seed it was started with.
         One recorded for other prompts (a resume on another number of controllers deals them out anew), or
-        with neither, is dropped: the step then generates its rollout now."""
+        with neither, is dropped: it is generated again with the weights resumed (collected now, or started
+        ahead by ``run_ahead``)."""
         entry = self._resumed.pop(step, None)
         if entry is None or step in self._ahead or [p.index for p in prompts] != list(entry["prompts"]):
             return

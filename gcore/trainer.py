@@ -212,7 +212,7 @@ class _Pipeline:
         if own is not None and own.get("world_size") != self.world_size or own is None and drawn.get("batches"):
             own = None  # another number of controllers: the shards and the rollouts in flight are dealt out anew
             notes.append("the checkpoint was written by another number of controllers: the prompts drawn ahead are "
-                         "dealt out anew and generated again when their steps collect them")
+                         "dealt out anew and generated again, with the weights resumed")
         for i, entry in enumerate(drawn.get("batches", [])):
             batch = [int(x) for x in entry["batch"]]
             shard = [int(x) for x in own["shards"][i]] if own is not None else sampler.shard(batch)
@@ -223,8 +223,8 @@ class _Pipeline:
         if again:
             notes.append(f"{again} rollout(s) in flight at the checkpoint could not be recorded (they ran in a "
                          "thread, with a generative judge or multi-turn episodes, or the placement gives no record "
-                         "of them): they are generated again, with the current weights, when their steps collect them")
-        if drawn.get("max_staleness") and not drawn.get("batches"):
+                         "of them): they are generated again, with the weights resumed")
+        if self.max_staleness and drawn.get("max_staleness") and not drawn.get("batches"):
             notes.append("the checkpoint was written at the last step of its run, with no rollout in flight: the "
                          "pipeline starts afresh (the first step generates now, as step 0 does)")
         return notes
