@@ -100,6 +100,22 @@ def test_asynchronous_resume_over_engine_workers_continues_exactly(tmp_path, max
         assert other.keys() == weights.keys() and all(torch.equal(other[k], weights[k]) for k in weights)
 
 
+@pytest.mark.integration
+def test_asynchronous_resume_on_dynamic_placement_collects_what_was_in_flight_and_says_it_is_not_exact(tmp_path):
+    args = ("--placement", "dynamic", "--placement.workers", "2", "--trainer.max_staleness", "1",
+            "--trainer.max_steps", "3")
+    whole = _fit(tmp_path, *args, "--trainer.checkpoint_every", "2")
+    assert whole.returncode == 0, whole.stderr
+    ckpt = tmp_path / "gcore" / "checkpoints" / "step_00000001"
+    resumed = _fit(tmp_path, *args, "--trainer.resume", str(ckpt))
+    assert resumed.returncode == 0, resumed.stderr
+    notes = [line for line in resumed.stdout.splitlines() if "note" in line]
+    assert len(notes) == 1 and "DynamicPlacement" in notes[0] and "not an exact continuation" in notes[0], notes
+    rows = _rows(tmp_path)["version_0"]
+    # step 2 trains on the rollout recorded in flight (one version old), not on one generated now
+    assert rows[2]["step"] == "2" and rows[2]["async/staleness_max"] == "1.0"
+
+
 class CountingGRPO(GRPO):
     """GRPO with state that changes during training: how many batches it has seen."""
 

@@ -377,6 +377,14 @@ class UnreproduciblePipeline(InProcessPipeline):
         return False
 
 
+class UnrecordedPipeline(InProcessPipeline):
+    """Returns its rollouts started ahead as plain functions, as a placement of one's own may: a checkpoint
+    cannot record them."""
+
+    def start_rollout(self, job: RolloutJob):
+        return lambda: self.rollout(job)
+
+
 def _clock(name: str) -> bool:
     """Columns no two runs share (scripts/compare_runs.py's ``clock_column``, and the checkpoint's own)."""
     return (name.startswith(("time/", "memory/", "threads/", "checkpoint/", "placement/idle_"))
@@ -443,6 +451,15 @@ def test_a_resume_that_cannot_be_exact_says_so_in_one_line(tmp_path, capsys):
                                                                "step_00000001"), placement=UnreproduciblePipeline)
     notes = [line for line in capsys.readouterr().out.splitlines() if "note" in line]
     assert len(notes) == 1 and "not an exact continuation" in notes[0], notes
+    _pipeline_run(tmp_path / "c", 2, max_steps=4, checkpoint_every=2, placement=UnrecordedPipeline)
+    capsys.readouterr()
+    history, _ = _pipeline_run(tmp_path / "c", 2, max_steps=4, placement=UnrecordedPipeline,
+                               resume=str(tmp_path / "c" / "gcore" / "checkpoints" / "step_00000001"))
+    notes = [line for line in capsys.readouterr().out.splitlines() if "note" in line]
+    assert len(notes) == 1 and "2 rollout(s) in flight at the checkpoint could not be recorded" in notes[0], notes
+    # the same prompts, generated again with the weights resumed: step 2 now (fresh), step 3 started ahead by step 2
+    assert [row["async/staleness_max"] for row in history] == [0.0, 1.0]
+    assert all(row["samples/trained"] == 6.0 for row in history)
 
 
 def test_the_recorded_generations_come_back_as_they_were_through_a_weights_only_file(tmp_path):
