@@ -359,7 +359,8 @@ class WorkerPool:
         roles: the awake role of each worker at start.
         threads: ``torch.set_num_threads`` of each worker; 0: each worker's share of this process's threads, or
             the user's ``OMP_NUM_THREADS`` (``gcore.threads.worker_threads``).
-        seed: workers are seeded ``seed + index``.
+        seed: workers are seeded ``seed + index`` (what a generation request without a seed of its own samples
+            from; one with a seed, ``submit_generate``'s, samples from that alone).
         release: free a sleeping engine's memory (reload it on wake-up) instead of ``Engine.sleep`` only.
         job_timeout_s: a request not answered in this time is sent elsewhere (and its worker killed).
         retries: further attempts for a failed request before the step fails.
