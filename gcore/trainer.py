@@ -209,8 +209,9 @@ class _Pipeline:
         drawn: dict[str, Any] = self.drawn.loaded or {}
         own = self.own.loaded
         notes = []
-        if own is not None and own.get("world_size") != self.world_size or own is None and drawn.get("batches"):
+        if own is not None and own.get("world_size") != self.world_size:
             own = None  # another number of controllers: the shards and the rollouts in flight are dealt out anew
+        if own is None and drawn.get("batches"):
             notes.append("the checkpoint was written by another number of controllers: the prompts drawn ahead are "
                          "dealt out anew and generated again, with the weights resumed")
         for i, entry in enumerate(drawn.get("batches", [])):
