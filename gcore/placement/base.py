@@ -38,7 +38,7 @@ class InFlight:
     and returns the engine's outputs, one list per prompt (the policy finishes the rollout from them after a
     resume: ``resume_rollout``); ``deferred``: nothing of the rollout has run yet (it runs when collected), so
     starting it again after a resume reproduces it. A rollout with neither (one that runs whole in a thread, or a
-    policy's own callable) is generated again, with the current weights, when a resumed run collects it.
+    policy's own callable) is generated again, for the same prompts, with the weights resumed.
     """
 
     collect: Callable[[], list[Sample]]
