@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -198,7 +199,8 @@ class Checkpointer:
         ``every`` steps, and after the ``last_step``).
 
         Returns the metrics to log with this step: ``checkpoint/stall_s``, the seconds training
-        waited for the save it started (with async saves, only the copy of the state to memory),
+        waited for the save it started (with async saves, only the copy of the state to memory, and the
+        parts' state: with ``--trainer.max_staleness``, the generation of the rollouts in flight),
         and ``checkpoint/write_s``, the seconds a save took until it was complete and visible
         (rank 0, when one completes).
         """
@@ -207,12 +209,15 @@ class Checkpointer:
         for _, seconds in self.files.take_finished():
             metrics["checkpoint/write_s"] = seconds
         if self.every and ((step + 1) % self.every == 0 or last_step):
+            started = time.perf_counter()  # a part's state may take a wait (the rollouts in flight: their generation)
             shared = {"step": step, **{name: part.state_dict() for name, part in self.shared.items()},
                       "seed": self.seed, "world_size": self.fabric.world_size, "run": self.signature,
                       "log_version": self.log_version}
             own = {"rng": rng_state(), **{name: part.state_dict() for name, part in self.own.items()}}
-            metrics["checkpoint/stall_s"] = self.files.save(step, self.backend.state_dict(), shared, own,
-                                                            asynchronous=self.asynchronous, hf_files=self.hf_files)
+            parts_s = time.perf_counter() - started
+            metrics["checkpoint/stall_s"] = parts_s + self.files.save(step, self.backend.state_dict(), shared, own,
+                                                                      asynchronous=self.asynchronous,
+                                                                      hf_files=self.hf_files)
         return metrics
 
     def wait(self) -> None:

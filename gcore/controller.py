@@ -7,6 +7,7 @@ all-reduce inside the backend, and the step's telemetry).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -24,7 +25,7 @@ from gcore.errors import ConfigError
 from gcore.placement.base import PlacementPolicy, Telemetry
 from gcore.rewards.base import RewardModel
 from gcore.rollout import LOCAL_STAGES, STAGES, RolloutJob, StageTimer
-from gcore.types import Prompt, RolloutBatch, Sample, SamplingParams, collate
+from gcore.types import Generation, Prompt, RolloutBatch, Sample, SamplingParams, collate
 
 if TYPE_CHECKING:
     from lightning.fabric import Fabric
@@ -50,6 +51,8 @@ class StepRecord:
     samples: list[Sample] = field(default_factory=list)  # every sample generated (dynamic sampling: every round)
     kept: list[Sample] = field(default_factory=list)  # the samples trained (FILTER kept them, at most the share)
     rounds: int = 1  # rollouts FILTER ran to fill the share
+    #: rollouts asked for this step so far (the one started ahead counts): each samples from its own seed
+    rollouts: int = 0
     groups_accepted: int = 0  # the groups FILTER would keep (may exceed the share; the rest are not trained)
     reward_errors: int = 0  # samples whose reward failed and got the fallback (``reward/errors``)
     first_reward_error: str | None = None
@@ -108,11 +111,17 @@ class Controller:
     max_staleness: int = 0
     #: the environment of multi-turn episodes (``--env``); ``None`` or ``SingleTurn``: one turn per sample
     env: Environment | None = None
+    #: the run's seed (``--trainer.seed``): each rollout on engine workers samples from a seed drawn from it, this
+    #: rank, the step and the step's rollout count (``rollout_seed``), so that it samples the same whenever it runs
+    seed: int = 0
 
     def __post_init__(self) -> None:
         #: the training steps the engine's weights have had; set at the first step (a resumed run's start)
         self.policy_version: int | None = None
         self._ahead: dict[int, tuple[RolloutJob, Callable[[], list[Sample]]]] = {}  # step -> rollout in flight
+        #: step -> a rollout in flight that the checkpoint resumed from recorded (``load_in_flight``), taken up by
+        #: the step that collects it or starts it ahead
+        self._resumed: dict[int, dict] = {}
 
     def setup(self) -> None:
         """Tell the other plugins what this controller will run: the generation budget to the
@@ -151,9 +160,11 @@ class Controller:
     def collect(self, record: StepRecord) -> None:
         """GENERATE and REWARD of this step: the rollout started ahead for it, waited for, or else
         ``rollout`` now."""
+        self._take_resumed(record.step, record.prompts)
         if record.step not in self._ahead:
             record.samples = self.rollout(record, record.prompts)
             return
+        record.rollouts = 1  # the one started ahead
         job, result = self._ahead.pop(record.step)
         if [p.index for p in job.prompts] != [p.index for p in record.prompts]:
             raise RuntimeError(f"step {record.step}: the rollout started ahead was for other prompts than the step's")
@@ -199,7 +210,8 @@ class Controller:
         """GENERATE and REWARD: ``n`` samples per prompt from the rollout engine, scored and shaped
         (groups numbered from ``first_group``). The placement policy runs the ``RolloutJob``: it
         decides where and in what order."""
-        job = self._job(prompts, record.timer, first_group)
+        job = self._job(prompts, record.timer, first_group, seed=self._seed(record.step, record.rollouts))
+        record.rollouts += 1
         samples = self.placement.rollout(job)
         record.count_reward_errors(job)
         record.add_env_stats(job)
@@ -233,9 +245,58 @@ class Controller:
         weights the engine has now: they generate while this step trains (``placement.start_rollout``;
         the weight update after it queues behind them)."""
         for offset, prompts in enumerate(upcoming[: self.max_staleness], start=1):
-            if record.step + offset not in self._ahead and prompts:
-                job = self._job(prompts, record.timer)
-                self._ahead[record.step + offset] = (job, self.placement.start_rollout(job))
+            step = record.step + offset
+            self._take_resumed(step, prompts)
+            if step not in self._ahead and prompts:
+                job = self._job(prompts, record.timer, seed=self._seed(step, 0))
+                self._ahead[step] = (job, self.placement.start_rollout(job))
+
+    # -- the rollouts in flight in a checkpoint ---------------------------------------------------
+    def in_flight_state(self) -> list[dict]:
+        """What a checkpoint records of the rollouts in flight (started ahead, not yet collected), as plain data
+        (no objects): for each, its step, the prompts (their indices), the policy version and seed it was started
+        with, and what a resumed run needs to collect the same samples (``InFlight``): the engine's outputs
+        (token ids, log-probabilities, whether each response finished), waited for here when the placement can
+        give them; else whether starting it again reproduces it (``deferred``). A rollout with neither is
+        recorded without them: the resumed run generates it again, with the weights resumed."""
+        records = []
+        for step, (job, result) in sorted(self._ahead.items()):
+            entry: dict = {"step": step, "prompts": [p.index for p in job.prompts], "version": job.policy_version,
+                           "seed": job.seed, "deferred": bool(getattr(result, "deferred", False))}
+            generations = getattr(result, "generations", None)
+            if generations is not None:
+                entry.update(_pack(generations()))
+            records.append(entry)
+        return records
+
+    def load_in_flight(self, records: list[dict]) -> None:
+        """Take the rollouts in flight a checkpoint recorded (``in_flight_state``); each is taken up by the step
+        that collects it or would start it, for the same prompts (``_take_resumed``)."""
+        self._resumed = {int(entry["step"]): entry for entry in records}
+
+    def not_reproduced(self) -> int:
+        """How many of the rollouts in flight that the checkpoint recorded a resumed run must generate again,
+        with the current weights (neither their outputs nor ``deferred`` recorded)."""
+        return sum(1 for entry in self._resumed.values() if "tokens" not in entry and not entry["deferred"])
+
+    def _take_resumed(self, step: int, prompts: list[Prompt]) -> None:
+        """A rollout for ``step`` that the checkpoint recorded becomes the rollout in flight for ``step``, as the
+        uninterrupted run had it: finished from its recorded outputs (``placement.resume_rollout``), or started
+        again when nothing of it had run (``deferred``), with the policy version and seed it was started with.
+        One recorded for other prompts (a resume on another number of controllers deals them out anew), or
+        with neither, is dropped: it is generated again with the weights resumed (collected now, or started
+        ahead by ``run_ahead``)."""
+        entry = self._resumed.pop(step, None)
+        if entry is None or step in self._ahead or [p.index for p in prompts] != list(entry["prompts"]):
+            return
+        job = self._job(prompts, StageTimer(), seed=entry["seed"], version=int(entry["version"]))
+        if "tokens" in entry:
+            self._ahead[step] = (job, self.placement.resume_rollout(job, _unpack(entry)))
+        elif entry["deferred"]:
+            self._ahead[step] = (job, self.placement.start_rollout(job))
+
+    def _seed(self, step: int, call: int) -> int:
+        return rollout_seed(self.seed, self.fabric.global_rank, step, call)
 
     def prepare(self, record: StepRecord) -> RolloutBatch:
         """PREPARE: the padded batch, the log-probabilities and values the loss needs, advantages."""
@@ -305,9 +366,11 @@ class Controller:
         metrics["sync/gb"] = record.synced_bytes / 1e9
 
     # -- what the stages are made of --------------------------------------------------------------
-    def _job(self, prompts: list[Prompt], timer: StageTimer, first_group: int = 0) -> RolloutJob:
+    def _job(self, prompts: list[Prompt], timer: StageTimer, first_group: int = 0, seed: int | None = None,
+             version: int | None = None) -> RolloutJob:
         return RolloutJob(prompts, self.sampling, self.engine, self.reward, self.algorithm, self.tokenizer, timer,
-                          first_group, policy_version=self.policy_version or 0, env=self.env)
+                          first_group, policy_version=(self.policy_version or 0) if version is None else version,
+                          env=self.env, seed=seed)
 
     def _collate(self, kept: list[Sample], samples: list[Sample]) -> RolloutBatch:
         """The kept samples as a padded batch with the algorithm's loss mask; with none kept, one sample
@@ -428,6 +491,41 @@ def staleness(sample: Sample, step: int) -> int:
     version its request was sent with; a worker can only have newer weights by then), so this is
     ``step - policy_version``; per-token versions (partial rollouts) would take their oldest here."""
     return step - sample.policy_version
+
+
+def _pack(outputs: list[list[Generation]]) -> dict[str, object]:
+    """An engine's outputs (one list of generations per prompt) as tensors, for a checkpoint (``rank_<r>.pt``,
+    loaded with ``weights_only=True``): every response's token ids and log-probabilities (float64: as the engine
+    gave them) one after another, with their lengths, whether each finished, and how many responses each prompt
+    has."""
+    flat = [g for group in outputs for g in group]
+    return {"counts": [len(group) for group in outputs],
+            "lengths": torch.tensor([len(g.token_ids) for g in flat], dtype=torch.long),
+            "logprob_lengths": torch.tensor([len(g.logprobs) for g in flat], dtype=torch.long),
+            "tokens": torch.tensor([t for g in flat for t in g.token_ids], dtype=torch.long),
+            "logprobs": torch.tensor([x for g in flat for x in g.logprobs], dtype=torch.float64),
+            "finished": torch.tensor([g.finished for g in flat], dtype=torch.bool)}
+
+
+def _unpack(entry: dict) -> list[list[Generation]]:
+    """``_pack``'s outputs back."""
+    lengths = entry["lengths"].tolist()
+    tokens = entry["tokens"].split(lengths)
+    logprobs = entry["logprobs"].split(entry["logprob_lengths"].tolist())
+    flat = [Generation(t.tolist(), lp.tolist(), bool(f))
+            for t, lp, f in zip(tokens, logprobs, entry["finished"].tolist(), strict=True)]
+    out, start = [], 0
+    for count in entry["counts"]:
+        out.append(flat[start : start + count])
+        start += count
+    return out
+
+
+def rollout_seed(seed: int, rank: int, step: int, call: int) -> int:
+    """The seed the ``call``-th rollout of ``step`` on controller ``rank`` samples from on engine workers
+    (``RolloutJob.seed``): a hash of the four, below 2**62 (a worker adds the request's index)."""
+    digest = hashlib.sha256(f"gcore-rollout/{seed}/{rank}/{step}/{call}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
 
 
 def _tensor(result: object) -> torch.Tensor:

@@ -59,7 +59,8 @@ class RolloutJob:
     ``job.samples``: the episode loop calls ``generate`` once per turn batch. The job counts the samples
     whose scoring failed (``reward_errors``), for the controller's ``reward/errors``. A job started
     ahead of its step (``PlacementPolicy.start_rollout``) is given that step's ``timer`` before its
-    result is collected.
+    result is collected. ``seed`` makes a rollout on engine workers sample the same wherever and whenever it
+    runs (a resumed run samples what the uninterrupted one did).
     """
 
     prompts: list[Prompt]
@@ -72,6 +73,10 @@ class RolloutJob:
     first_group: int = 0  # the groups of ``prompts`` are numbered from here
     policy_version: int = 0  # the training steps the engine's weights have had (``Sample.policy_version``)
     env: Environment | None = None  # ``--env``; ``None`` or ``SingleTurn``: one generation per sample
+    #: what engine workers sample this job's generation requests from (``WorkerPool.submit_generate``), drawn by
+    #: the controller from the run's seed, its rank, the step and the step's rollout count; ``None``: the workers'
+    #: own random state. An engine in the controller's process samples from the controller's generator.
+    seed: int | None = None
     reward_errors: int = 0
     first_reward_error: str | None = None
     env_stats: EpisodeStats | None = None  # what the episode loop measured (multi-turn only)

@@ -96,7 +96,8 @@ class TrainerConfig:
             engine worker processes while this step trains (``--placement dynamic``, or ``static`` with
             ``--placement.workers``), so a sample is at most K versions old (a group with a sample that
             would be older is generated again, ``async/regenerated_stale``); the loss corrects for it
-            (``--algorithm.behaviour_is_cap``). See docs/asynchronous.md.
+            (``--algorithm.behaviour_is_cap``). A checkpoint holds the prompts drawn ahead and the rollouts in
+            flight, so a resumed run continues exactly over static engine workers. See docs/asynchronous.md.
     """
 
     max_steps: int = 30
@@ -174,10 +175,74 @@ class _Run:
     run_dir: str | None  # the loggers' folder (rank 0)
     eval_prompts: list[Prompt]  # held-out prompts of --trainer.eval_every (none when 0)
     central: bool  # one controller drives every process (--trainer.controllers 1)
-    #: (shard, its predicted imbalance) of this step and the next ``max_staleness``, drawn that many steps early
-    ahead: list[tuple[list[int], float]] = field(default_factory=list)
+    #: (global batch, this controller's shard, its predicted imbalance) of this step and the next ``max_staleness``,
+    #: drawn that many steps early (``_Pipeline``: a checkpoint records those drawn ahead)
+    ahead: list[tuple[list[int], list[int], float]] = field(default_factory=list)
     #: this controller's torch threads, re-chosen before each stage (``None``: a fixed count, docs/threads.md)
     governor: threads.ThreadGovernor | None = None
+
+
+class _Pipeline:
+    """The asynchronous pipeline (``--trainer.max_staleness``) in a checkpoint, as two parts: ``drawn`` (every
+    rank alike, in ``trainer_state.json``) holds the global batches drawn ahead of their steps with their predicted
+    imbalance, and ``own`` (``rank_<r>.pt``) this rank's shards of them and its rollouts in flight
+    (``Controller.in_flight_state``). A resumed run takes the same prompts for those steps and collects the
+    rollouts recorded for them (``resume``), instead of drawing new prompts and starting its pipeline afresh."""
+
+    def __init__(self, ahead: list[tuple[list[int], list[int], float]], controller: Controller, world_size: int,
+                 max_staleness: int) -> None:
+        self.ahead, self.controller, self.world_size, self.max_staleness = ahead, controller, world_size, max_staleness
+        self.drawn, self.own = _Part(self._drawn_state), _Part(self._own_state)
+
+    def _drawn_state(self) -> dict:
+        return {"max_staleness": self.max_staleness,
+                "batches": [{"batch": batch, "imbalance": imbalance} for batch, _, imbalance in self.ahead]}
+
+    def _own_state(self) -> dict:
+        return {"world_size": self.world_size, "shards": [shard for _, shard, _ in self.ahead],
+                "rollouts": self.controller.in_flight_state()}
+
+    def resume(self, sampler: PromptSampler) -> list[str]:
+        """After ``Checkpointer.load``: the batches drawn ahead, dealt out as they were (on another number of
+        controllers, anew), and the rollouts in flight handed to the controller; returns the notes on what a
+        resumed run cannot reproduce of the uninterrupted one."""
+        drawn: dict[str, Any] = self.drawn.loaded or {}
+        own = self.own.loaded
+        notes = []
+        if own is not None and own.get("world_size") != self.world_size:
+            own = None  # another number of controllers: the shards and the rollouts in flight are dealt out anew
+        if own is None and drawn.get("batches"):
+            notes.append("the checkpoint was written by another number of controllers: the prompts drawn ahead are "
+                         "dealt out anew and generated again, with the weights resumed")
+        for i, entry in enumerate(drawn.get("batches", [])):
+            batch = [int(x) for x in entry["batch"]]
+            shard = [int(x) for x in own["shards"][i]] if own is not None else sampler.shard(batch)
+            self.ahead.append((batch, shard, float(entry["imbalance"])))
+        if own is not None:
+            self.controller.load_in_flight(own["rollouts"])
+        again = self.controller.not_reproduced()
+        if again:
+            notes.append(f"{again} rollout(s) in flight at the checkpoint could not be recorded (they ran in a "
+                         "thread, with a generative judge or multi-turn episodes, or the placement gives no record "
+                         "of them): they are generated again, with the weights resumed")
+        if self.max_staleness and drawn.get("max_staleness") and not drawn.get("batches"):
+            notes.append("the checkpoint was written at the last step of its run, with no rollout in flight: the "
+                         "pipeline starts afresh (the first step generates now, as step 0 does)")
+        return notes
+
+
+class _Part:
+    """A checkpoint part (``state_dict``/``load_state_dict``) whose state is made by ``save`` and kept as loaded."""
+
+    def __init__(self, save: Callable[[], dict]) -> None:
+        self.save = save
+        self.loaded: dict | None = None
+
+    def state_dict(self) -> dict:
+        return self.save()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = state
 
 
 class Trainer:
@@ -399,17 +464,26 @@ class Trainer:
         controller = controller_class(fabric, self.rollout_engine, self.reward, self.algorithm, self.backend,
                                       self.placement, tokenizer, self.sampling,
                                       draw_prompts=lambda k: take([extra.next_global()[0] for _ in range(k)]),
-                                      max_staleness=c.max_staleness, env=self.env)
+                                      max_staleness=c.max_staleness, env=self.env, seed=c.seed)
         controller.setup()
+        ahead: list[tuple[list[int], list[int], float]] = []
+        pipeline = _Pipeline(ahead, controller, fabric.world_size, c.max_staleness)
         checkpointer.setup(fabric, self.backend, shared={"sampler": sampler, "algorithm": self.algorithm,
-                                                         "placement": self.placement},
-                           own={"extra_sampler": extra}, hf_files=source.path)
+                                                         "placement": self.placement, "drawn_ahead": pipeline.drawn},
+                           own={"extra_sampler": extra, "in_flight": pipeline.own}, hf_files=source.path)
         start_step = checkpointer.load()
         if start_step:  # the engines generate with the weights resumed
             self.rollout_engine.update_weights(self.backend.named_weights())
+            notes = pipeline.resume(sampler)
+            if c.max_staleness and not self.placement.reproducible:
+                notes.append(f"{type(self.placement).__name__} does not sample the same on every run (its split of "
+                             "the workers follows measured times): the rollouts in flight are collected as recorded, "
+                             "but the resumed run is not an exact continuation")
+            for note in notes if rank == 0 else []:
+                print(f"gcore: note: resume with --trainer.max_staleness {c.max_staleness}: {note}", flush=True)
         run_dir = self._open_run_dir(fabric, start_step, checkpointer) if rank == 0 else None
         return _Run(fabric, tokenizer, controller, sampler, take, balancer, checkpointer, start_step,
-                    run_dir, self._eval_prompts(tokenizer, source), central,
+                    run_dir, self._eval_prompts(tokenizer, source), central, ahead,
                     governor=threads.governor(fabric.device.type))
 
     def _open_run_dir(self, fabric: Fabric, start_step: int, checkpointer: Checkpointer) -> str | None:
@@ -501,8 +575,9 @@ class Trainer:
     def _step(self, run: _Run, step: int, bar: tqdm) -> dict[str, float]:
         """One training step on this controller's share of the step's prompts; returns its logged metrics."""
         while len(run.ahead) <= self.config.max_staleness and step + len(run.ahead) < self.config.max_steps:
-            run.ahead.append((run.sampler.shard(run.sampler.next_global()), run.sampler.last_imbalance))
-        (shard, imbalance), upcoming = run.ahead.pop(0), [run.take(s) for s, _ in run.ahead]
+            batch = run.sampler.next_global()
+            run.ahead.append((batch, run.sampler.shard(batch), run.sampler.last_imbalance))
+        (_, shard, imbalance), upcoming = run.ahead.pop(0), [run.take(s) for _, s, _ in run.ahead]
         prompts = run.take(shard) if not run.central or run.fabric.global_rank == 0 else []
 
         def on_stage(stage: str) -> None:

@@ -244,8 +244,8 @@ def _send(replies: Connection, reply: Reply) -> None:
 def _serve(runtime: _WorkerRuntime, kind: JobKind, args: tuple) -> object:
     """One request in the worker: its result, which the pool reads as ``kind`` says."""
     if kind == "generate":
-        role, prompts, params = args
-        return runtime.generate(role, prompts, params)
+        role, prompts, params, *seed = args  # a request of ``submit_generate`` with a ``seed`` carries it last
+        return runtime.generate(role, prompts, params, seed[0] if seed else None)
     if kind == "logprobs":
         role, prompts, candidates = args
         return runtime.next_token_logprobs(role, prompts, candidates)
@@ -322,8 +322,13 @@ class _WorkerRuntime:
             log.info("engine worker holds the %s role, swapping to serve a %s request", self.role, role)
             self.switch(role, None)
 
-    def generate(self, role: Role, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+    def generate(self, role: Role, prompts: list[list[int]], params: SamplingParams,
+                 seed: int | None = None) -> list[list[Generation]]:
+        """Sample with the ``role`` engine; with a ``seed``, from a random state drawn from it alone (not from
+        what this worker sampled before), so that a request samples the same wherever and whenever it runs."""
         self._take(role)
+        if seed is not None:
+            torch.manual_seed(seed)
         return self._engine(role).generate(prompts, params)
 
     def next_token_logprobs(self, role: Role, prompts: list[list[int]], candidates: list[int]) -> list[list[float]]:
@@ -354,7 +359,8 @@ class WorkerPool:
         roles: the awake role of each worker at start.
         threads: ``torch.set_num_threads`` of each worker; 0: each worker's share of this process's threads, or
             the user's ``OMP_NUM_THREADS`` (``gcore.threads.worker_threads``).
-        seed: workers are seeded ``seed + index``.
+        seed: workers are seeded ``seed + index`` (what a generation request without a seed of its own samples
+            from; one with a seed, ``submit_generate``'s, samples from that alone).
         release: free a sleeping engine's memory (reload it on wake-up) instead of ``Engine.sleep`` only.
         job_timeout_s: a request not answered in this time is sent elsewhere (and its worker killed).
         retries: further attempts for a failed request before the step fails.
@@ -555,23 +561,26 @@ class WorkerPool:
         return self.collect_generate(self.submit_generate(role, prompts, params, workers))
 
     def submit_generate(self, role: Role, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                        workers: Sequence[int]) -> list[Job]:
-        """Send ``generate``'s requests and return at once; ``collect_generate`` waits for them."""
-        return self.submit_split("generate", role, prompts, params, workers)
+                        workers: Sequence[int], seed: int | None = None) -> list[Job]:
+        """Send ``generate``'s requests and return at once; ``collect_generate`` waits for them. With a ``seed``,
+        request ``i`` samples from ``seed + i`` whichever worker serves it (``_WorkerRuntime.generate``): the
+        samples depend on the prompts and the seed, not on the worker or on what it ran before."""
+        return self.submit_split("generate", role, prompts, params, workers, seed)
 
     def collect_generate(self, jobs: list[Job]) -> list[list[Generation]]:
         """Wait for requests of ``submit_generate``; their results in the order of its prompts."""
         return cast("list[list[Generation]]", self.collect(jobs))
 
     def submit_split(self, kind: Literal["generate", "logprobs"], role: Role, prompts: Sequence[Sequence[int]],
-                     option: object, workers: Sequence[int]) -> list[Job]:
-        """``prompts`` split into one ``kind`` request per worker, each ``(role, its prompts, option)``; returns
-        at once (``collect`` waits)."""
+                     option: object, workers: Sequence[int], seed: int | None = None) -> list[Job]:
+        """``prompts`` split into one ``kind`` request per worker, each ``(role, its prompts, option)`` (with a
+        ``seed``, ``seed + i`` added to request ``i``); returns at once (``collect`` waits)."""
         if not prompts:
             return []
         chunk = math.ceil(len(prompts) / len(workers))
-        return [self.submit(kind, (role, [list(p) for p in prompts[s : s + chunk]], option), workers, role)
-                for s in range(0, len(prompts), chunk)]
+        return [self.submit(kind, (role, [list(p) for p in prompts[s : s + chunk]], option,
+                                   *(() if seed is None else (seed + i,))), workers, role)
+                for i, s in enumerate(range(0, len(prompts), chunk))]
 
     def collect(self, jobs: list[Job]) -> list[object]:
         """Wait for requests of ``submit_split``; their results (one per prompt) in the order of its prompts."""

@@ -14,7 +14,7 @@ from gcore.engines.base import Engine
 from gcore.model import ModelSource
 from gcore.rewards.base import RewardModel
 from gcore.rollout import RolloutJob, StageTimer
-from gcore.types import Sample
+from gcore.types import Generation, Sample
 
 
 @dataclass
@@ -26,6 +26,27 @@ class Telemetry:
 
     def busiest(self, stage: str) -> float:
         return max((s.get(stage, 0.0) for s in self.stage_seconds), default=0.0)
+
+
+@dataclass
+class InFlight:
+    """A rollout started ahead of its step (``PlacementPolicy.start_rollout``): calling it waits for the rollout
+    and returns its samples (``collect``).
+
+    What a checkpoint can hold of it, so that a resumed run collects the same samples
+    (``Controller.in_flight_state``): ``generations``, where the policy gives it, waits for the generation alone
+    and returns the engine's outputs, one list per prompt (the policy finishes the rollout from them after a
+    resume: ``resume_rollout``); ``deferred``: nothing of the rollout has run yet (it runs when collected), so
+    starting it again after a resume reproduces it. A rollout with neither (one that runs whole in a thread, or a
+    policy's own callable) is generated again, for the same prompts, with the weights resumed.
+    """
+
+    collect: Callable[[], list[Sample]]
+    generations: Callable[[], list[list[Generation]]] | None = None
+    deferred: bool = False
+
+    def __call__(self) -> list[Sample]:
+        return self.collect()
 
 
 class PlacementPolicy(ABC):
@@ -50,6 +71,13 @@ class PlacementPolicy(ABC):
         """Whether ``start_rollout`` returns while generation goes on in processes of their own, so that
         a rollout can run while the controller trains (``--trainer.max_staleness`` >= 1). Default: no."""
         return False
+
+    @property
+    def reproducible(self) -> bool:
+        """Whether a seeded run samples the same on every run, so that a run resumed from a checkpoint continues
+        exactly as the uninterrupted one (with ``--trainer.max_staleness`` too: ``Controller.in_flight_state``).
+        Default: yes; a policy whose decisions follow measured times says no (the trainer notes it on resume)."""
+        return True
 
     @abstractmethod
     def setup(self, world_size: int, device_type: str, reward: RewardModel | None = None) -> None:
@@ -108,8 +136,21 @@ class PlacementPolicy(ABC):
         """Start ``job``; returns the function that waits for it and returns its samples (timed in
         ``job.timer`` as it is then). A policy that ``supports_overlap`` sends the generation requests
         here and returns at once; weight updates sent meanwhile are applied after them. Default: the
-        whole ``rollout`` runs when the result is asked for."""
-        return lambda: self.rollout(job)
+        whole ``rollout`` runs when the result is asked for (``InFlight.deferred``)."""
+        return InFlight(lambda: self.rollout(job), deferred=True)
+
+    def resume_rollout(self, job: RolloutJob, generations: list[list[Generation]]) -> Callable[[], list[Sample]]:
+        """After a resume: the rest of a rollout whose generation a checkpoint recorded (``InFlight.generations``,
+        ``generations[i]``: the completions of ``job.prompts[i]``); returns the function that scores them and
+        returns the samples, as the rollout started ahead would have. Default: scored in this process."""
+
+        def finish() -> list[Sample]:
+            samples = job.samples(generations)
+            with job.timer("reward"):
+                job.score(samples)
+            return samples
+
+        return finish
 
     def join_rollouts(self) -> float:
         """Wait for the rollouts that run in a thread of this process while the controller trains (a

@@ -16,7 +16,7 @@ import torch
 from gcore.engines.base import JUDGE, POLICY, REWARD, Engine, Role
 from gcore.errors import ConfigError
 from gcore.model import ModelSource
-from gcore.placement.base import Background, PlacementPolicy, Telemetry
+from gcore.placement.base import Background, InFlight, PlacementPolicy, Telemetry
 from gcore.rewards.base import RewardModel
 from gcore.rollout import RolloutJob, StageTimer
 from gcore.threads import usable_cores, worker_threads
@@ -211,6 +211,12 @@ class DynamicPlacement(PlacementPolicy):
     def supports_overlap(self) -> bool:
         return True
 
+    @property
+    def reproducible(self) -> bool:
+        """No: the split of the workers between generation and scoring follows measured times, and the split
+        decides how a rollout's prompts are dealt out to requests (each sampling from its own seed)."""
+        return False
+
     def allow_overlap(self) -> None:
         if self.pool is None:
             raise RuntimeError("DynamicPlacement.allow_overlap called before launch")
@@ -247,19 +253,9 @@ class DynamicPlacement(PlacementPolicy):
         """Swap the workers that changed partition and send the generation requests (``stream_groups``
         prompt groups each when ``streamed``, else one per generation worker); returns what collects and
         scores them (multi-turn: what runs the episode loop)."""
-        pool, prompts, timer = self.pool, job.prompts, job.timer
+        pool, prompts = self.pool, job.prompts
         assert pool is not None  # checked by start_rollout
-        if pool.peers is None:  # a shared pool restarts lost workers in ``update``, which every controller passes
-            pool.revive()
-        with timer("swap"):  # the workers that changed partition since the last step swap engines
-            pool.assign(self._roles())
-        generators, scorers = list(range(self.generate_devices)), list(range(self.generate_devices, self.total))
-        assert self.policy_engine is not None  # set by setup
-        self.policy_engine.workers = generators
-        for role_engine in (self.judge_engine, self.reward_pool):
-            if role_engine is not None:
-                role_engine.workers = scorers
-        pool.busy.clear()
+        generators, scorers = self._partition(job)
         started = time.perf_counter()
         if job.multi_turn:
             return lambda: self._episode_rollout(job, scorers, started)
@@ -267,9 +263,47 @@ class DynamicPlacement(PlacementPolicy):
         if not streamed:
             size = max(size, math.ceil(len(prompts) / len(generators)))
         chunks = {start: prompts[start : start + size] for start in range(0, len(prompts), size)}
-        requests = {start: pool.submit("generate", (POLICY, [p.token_ids for p in chunk], job.sampling),
-                                       generators, POLICY) for start, chunk in chunks.items()}
-        return lambda: self._finish_rollout(job, requests, scorers, started)
+        seed = () if job.seed is None else (job.seed,)  # each request samples from the job's seed + its first prompt
+        requests = {start: pool.submit("generate", (POLICY, [p.token_ids for p in chunk], job.sampling,
+                                                    *(x + start for x in seed)), generators, POLICY)
+                    for start, chunk in chunks.items()}
+
+        def generations() -> list[list[Generation]]:
+            pool.wait(list(requests.values()))
+            return [out for start in sorted(requests) for out in cast("list[list[Generation]]", requests[start].result)]
+
+        return InFlight(lambda: self._finish_rollout(job, requests, scorers, started), generations=generations)
+
+    def _partition(self, job: RolloutJob) -> tuple[list[int], list[int]]:
+        """Swap the workers that changed partition since the last rollout and point the role engines at their
+        partitions; returns (generation workers, scoring workers)."""
+        pool = self.pool
+        assert pool is not None and self.policy_engine is not None  # set by launch
+        if pool.peers is None:  # a shared pool restarts lost workers in ``update``, which every controller passes
+            pool.revive()
+        with job.timer("swap"):  # the workers that changed partition since the last step swap engines
+            pool.assign(self._roles())
+        generators, scorers = list(range(self.generate_devices)), list(range(self.generate_devices, self.total))
+        self.policy_engine.workers = generators
+        for role_engine in (self.judge_engine, self.reward_pool):
+            if role_engine is not None:
+                role_engine.workers = scorers
+        pool.busy.clear()
+        return generators, scorers
+
+    def resume_rollout(self, job: RolloutJob, generations: list[list[Generation]]) -> Callable[[], list[Sample]]:
+        """The recorded generations scored on the reward partition, as ``start_rollout``'s would have been."""
+
+        def finish() -> list[Sample]:
+            _, scorers = self._partition(job)
+            started = time.perf_counter()
+            samples = job.samples(generations)
+            reward = self.reward_pool if scorers and self.reward_pool is not None else None  # None: in the controller
+            job.score(samples, reward)
+            self._rollout_telemetry(job.timer, scorers, time.perf_counter() - started, time.perf_counter() - started)
+            return samples
+
+        return finish
 
     def _episode_rollout(self, job: RolloutJob, scorers: list[int], started: float) -> list[Sample]:
         """Multi-turn: the episode loop on the generation partition (each turn batch split over it), then

@@ -14,10 +14,10 @@ import torch
 from gcore.engines.base import JUDGE, POLICY, Engine
 from gcore.errors import ConfigError
 from gcore.model import ModelSource
-from gcore.placement.base import Background, PlacementPolicy
+from gcore.placement.base import Background, InFlight, PlacementPolicy
 from gcore.rewards.base import RewardModel
 from gcore.rollout import RolloutJob
-from gcore.types import Sample
+from gcore.types import Generation, Sample
 
 if TYPE_CHECKING:
     from gcore.engines.pool import Job, PoolEngine, WorkerPool
@@ -110,6 +110,12 @@ class StaticPlacement(PlacementPolicy):
             return lambda: self._episode_rollout(job)
         return self._send_generate(job)
 
+    def resume_rollout(self, job: RolloutJob, generations: list[list[Generation]]) -> Callable[[], list[Sample]]:
+        """With workers: the recorded generations judged (or scored) as ``start_rollout``'s would have been."""
+        if self.pool is None:
+            return super().resume_rollout(job, generations)
+        return lambda: self._judge(job, job.samples(generations), 0.0)
+
     def _pipelined(self, job: RolloutJob) -> bool:
         """Whether ``start_rollout`` runs ``job`` whole in the ``Background`` thread: while rollouts overlap
         training, one with a generative judge or multi-turn episodes (someone must drive it meanwhile)."""
@@ -127,8 +133,9 @@ class StaticPlacement(PlacementPolicy):
         pool.busy.clear()
         started = time.perf_counter()
         requests = pool.submit_generate(POLICY, [p.token_ids for p in job.prompts], job.sampling,
-                                        list(range(pool.size)))
-        return lambda: self._finish_rollout(job, requests, started)
+                                        list(range(pool.size)), seed=job.seed)
+        return InFlight(lambda: self._finish_rollout(job, requests, started),
+                        generations=lambda: pool.collect_generate(requests))
 
     def _episode_rollout(self, job: RolloutJob) -> list[Sample]:
         """Multi-turn: the episode loop on every worker (each turn batch split over them), then judged."""

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 from conftest import FAST
 
 from gcore import GRPO, DataConfig, ModelConfig, SamplingParams, StaticPlacement, Trainer, TrainerConfig
@@ -57,6 +58,65 @@ def test_resume_continues_exactly(tmp_path, algorithm):
             assert before[key] == after[key], (key, before["step"], before[key], after[key])
     stalls = [row["checkpoint/stall_s"] for row in first]  # logged with the steps that saved (2 and 5)
     assert float(stalls[2]) >= 0 and float(stalls[5]) >= 0 and stalls[:2] == ["", ""]
+
+
+def _compared(row):
+    """A metrics row without the columns no two runs share (scripts/compare_runs.py's ``clock_column``)."""
+    return {k: v for k, v in row.items() if not (k.startswith(("time/", "memory/", "threads/", "checkpoint/",
+                                                                "placement/idle_")) or k.endswith(("_s", "gb_per_s")))}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("max_staleness", "workers"), [(1, 1), (2, 2), (0, 2)])
+def test_asynchronous_resume_over_engine_workers_continues_exactly(tmp_path, max_staleness, workers):
+    """``--trainer.max_staleness K`` over static engine workers, stopped after step 1 with K rollouts in flight
+    (recorded in the checkpoint: their tokens, log-probabilities, versions) and resumed: every metric but the
+    clock's and the final weights equal those of the run that went on, and those of a run that saved nothing
+    (the save waits for the generation in flight, and changes nothing). K = 0: the synchronous loop over two
+    workers, which samples from a seed per request as well (before, each worker's own stream: not even two
+    uninterrupted runs were equal)."""
+    from safetensors.torch import load_file
+
+    args = ("--placement.workers", str(workers), "--trainer.max_staleness", str(max_staleness),
+            "--trainer.max_steps", "5", "--trainer.save_final", "true")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a fixed thread count: sums over other counts differ in the last bit
+    plain = _fit(tmp_path / "plain", *args, env=env)
+    assert plain.returncode == 0, plain.stderr
+    whole = _fit(tmp_path / "a", *args, "--trainer.checkpoint_every", "2", "--trainer.keep_checkpoints", "5", env=env)
+    assert whole.returncode == 0, whole.stderr
+    first = _rows(tmp_path / "a")["version_0"]
+    final = tmp_path / "a" / "gcore" / "version_0" / "final" / "model.safetensors"
+    weights = load_file(final)
+    ckpt = tmp_path / "a" / "gcore" / "checkpoints" / "step_00000001"
+    resumed = _fit(tmp_path / "a", *args, "--trainer.resume", str(ckpt), env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "at step 2" in resumed.stdout and "note" not in resumed.stdout, resumed.stdout
+    rows = _rows(tmp_path / "a")["version_0"]
+    assert [r["step"] for r in rows] == ["0", "1", "2", "3", "4"]
+    baseline = [_compared(r) for r in _rows(tmp_path / "plain")["version_0"]]
+    assert [_compared(r) for r in first] == baseline
+    assert [_compared(r) for r in rows] == baseline
+    if max_staleness:
+        assert rows[2]["async/staleness_max"] == str(float(min(2, max_staleness)))  # collected as recorded
+    plain_final = tmp_path / "plain" / "gcore" / "version_0" / "final" / "model.safetensors"
+    for other in (load_file(final), load_file(plain_final)):
+        assert other.keys() == weights.keys() and all(torch.equal(other[k], weights[k]) for k in weights)
+
+
+@pytest.mark.integration
+def test_asynchronous_resume_on_dynamic_placement_collects_what_was_in_flight_and_says_it_is_not_exact(tmp_path):
+    args = ("--placement", "dynamic", "--placement.workers", "2", "--trainer.max_staleness", "1",
+            "--trainer.max_steps", "3")
+    whole = _fit(tmp_path, *args, "--trainer.checkpoint_every", "2")
+    assert whole.returncode == 0, whole.stderr
+    ckpt = tmp_path / "gcore" / "checkpoints" / "step_00000001"
+    resumed = _fit(tmp_path, *args, "--trainer.resume", str(ckpt))
+    assert resumed.returncode == 0, resumed.stderr
+    notes = [line for line in resumed.stdout.splitlines() if "note" in line]
+    assert len(notes) == 1 and "DynamicPlacement" in notes[0] and "not an exact continuation" in notes[0], notes
+    rows = _rows(tmp_path)["version_0"]
+    # step 2 trains on the rollout recorded in flight (one version old), not on one generated now
+    assert rows[2]["step"] == "2" and rows[2]["async/staleness_max"] == "1.0"
 
 
 class CountingGRPO(GRPO):

@@ -357,3 +357,117 @@ def test_the_judging_of_a_rollout_started_ahead_overlaps_training_and_its_verdic
         assert len(telemetry) == steps and all(t.busiest("reward") > 0 and t.busiest("generate") > 0
                                                 for t in telemetry), telemetry
         assert all("placement/idle_judge_s" in row for row in history)
+
+
+# -- resuming an asynchronous run: the rollouts in flight come back (docs/asynchronous.md, "Resume") ---------------
+
+
+class InProcessPipeline(StaticPlacement):
+    """The engine in the controller's process, pretending to overlap: a rollout started ahead runs when it is
+    collected (``InFlight.deferred``). Deterministic, like static placement over engine workers."""
+
+    @property
+    def supports_overlap(self) -> bool:
+        return True
+
+
+class UnreproduciblePipeline(InProcessPipeline):
+    @property
+    def reproducible(self) -> bool:
+        return False
+
+
+class UnrecordedPipeline(InProcessPipeline):
+    """Returns its rollouts started ahead as plain functions, as a placement of one's own may: a checkpoint
+    cannot record them."""
+
+    def start_rollout(self, job: RolloutJob):
+        return lambda: self.rollout(job)
+
+
+def _clock(name: str) -> bool:
+    """Columns no two runs share (scripts/compare_runs.py's ``clock_column``, and the checkpoint's own)."""
+    return (name.startswith(("time/", "memory/", "threads/", "checkpoint/", "placement/idle_"))
+            or name.endswith(("_s", "gb_per_s")))
+
+
+def _pipeline_run(root, max_staleness: int, placement=InProcessPipeline, **trainer):
+    from safetensors.torch import load_file
+
+    config = {"max_steps": 5, "save_final": True, "keep_checkpoints": 5, **trainer}
+    result = Trainer(
+        trainer=TrainerConfig(default_root_dir=str(root), enable_progress_bar=False, max_staleness=max_staleness,
+                              seed=3, **config),
+        model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
+        data=DataConfig(prompts_per_step=3), sampling=SamplingParams(n=2, max_new_tokens=4),
+        placement=placement(),
+    ).fit()
+    assert result.final_model_dir is not None
+    return result.history, load_file(f"{result.final_model_dir}/model.safetensors")
+
+
+@pytest.fixture
+def fixed_threads(monkeypatch):
+    """The torch thread count held fixed, as ``OMP_NUM_THREADS`` does (no governor: docs/threads.md): a sum over
+    another number of threads may differ in its last bit, and these runs compare bit for bit."""
+    from gcore import threads
+
+    monkeypatch.setattr(threads, "user_threads_at_import", 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_a_resumed_asynchronous_run_continues_exactly_with_the_engine_in_process(tmp_path, max_staleness, capsys,
+                                                                                   fixed_threads):
+    """Stopped after step 1 (its checkpoint: the prompts of steps 2..1+K drawn ahead, their rollouts in flight)
+    and resumed: the same metrics, step for step, and the same final weights as the run that went on."""
+    whole, weights = _pipeline_run(tmp_path, max_staleness, checkpoint_every=2)
+    ckpt = tmp_path / "gcore" / "checkpoints" / "step_00000001"
+    resumed, resumed_weights = _pipeline_run(tmp_path, max_staleness, resume=str(ckpt))
+    assert "note" not in capsys.readouterr().out  # nothing about this resume is inexact
+    assert [row["step"] for row in resumed] == [2.0, 3.0, 4.0]
+    for before, after in zip(whole[2:], resumed, strict=True):
+        compared = sorted(k for k in before.keys() | after.keys() if not _clock(k))
+        assert {k: before.get(k) for k in compared} == {k: after.get(k) for k in compared}, before["step"]
+    assert resumed[0]["async/staleness_max"] == float(min(2, max_staleness))  # collected, not generated now
+    assert weights.keys() == resumed_weights.keys()
+    assert all(torch.equal(weights[k], resumed_weights[k]) for k in weights)
+
+
+def test_a_resume_that_cannot_be_exact_says_so_in_one_line(tmp_path, capsys):
+    """A run resumed from its last step had nothing in flight; a placement that is not reproducible continues
+    the rollouts in flight but not exactly: each is one note when the run resumes."""
+    _pipeline_run(tmp_path / "a", 1, max_steps=2, checkpoint_every=2, save_final=True)
+    capsys.readouterr()
+    _pipeline_run(tmp_path / "a", 1, max_steps=3, resume="auto")
+    notes = [line for line in capsys.readouterr().out.splitlines() if "note" in line]
+    assert len(notes) == 1 and "written at the last step of its run" in notes[0], notes
+    _pipeline_run(tmp_path / "b", 1, max_steps=3, checkpoint_every=2, placement=UnreproduciblePipeline)
+    capsys.readouterr()
+    _pipeline_run(tmp_path / "b", 1, max_steps=3, resume=str(tmp_path / "b" / "gcore" / "checkpoints" /
+                                                               "step_00000001"), placement=UnreproduciblePipeline)
+    notes = [line for line in capsys.readouterr().out.splitlines() if "note" in line]
+    assert len(notes) == 1 and "not an exact continuation" in notes[0], notes
+    _pipeline_run(tmp_path / "c", 2, max_steps=4, checkpoint_every=2, placement=UnrecordedPipeline)
+    capsys.readouterr()
+    history, _ = _pipeline_run(tmp_path / "c", 2, max_steps=4, placement=UnrecordedPipeline,
+                               resume=str(tmp_path / "c" / "gcore" / "checkpoints" / "step_00000001"))
+    notes = [line for line in capsys.readouterr().out.splitlines() if "note" in line]
+    assert len(notes) == 1 and "2 rollout(s) in flight at the checkpoint could not be recorded" in notes[0], notes
+    # the same prompts, generated again with the weights resumed: step 2 now (fresh), step 3 started ahead by step 2
+    assert [row["async/staleness_max"] for row in history] == [0.0, 1.0]
+    assert all(row["samples/trained"] == 6.0 for row in history)
+
+
+def test_the_recorded_generations_come_back_as_they_were_through_a_weights_only_file(tmp_path):
+    from gcore.controller import _pack, _unpack
+    from gcore.types import Generation
+
+    outputs = [[Generation([5, 6, 7], [-0.1, -1e-9, -3.25], True), Generation([], [], False)],
+               [Generation([9], [-0.30000000000000004], False)]]
+    torch.save({"rollouts": [_pack(outputs)]}, tmp_path / "rank_0.pt")
+    loaded = torch.load(tmp_path / "rank_0.pt", weights_only=True)["rollouts"][0]
+    assert _unpack(loaded) == outputs
