@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from gcore.engines.base import Engine
+from gcore.engines.base import Engine, generate_prompts
 from gcore.model import ModelSource
 from gcore.rewards.base import RewardModel
 from gcore.rollout import RolloutJob, StageTimer
@@ -50,6 +50,13 @@ class PlacementPolicy(ABC):
         """Whether ``start_rollout`` returns while generation goes on in processes of their own, so that
         a rollout can run while the controller trains (``--trainer.max_staleness`` >= 1). Default: no."""
         return False
+
+    @property
+    def supports_images(self) -> bool:
+        """Whether the rollouts can generate from image prompts: the engine runs in the controller's process and
+        is handed each prompt's visual inputs (``generate_prompts``). The engine worker processes get token ids
+        only (for now): a policy that generates there says no."""
+        return True
 
     @abstractmethod
     def setup(self, world_size: int, device_type: str, reward: RewardModel | None = None) -> None:
@@ -91,7 +98,7 @@ class PlacementPolicy(ABC):
         else:
             with job.timer("generate"):
                 self.before_generate(job.engine)
-                outputs = job.engine.generate([p.token_ids for p in job.prompts], job.sampling)
+                outputs = generate_prompts(job.engine, job.prompts, job.sampling)
             samples = job.samples(outputs)
         with job.timer("reward"):
             job.score(samples)

@@ -211,6 +211,10 @@ class DynamicPlacement(PlacementPolicy):
     def supports_overlap(self) -> bool:
         return True
 
+    @property
+    def supports_images(self) -> bool:
+        return False
+
     def allow_overlap(self) -> None:
         if self.pool is None:
             raise RuntimeError("DynamicPlacement.allow_overlap called before launch")

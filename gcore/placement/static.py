@@ -87,6 +87,10 @@ class StaticPlacement(PlacementPolicy):
     def supports_overlap(self) -> bool:
         return self.workers > 0
 
+    @property
+    def supports_images(self) -> bool:
+        return self.workers == 0
+
     def allow_overlap(self) -> None:
         if self.pool is not None:
             self.pool.queue_syncs = True

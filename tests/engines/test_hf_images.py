@@ -1,0 +1,98 @@
+"""The ``hf`` engine on image prompts (the embedded tiny Qwen2-VL-shaped model): the log-probabilities it samples
+with are the trainer's, recomputed over prompt and response with the same visual inputs and M-RoPE positions."""
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from PIL import Image
+
+from gcore import GRPO, PPO, HFEngine, ModelConfig, SamplingParams, TorchBackend
+from gcore.model import load_tokenizer, materialize
+from gcore.types import Prompt, Sample, collate
+from gcore.vision import encode, load_processor
+
+COLOURS = [(220, 40, 40), (40, 70, 220), (40, 180, 60)]
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    config = ModelConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128)
+    tokenizer = load_tokenizer(config, vision=True)
+    path = materialize(config, tokenizer, seed=0, workdir=str(tmp_path_factory.mktemp("vlm")), vision=True)
+    engine = HFEngine()
+    engine.setup(config.source(path), torch.device("cpu"))
+    return config, tokenizer, path, engine, load_processor(path, trust_remote_code=False)
+
+
+def _prompts(processor):
+    """Prompts of different lengths (so that the engine left-pads them), one with two images of other sizes."""
+    prompts = []
+    for i, (text, sizes) in enumerate([("c=", [(56, 56)]), ("what colour=", [(56, 56)]),
+                                       ("two=", [(28, 56), (84, 56)]), ("c=", [(56, 56)])]):
+        images = [Image.new("RGB", size, COLOURS[(i + k) % 3 if i < 3 else 1]) for k, size in enumerate(sizes)]
+        token_ids, visual = encode(processor, text, images, f"row {i}")
+        prompts.append(Prompt(i, text, token_ids, "r", f"row {i}", {}, None, visual))
+    return prompts
+
+
+def _samples(engine, tokenizer, prompts, params):
+    from gcore.engines.base import generate_prompts
+
+    outputs = generate_prompts(engine, prompts, params)
+    return [Sample(prompt, group, g.token_ids, g.logprobs, tokenizer.decode(g.token_ids), g.finished)
+            for group, (prompt, generations) in enumerate(zip(prompts, outputs, strict=True)) for g in generations]
+
+
+def test_engine_logprobs_match_the_trainers_on_image_prompts(vlm):
+    config, tokenizer, path, engine, processor = vlm
+    prompts = _prompts(processor)
+    assert len({len(p.token_ids) for p in prompts}) == 3  # left padding in the engine, right padding in the trainer
+    assert prompts[0].token_ids == prompts[3].token_ids  # the same tokens, other images: not one prefill
+    backend = TorchBackend(micro_batch_size=3)
+    backend.setup(Fabric(accelerator="cpu", devices=1), config.source(path), GRPO(kl_coef=0.0), embedded=True)
+    params = SamplingParams(n=3, max_new_tokens=12, temperature=0.9, stop_token_ids=(tokenizer.eos_token_id,))
+    torch.manual_seed(0)
+    batch = collate(_samples(engine, tokenizer, prompts, params), tokenizer.pad_token_id, params.temperature)
+    recomputed = backend.compute_logprobs(batch, "policy")
+    gap = float(((recomputed - batch.engine_logprobs) * batch.response_mask).abs().max())
+    assert gap < 1e-4, gap
+    # the images matter: prompts 0 and 3 (rows 0-2 and 9-11) have the same tokens; with each other's images
+    # the same responses get other log-probabilities
+    assert batch.visual is not None
+    batch.visual = batch.visual[9:] + batch.visual[3:9] + batch.visual[:3]
+    moved = ((backend.compute_logprobs(batch, "policy") - batch.engine_logprobs) * batch.response_mask).abs()
+    assert float(moved[:3].max()) > 1e-3 and float(moved[3:9].max()) < 1e-4
+
+
+def test_a_response_never_holds_an_image_placeholder(vlm):
+    config, tokenizer, path, engine, processor = vlm
+    image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert image_token in engine.media_ids
+    torch.manual_seed(0)
+    samples = _samples(engine, tokenizer, _prompts(processor), SamplingParams(n=8, max_new_tokens=24))
+    assert all(image_token not in s.response_ids for s in samples)
+
+
+def test_ppo_trains_policy_and_critic_on_image_prompts_with_a_frozen_vision_encoder(vlm):
+    from gcore.testing import set_up
+    from gcore.vision import vision_parameters
+
+    config, tokenizer, path, engine, processor = vlm
+    backend = TorchBackend(freeze_vision=True, micro_batch_size=4)
+    algorithm = set_up(PPO(), 12)
+    backend.setup(Fabric(accelerator="cpu", devices=1), config.source(path), algorithm, embedded=True)
+    frozen = {id(p) for p in vision_parameters(backend.hf_model)}
+    assert frozen and all(not p.requires_grad for p in vision_parameters(backend.critic.module.trunk))
+    before = {name: p.detach().clone() for name, p in backend.hf_model.named_parameters()}
+    torch.manual_seed(0)
+    params = SamplingParams(n=2, max_new_tokens=12)
+    batch = collate(_samples(engine, tokenizer, _prompts(processor), params), tokenizer.pad_token_id, 1.0)
+    batch.rewards = torch.arange(len(batch), dtype=torch.float) % 2
+    batch.values = backend.compute_values(batch)
+    batch.old_logprobs = backend.compute_logprobs(batch, "policy")
+    batch.advantages = algorithm.advantages(batch)
+    metrics = backend.train(batch, algorithm)
+    assert all(map(lambda v: v == v, metrics.values()))  # finite (no NaN)
+    changed = {name for name, p in backend.hf_model.named_parameters() if not torch.equal(p, before[name])}
+    assert changed and not any(".visual." in f".{name}" for name in changed)
+    assert any("language_model" in name for name in changed)
