@@ -250,7 +250,7 @@ def check_images(config: DataConfig) -> None:
                 _row_images(row, config, source, _folder(path))
 
 
-def _row_images(row: dict, config: DataConfig, source: str, base_dir: str) -> list:  # noqa: ANN001
+def _row_images(row: dict, config: DataConfig, source: str, base_dir: str) -> list:
     """The PIL images of one row (``images_column``): read, checked, and blanked with ``blank_images``."""
     from gcore.vision import read_image
 
@@ -343,10 +343,12 @@ def tokenize_rows(rows: list[tuple[dict, str]], config: DataConfig, tokenizer, m
                             "--data.metadata_keys")
         answer = row.get(config.answer_key)
         metadata = {key: row[key] for key in metadata_keys}
-        images = row.get(config.images_column) if config.images_column else None
+        column = config.images_column
+        images = row.get(column) if column else None
         references = [images] if isinstance(images, str) else images if isinstance(images, list) else []
-        if references and all(isinstance(i, str) and len(i) <= 4096 for i in references):
-            metadata[config.images_column] = images  # the image paths (not base64), for a reward that reads them
+        if references and all(isinstance(i, str) and len(i) <= 4096 and os.path.isfile(os.path.join(base_dir, i))
+                              for i in references):
+            metadata[str(column)] = images  # the image paths (not base64), for a reward that reads them
         prompts.append(Prompt(index, text, token_ids, None if answer is None else str(answer), source,
                               metadata, content, visual))
     return prompts

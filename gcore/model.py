@@ -167,7 +167,7 @@ def build_tiny_vlm(config: ModelConfig, tokenizer, seed: int):  # noqa: ANN001, 
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
-    return model.to(config.torch_dtype)
+    return model.to(config.torch_dtype)  # type: ignore[arg-type]  # transformers types .to without a dtype
 
 
 def image_text_to_text(path: str, trust_remote_code: bool = False) -> bool:

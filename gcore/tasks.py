@@ -321,17 +321,18 @@ TASK_IMAGE_KEY = "image"
 def shape_colour_rows(num_prompts: int, seed: int = 0, split: Literal["train", "test"] = "train",
                       digits: tuple[int, int] = (2, 3)) -> list[dict]:
     """The visual task: a square, circle or triangle of one of four colours (``SHAPE_COLOURS``), of random size
-    and place, on a grey ``CANVAS_SIZE``-pixel canvas (a PIL image in the row's ``image`` column); the prompt is
-    ``c=`` for every row and the answer is the colour's letter (``r``, ``g``, ``b`` or ``y``), for the
-    ``target_char`` reward: a policy that ignores the image scores at most about a quarter of what one that reads
-    it does. ``held_out`` decides by colour, shape, size and place. ``digits`` is ignored."""
+    (half the canvas to all of it) and place, on a grey ``CANVAS_SIZE``-pixel canvas (a PIL image in the row's
+    ``image`` column); the prompt is ``c=`` for every row and the answer is the colour's letter (``r``, ``g``, ``b``
+    or ``y``), for the ``target_char`` reward: a policy that ignores the image scores at most about 0.27 (the most
+    frequent colour everywhere), one that reads it up to 1. ``held_out`` decides by colour, shape, size and place.
+    ``digits`` is ignored."""
     from PIL import Image, ImageDraw
 
     del digits
 
     def propose(rng: random.Random, low: int, high: int) -> _Proposal:
         colour, shape = rng.choice(sorted(SHAPE_COLOURS)), rng.choice(["square", "circle", "triangle"])
-        size = rng.randrange(16, 33)
+        size = rng.randrange(CANVAS_SIZE // 2, CANVAS_SIZE + 1)
         x, y = rng.randrange(0, CANVAS_SIZE - size + 1), rng.randrange(0, CANVAS_SIZE - size + 1)
 
         def row() -> dict:

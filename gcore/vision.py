@@ -40,8 +40,8 @@ def read_image(value: object, base_dir: str, source: str, max_pixels: int, resiz
             image = PILImage.open(io.BytesIO(data))
             image.load()  # decodes the whole file: a truncated one fails here, not inside a controller later
         except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
-            raise DataError(f"{source}: {name}: not a readable image ({' '.join(str(err).split()) or type(err).__name__})"
-                            ) from None
+            detail = " ".join(str(err).split()) or type(err).__name__
+            raise DataError(f"{source}: {name}: not a readable image ({detail})") from None
     width, height = image.size
     if width * height > max_pixels:
         if not resize:
@@ -74,8 +74,12 @@ def _image_bytes(value: object, base_dir: str, source: str) -> tuple[bytes, str]
                 return f.read(), path
         except OSError as err:
             raise DataError(f"{source}: {path}: cannot read: {err.strerror or err}") from None
-    if len(value) > 64 and not any(sep in value for sep in "/\\."):  # not a file name: base64 text
-        return _base64(value, source), "the base64 image"
+    if len(value) > 64:  # no such file: base64 text, or a path after all when it is not base64 but looks like one
+        try:
+            return base64.b64decode(value, validate=True), "the base64 image"
+        except (binascii.Error, ValueError):
+            if not any(sep in value for sep in "/\\."):
+                raise DataError(f"{source}: an image given as base64 text is not valid base64") from None
     raise DataError(f"{source}: image {path}: no such file (a path is relative to the data file's folder)")
 
 
@@ -178,7 +182,8 @@ def multimodal_positions(model: torch.nn.Module, input_ids: torch.Tensor, attent
     image_token = getattr(config, "image_token_id", None)
     kwargs: dict[str, Any] = {"image_grid_thw": visual.get("image_grid_thw"), "attention_mask": attention_mask}
     if "mm_token_type_ids" in inspect.signature(rope.get_rope_index).parameters:
-        kwargs["mm_token_type_ids"] = (input_ids == image_token).int()
+        kwargs["mm_token_type_ids"] = torch.eq(input_ids, image_token).int() if image_token is not None else \
+            torch.zeros_like(input_ids, dtype=torch.int)
     if kwargs["image_grid_thw"] is None:  # no image in these rows: text positions
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         return positions.unsqueeze(0).expand(3, -1, -1), torch.zeros_like(positions[:, :1])

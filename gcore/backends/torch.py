@@ -19,7 +19,7 @@ from gcore.backends.common import OptimizerOptions, check_sequence_parallel_cont
 from gcore.backends.shared_prompts import distinct_prompts, shared_prompt_logits, to_batch_layout
 from gcore.balance import micro_batches_by_length, padding_fraction
 from gcore.errors import ConfigError
-from gcore.model import ModelSource, causal_lm_class, check_compiler
+from gcore.model import ModelSource, causal_lm_class, check_compiler, image_text_to_text
 from gcore.types import RolloutBatch, concat_visual
 from gcore.vision import multimodal_positions, vision_parameters
 
@@ -270,7 +270,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             if self.lora_rank:  # the frozen embeddings' output must carry a gradient through the checkpoints
                 self.hf_model.enable_input_require_grads()
         self.hf_model.train()
-        lr = self.base_lr(embedded)
+        lr = self.base_lr(embedded, vision=image_text_to_text(source.path, source.trust_remote_code))
         if self.compile:
             check_compiler("--backend.compile", fabric.device)
             compile_blocks(self.hf_model)

@@ -8,8 +8,8 @@ from typing import Final, Literal, TypeAlias
 
 import torch
 
-from gcore.model import ModelSource
 from gcore.errors import ConfigError
+from gcore.model import ModelSource
 from gcore.types import Generation, Prompt, SamplingParams
 
 #: the roles an engine worker process holds (``gcore/engines/pool.py``; the placement policies assign them): the
