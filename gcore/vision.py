@@ -20,6 +20,8 @@ from gcore.types import VisualInputs
 if TYPE_CHECKING:
     from PIL.Image import Image
 
+#: the modules that hold an image-text-to-text model's vision encoder and projector (transformers' names)
+VISION_MODULES = ("visual", "vision_tower", "vision_model", "multi_modal_projector", "connector")
 #: the model types whose processor ``ImageTokenProcessor`` stands in for where transformers' cannot be built
 QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
@@ -193,5 +195,4 @@ def multimodal_positions(model: torch.nn.Module, input_ids: torch.Tensor, attent
 def vision_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The parameters of the vision encoder and its projector (``--backend.freeze_vision``): those under a module
     named ``visual``, ``vision_tower``, ``vision_model``, ``multi_modal_projector`` or ``connector``."""
-    names = ("visual", "vision_tower", "vision_model", "multi_modal_projector", "connector")
-    return [p for name, p in _inner(model).named_parameters() if any(part in names for part in name.split("."))]
+    return [p for name, p in _inner(model).named_parameters() if set(name.split(".")) & set(VISION_MODULES)]

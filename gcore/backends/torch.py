@@ -144,7 +144,8 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             (for Llama-style models the attention and MLP projections).
         freeze_vision: with an image-text-to-text checkpoint, train only the language part: the vision encoder
             and its projector (``gcore.vision.vision_parameters``) keep their weights (the policy's and the
-            critic's). Refused for a model without one.
+            critic's). Refused for a model without one. (``lora_rank`` with such a model puts adapters on the
+            language part only and freezes the rest anyway.)
         attn_implementation: the attention of the models this backend runs (policy, reference, critic):
             transformers' ``attn_implementation`` (``sdpa``, ``eager``, ``flash_attention_2``, ...); ``None``:
             transformers' default (``sdpa`` where the model supports it). ``eager`` (two matmuls and a softmax,
@@ -236,11 +237,11 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         """Refuse the options not yet tested with image prompts (one line naming the flag)."""
         clash = {f"--backend.sequence_parallel_size {self.sequence_parallel_size}": self.sequence_parallel_size > 1,
                  "--backend.packing true": bool(self.packing), "--backend.strategy fsdp": self.fsdp,
-                 f"--backend.lora_rank {self.lora_rank}": self.lora_rank > 0, "--backend.compile true": self.compile}
+                 "--backend.compile true": self.compile}
         for flag, on in clash.items():
             if on:
                 raise ConfigError(f"{flag} does not take image prompts yet (untested: the visual inputs are not "
-                                  "split, packed, sharded or adapted); leave it at its default for image prompts")
+                                  "split, packed or sharded); leave it at its default for image prompts")
 
     def strategy(self, world_size: int, device_type: str, timeout: timedelta = default_pg_timeout) -> str | Strategy:
         if not self.fsdp:

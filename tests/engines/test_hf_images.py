@@ -96,3 +96,33 @@ def test_ppo_trains_policy_and_critic_on_image_prompts_with_a_frozen_vision_enco
     changed = {name for name, p in backend.hf_model.named_parameters() if not torch.equal(p, before[name])}
     assert changed and not any(".visual." in f".{name}" for name in changed)
     assert any("language_model" in name for name in changed)
+
+
+def test_lora_adapts_the_language_part_and_the_engine_follows_the_sync(vlm):
+    """LoRA on an image-text-to-text model: adapters on the language part's linear layers only, the vision encoder
+    frozen; after a training step and a weight sync, the engine's log-probabilities are again the trainer's."""
+    pytest.importorskip("peft")
+    from gcore.algorithms.base import group_normalize
+    from gcore.testing import set_up
+
+    config, tokenizer, path, _, processor = vlm
+    engine = HFEngine()
+    engine.setup(config.source(path), torch.device("cpu"))
+    backend = TorchBackend(lora_rank=4, micro_batch_size=4)
+    algorithm = set_up(GRPO(kl_coef=0.0), 12)
+    backend.setup(Fabric(accelerator="cpu", devices=1), config.source(path), algorithm, embedded=True)
+    adapted = [name for name, p in backend.hf_model.named_parameters() if p.requires_grad]
+    assert adapted and all(".lora_" in name and "language_model" in name for name in adapted)
+    params = SamplingParams(n=2, max_new_tokens=12, stop_token_ids=(tokenizer.eos_token_id,))
+    torch.manual_seed(0)
+    batch = collate(_samples(engine, tokenizer, _prompts(processor), params), tokenizer.pad_token_id, 1.0)
+    batch.rewards = torch.arange(len(batch), dtype=torch.float) % 2
+    batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
+    backend.train(batch, algorithm)
+    stale = ((backend.compute_logprobs(batch, "policy") - batch.engine_logprobs) * batch.response_mask).abs().max()
+    assert float(stale) > 1e-4  # the step moved the policy
+    engine.update_weights(backend.named_weights())
+    torch.manual_seed(1)
+    batch = collate(_samples(engine, tokenizer, _prompts(processor), params), tokenizer.pad_token_id, 1.0)
+    gap = ((backend.compute_logprobs(batch, "policy") - batch.engine_logprobs) * batch.response_mask).abs().max()
+    assert float(gap) < 1e-4
