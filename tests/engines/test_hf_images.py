@@ -126,3 +126,60 @@ def test_lora_adapts_the_language_part_and_the_engine_follows_the_sync(vlm):
     batch = collate(_samples(engine, tokenizer, _prompts(processor), params), tokenizer.pad_token_id, 1.0)
     gap = ((backend.compute_logprobs(batch, "policy") - batch.engine_logprobs) * batch.response_mask).abs().max()
     assert float(gap) < 1e-4
+
+
+def _tiny_llava(folder: str) -> str:
+    """A tiny Llava-style checkpoint (CLIP vision tower, Qwen2 language model, 1D positions) with a
+    ``LlavaProcessor`` that ``AutoProcessor`` loads: the path of a checkpoint that is not Qwen2-VL-shaped."""
+    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    from gcore.model import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = ("{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>"
+                               "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endfor %}")
+    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 28},
+                                                                  crop_size={"height": 28, "width": 28}),
+                               tokenizer=tokenizer, chat_template=tokenizer.chat_template, patch_size=14,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    config = LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+        text_config=dict(model_type="qwen2", vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_select_strategy="default",
+        vision_feature_layer=-1)
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def test_a_llava_style_checkpoint_with_1d_positions_samples_the_trainers_logprobs(tmp_path):
+    """Not only Qwen2-VL: a checkpoint with plain 1D positions and transformers' own processor (AutoProcessor)."""
+    from transformers import LlavaProcessor
+
+    from gcore.model import ModelSource, image_text_to_text
+    from gcore.vision import rope_model
+
+    path = _tiny_llava(str(tmp_path / "llava"))
+    assert image_text_to_text(path)
+    processor = load_processor(path, trust_remote_code=False)
+    assert isinstance(processor, LlavaProcessor)
+    engine = HFEngine()
+    engine.setup(ModelSource(path), torch.device("cpu"))
+    assert rope_model(engine.model) is None
+    prompts = []
+    for i, text in enumerate(["c=", "what colour=", "c="]):
+        token_ids, visual = encode(processor, text, [Image.new("RGB", (40, 40), COLOURS[i])], f"row {i}")
+        prompts.append(Prompt(i, text, token_ids, "r", f"row {i}", {}, None, visual))
+    backend = TorchBackend(micro_batch_size=4)
+    backend.setup(Fabric(accelerator="cpu", devices=1), ModelSource(path), GRPO(kl_coef=0.0), embedded=False)
+    tokenizer = processor.tokenizer
+    params = SamplingParams(n=3, max_new_tokens=10, stop_token_ids=(tokenizer.eos_token_id,))
+    torch.manual_seed(0)
+    batch = collate(_samples(engine, tokenizer, prompts, params), tokenizer.pad_token_id, 1.0)
+    gap = ((backend.compute_logprobs(batch, "policy") - batch.engine_logprobs) * batch.response_mask).abs().max()
+    assert float(gap) < 1e-4
