@@ -130,10 +130,14 @@ def load_processor(path: str, trust_remote_code: bool) -> Any:  # noqa: ANN401  
         error = err
     model_type = getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), "model_type", None)
     if model_type in QWEN_VL_TYPES:
-        return ImageTokenProcessor(AutoImageProcessor.from_pretrained(path),
-                                   AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
-    raise ConfigError(f"--model.path {path}: cannot load an image processor for image prompts: "
-                      f"{type(error).__name__}: {' '.join(str(error).split())[:300]}")
+        try:
+            return ImageTokenProcessor(AutoImageProcessor.from_pretrained(path),
+                                       AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
+        except Exception as err:  # noqa: BLE001  reported below, in one line
+            error = err
+    raise ConfigError(f"--model.path {path}: cannot load an image processor for image prompts (the folder needs "
+                      f"its processor files, e.g. preprocessor_config.json): {type(error).__name__}: "
+                      f"{' '.join(str(error).split())[:300]}")
 
 
 def encode(processor: Any, text: str, images: list[Image], source: str) -> tuple[list[int], VisualInputs]:  # noqa: ANN401
