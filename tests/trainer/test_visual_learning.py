@@ -6,9 +6,12 @@ A policy that does not see the image can at best answer the most frequent colour
 16 characters right (the train split's answers are 24-28% each). Thresholds from the spread measured on a 2-core
 CPU with other work beside it (first-5 -> last-5 mean reward of 40 steps, BENCHMARKS.md):
 
-- real images, seeds 0, 1, 2: every last-5 mean is above ``MIN_LAST`` (measured: see BENCHMARKS.md);
-- blank images, seed 0: the last-5 mean stays below ``BLIND_CEILING``; and on the held-out split the trained
-  policy's greedy reward with blank images is below its reward with the real ones by ``MIN_HELD_OUT_GAP``.
+- real images, seeds 0, 1, 2: every last-5 mean is above ``MIN_LAST`` (measured twice: 0.74, 0.77, 0.78 and
+  0.79, 0.77, 0.79; first-5 0.01-0.03);
+- blank images: the last-5 mean stays below ``BLIND_CEILING`` (measured 0.21 and 0.21 on seed 0, 0.19 on seed 1);
+- on the held-out split the trained policy's greedy reward with blank images is below its reward with the real
+  ones by more than ``MIN_HELD_OUT_GAP`` (measured 0.98 vs 0.25).
+The whole test took 3 min on the 2-core machine (0.6 s a step).
 """
 
 import pytest
