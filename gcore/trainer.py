@@ -252,8 +252,8 @@ class Trainer:
             raise ConfigError(f"{what}: image prompts need --engine hf; {type(self.engine).__name__} is given token "
                               "ids only in gcore (vLLM and SGLang run in venvs of their own, not wired for images yet)")
         if not self.placement.supports_images:
-            raise ConfigError(f"{what}: the engine worker processes of --placement dynamic or --placement.workers N "
-                              "get token ids only (for now); use --placement static without workers")
+            raise ConfigError(f"{what}: --placement {type(self.placement).__name__} does not hand its engines the "
+                              "prompts' images (supports_images); use --placement static or dynamic")
         if self._single_controller():
             raise ConfigError(f"{what}: --trainer.controllers 1 sends prompts as token tensors, without their "
                               "images; use one controller per process")

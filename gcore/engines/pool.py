@@ -55,7 +55,7 @@ from gcore.engines.base import JUDGE, POLICY, REWARD, Engine, Role
 from gcore.errors import GcoreError
 from gcore.model import ModelSource
 from gcore.threads import spawning, worker_threads
-from gcore.types import Generation, Sample, SamplingParams
+from gcore.types import Generation, Sample, SamplingParams, VisualInputs
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -243,9 +243,9 @@ def _send(replies: Connection, reply: Reply) -> None:
 
 def _serve(runtime: _WorkerRuntime, kind: JobKind, args: tuple) -> object:
     """One request in the worker: its result, which the pool reads as ``kind`` says."""
-    if kind == "generate":
-        role, prompts, params = args
-        return runtime.generate(role, prompts, params)
+    if kind == "generate":  # (role, prompts, params) or, for image prompts, (..., each prompt's visual inputs)
+        role, prompts, params, *visual = args
+        return runtime.generate(role, prompts, params, visual[0] if visual else None)
     if kind == "logprobs":
         role, prompts, candidates = args
         return runtime.next_token_logprobs(role, prompts, candidates)
@@ -322,9 +322,12 @@ class _WorkerRuntime:
             log.info("engine worker holds the %s role, swapping to serve a %s request", self.role, role)
             self.switch(role, None)
 
-    def generate(self, role: Role, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+    def generate(self, role: Role, prompts: list[list[int]], params: SamplingParams,
+                 visual: list[VisualInputs | None] | None = None) -> list[list[Generation]]:
         self._take(role)
-        return self._engine(role).generate(prompts, params)
+        if visual is None:
+            return self._engine(role).generate(prompts, params)
+        return self._engine(role).generate(prompts, params, visual=visual)  # type: ignore[call-arg]  # supports_images
 
     def next_token_logprobs(self, role: Role, prompts: list[list[int]], candidates: list[int]) -> list[list[float]]:
         self._take(role)
@@ -550,27 +553,30 @@ class WorkerPool:
             self._pump(0.2)
 
     def generate(self, role: Role, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 workers: Sequence[int]) -> list[list[Generation]]:
-        """``prompts`` split into one request per worker; the results in the order of ``prompts``."""
-        return self.collect_generate(self.submit_generate(role, prompts, params, workers))
+                 workers: Sequence[int], visual: Sequence[VisualInputs | None] | None = None) -> list[list[Generation]]:
+        """``prompts`` split into one request per worker; the results in the order of ``prompts``. ``visual``: each
+        prompt's images (image prompts)."""
+        return self.collect_generate(self.submit_generate(role, prompts, params, workers, visual))
 
     def submit_generate(self, role: Role, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                        workers: Sequence[int]) -> list[Job]:
+                        workers: Sequence[int], visual: Sequence[VisualInputs | None] | None = None) -> list[Job]:
         """Send ``generate``'s requests and return at once; ``collect_generate`` waits for them."""
-        return self.submit_split("generate", role, prompts, params, workers)
+        return self.submit_split("generate", role, prompts, params, workers, visual)
 
     def collect_generate(self, jobs: list[Job]) -> list[list[Generation]]:
         """Wait for requests of ``submit_generate``; their results in the order of its prompts."""
         return cast("list[list[Generation]]", self.collect(jobs))
 
     def submit_split(self, kind: Literal["generate", "logprobs"], role: Role, prompts: Sequence[Sequence[int]],
-                     option: object, workers: Sequence[int]) -> list[Job]:
-        """``prompts`` split into one ``kind`` request per worker, each ``(role, its prompts, option)``; returns
-        at once (``collect`` waits)."""
+                     option: object, workers: Sequence[int],
+                     visual: Sequence[VisualInputs | None] | None = None) -> list[Job]:
+        """``prompts`` split into one ``kind`` request per worker, each ``(role, its prompts, option)`` (and their
+        ``visual`` inputs, image prompts); returns at once (``collect`` waits)."""
         if not prompts:
             return []
         chunk = math.ceil(len(prompts) / len(workers))
-        return [self.submit(kind, (role, [list(p) for p in prompts[s : s + chunk]], option), workers, role)
+        return [self.submit(kind, (role, [list(p) for p in prompts[s : s + chunk]], option,
+                                   *(() if visual is None else (list(visual[s : s + chunk]),))), workers, role)
                 for s in range(0, len(prompts), chunk)]
 
     def collect(self, jobs: list[Job]) -> list[object]:
@@ -786,8 +792,12 @@ class PoolEngine(Engine):
     def setup(self, source: ModelSource, device: torch.device) -> None:
         """The workers loaded the engine already."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
-        return self.pool.generate(self.role, prompts, params, self.workers)
+    #: the workers' engines take image prompts where the configured engine does (the trainer checks that one)
+    supports_images = True
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 visual: Sequence[VisualInputs | None] | None = None) -> list[list[Generation]]:
+        return self.pool.generate(self.role, prompts, params, self.workers, visual)
 
     def next_token_logprobs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int]) -> list[list[float]]:
         """Split over the role's workers like ``generate``; the results in the order of ``prompts``."""

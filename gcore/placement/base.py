@@ -53,10 +53,11 @@ class PlacementPolicy(ABC):
 
     @property
     def supports_images(self) -> bool:
-        """Whether the rollouts can generate from image prompts: the engine runs in the controller's process and
-        is handed each prompt's visual inputs (``generate_prompts``). The engine worker processes get token ids
-        only (for now): a policy that generates there says no."""
-        return True
+        """Whether the rollouts can generate from image prompts (each prompt's visual inputs handed to the engine:
+        ``generate_prompts`` in the controller's process, ``RolloutJob.visual`` to engine worker processes). The
+        built-in policies do; default no, so that a policy that hands its engines token ids only is refused in one
+        line instead of generating without the images."""
+        return False
 
     @abstractmethod
     def setup(self, world_size: int, device_type: str, reward: RewardModel | None = None) -> None:

@@ -208,12 +208,13 @@ class DynamicPlacement(PlacementPolicy):
         return generating + [self.reward_role] * self.judge_devices
 
     @property
-    def supports_overlap(self) -> bool:
+    def supports_images(self) -> bool:
         return True
 
     @property
-    def supports_images(self) -> bool:
-        return False
+    def supports_overlap(self) -> bool:
+        return True
+
 
     def allow_overlap(self) -> None:
         if self.pool is None:
@@ -271,7 +272,9 @@ class DynamicPlacement(PlacementPolicy):
         if not streamed:
             size = max(size, math.ceil(len(prompts) / len(generators)))
         chunks = {start: prompts[start : start + size] for start in range(0, len(prompts), size)}
-        requests = {start: pool.submit("generate", (POLICY, [p.token_ids for p in chunk], job.sampling),
+        visual = job.visual()
+        requests = {start: pool.submit("generate", (POLICY, [p.token_ids for p in chunk], job.sampling,
+                                                    *(() if visual is None else (visual[start : start + size],))),
                                        generators, POLICY) for start, chunk in chunks.items()}
         return lambda: self._finish_rollout(job, requests, scorers, started)
 

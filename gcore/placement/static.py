@@ -84,12 +84,13 @@ class StaticPlacement(PlacementPolicy):
         return policy
 
     @property
+    def supports_images(self) -> bool:
+        return True
+
+    @property
     def supports_overlap(self) -> bool:
         return self.workers > 0
 
-    @property
-    def supports_images(self) -> bool:
-        return self.workers == 0
 
     def allow_overlap(self) -> None:
         if self.pool is not None:
@@ -131,7 +132,7 @@ class StaticPlacement(PlacementPolicy):
         pool.busy.clear()
         started = time.perf_counter()
         requests = pool.submit_generate(POLICY, [p.token_ids for p in job.prompts], job.sampling,
-                                        list(range(pool.size)))
+                                        list(range(pool.size)), job.visual())
         return lambda: self._finish_rollout(job, requests, started)
 
     def _episode_rollout(self, job: RolloutJob) -> list[Sample]:

@@ -79,7 +79,7 @@ def test_the_tiny_vlm_learns_shape_colour_from_its_images_and_not_from_blank_one
 
 @pytest.mark.parametrize("options, message", [
     ({"engine": "vllm"}, r"--data.task shape_colour: image prompts need --engine hf"),
-    ({"placement": "workers"}, r"--placement dynamic or --placement.workers N get token ids only"),
+    ({"placement": "tokens_only"}, r"--placement _TokensOnly does not hand its engines the prompts' images"),
     ({"backend": {"sequence_parallel_size": 2}}, r"--backend.sequence_parallel_size 2 does not take image prompts"),
     ({"backend": {"packing": True}}, r"--backend.packing true does not take image prompts"),
     ({"backend": {"strategy": "fsdp"}}, r"--backend.strategy fsdp does not take image prompts"),
@@ -94,8 +94,11 @@ def test_what_does_not_take_image_prompts_yet_refuses_in_one_line(options, messa
         from gcore.engines.vllm import VLLMEngine
 
         kwargs["engine"] = VLLMEngine.__new__(VLLMEngine)  # never set up: the check reads its class
-    if options.get("placement") == "workers":
-        kwargs["placement"] = StaticPlacement(workers=2)
+    if options.get("placement") == "tokens_only":
+        class _TokensOnly(StaticPlacement):
+            supports_images = False  # a policy that hands its engines token ids only
+
+        kwargs["placement"] = _TokensOnly()
     if "backend" in options:
         kwargs["backend"] = TorchBackend(**options["backend"])
         if options["backend"].get("sequence_parallel_size"):
