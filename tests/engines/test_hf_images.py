@@ -183,3 +183,37 @@ def test_a_llava_style_checkpoint_with_1d_positions_samples_the_trainers_logprob
     batch = collate(_samples(engine, tokenizer, prompts, params), tokenizer.pad_token_id, 1.0)
     gap = ((backend.compute_logprobs(batch, "policy") - batch.engine_logprobs) * batch.response_mask).abs().max()
     assert float(gap) < 1e-4
+
+
+def test_a_qwen2_5_vl_checkpoint_samples_the_trainers_logprobs(tmp_path, vlm):
+    """Qwen2.5-VL (windowed vision attention, its own M-RoPE): the same parity through the same code."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from gcore.model import VISION_TOKENS, ModelSource, vl_image_processor
+
+    _, tokenizer, _, _, _ = vlm
+    names = ("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id")
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True,
+                         rope_scaling={"type": "mrope", "mrope_section": [4, 2, 2]}, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           window_size=56, fullatt_block_indexes=[1]),
+        tie_word_embeddings=True, **{n: tokenizer.convert_tokens_to_ids(t) for n, t in zip(names, VISION_TOKENS,
+                                                                                          strict=True)})
+    torch.manual_seed(0)
+    path = str(tmp_path / "qwen2_5_vl")
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    vl_image_processor().save_pretrained(path)
+    processor = load_processor(path, trust_remote_code=False)
+    engine = HFEngine()
+    engine.setup(ModelSource(path), torch.device("cpu"))
+    backend = TorchBackend(micro_batch_size=4)
+    backend.setup(Fabric(accelerator="cpu", devices=1), ModelSource(path), GRPO(kl_coef=0.0), embedded=False)
+    params = SamplingParams(n=3, max_new_tokens=10, stop_token_ids=(tokenizer.eos_token_id,))
+    torch.manual_seed(0)
+    batch = collate(_samples(engine, tokenizer, _prompts(processor), params), tokenizer.pad_token_id, 1.0)
+    gap = ((backend.compute_logprobs(batch, "policy") - batch.engine_logprobs) * batch.response_mask).abs().max()
+    assert float(gap) < 1e-4
