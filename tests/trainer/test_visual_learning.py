@@ -115,3 +115,17 @@ def test_what_does_not_take_image_prompts_yet_refuses_in_one_line(options, messa
     with pytest.raises(ConfigError, match=message) as error:
         Trainer(**kwargs)
     assert "\n" not in str(error.value)
+
+
+def test_image_prompts_with_a_text_only_checkpoint_refuse_in_one_line(tmp_path):
+    from gcore import ModelConfig
+    from gcore.model import char_tokenizer, materialize
+
+    config = ModelConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=64)
+    path = materialize(config, char_tokenizer(), 0, str(tmp_path / "text"))
+    trainer = Trainer(trainer=TrainerConfig(max_steps=1, default_root_dir=str(tmp_path / "runs"),
+                                            enable_progress_bar=False),
+                      model=ModelConfig(path=path), data=DataConfig(task="shape_colour"))
+    with pytest.raises(ConfigError, match="image prompts need an image-text-to-text checkpoint"):
+        trainer.fit()
