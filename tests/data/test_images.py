@@ -53,6 +53,11 @@ def test_paths_base64_and_lists_of_images_become_prompts_with_visual_inputs(tmp_
     assert prompts[0].metadata["image"] == "img/a.png"  # a reward gets the image's reference
     assert "image" not in prompts[1].metadata  # not base64 text
     assert prompts[0].token_ids == prompts[1].token_ids  # the same text and image size: only the images differ
+    # --data.balance's cost model counts a prompt's image tokens with its text tokens
+    from gcore.data import CostBalancer
+
+    assert CostBalancer(prompts, n=2, max_new_tokens=8).prompt_lengths == [len(p.token_ids) for p in prompts]
+    assert len(prompts[2].token_ids) - len(prompts[0].token_ids) >= 4 + 2
 
 
 def test_parquet_binary_and_struct_columns(tmp_path, processor):
