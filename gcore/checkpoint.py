@@ -60,6 +60,16 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 HF_FILES = "hf"  # the model's config and tokenizer, for export
+#: a multimodal checkpoint's processor files, copied next to its weights and tokenizer wherever the policy is saved
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                   "chat_template.json", "chat_template.jinja")
+
+
+def copy_processor_files(source: str, out_dir: str) -> None:
+    """Copy the processor files of ``source`` (``PROCESSOR_FILES``, those it has) into ``out_dir``."""
+    for name in PROCESSOR_FILES:
+        if os.path.isfile(os.path.join(source, name)) and not os.path.isfile(os.path.join(out_dir, name)):
+            shutil.copy(os.path.join(source, name), os.path.join(out_dir, name))
 
 
 class CheckpointError(GcoreError):
@@ -604,7 +614,8 @@ def export_hf(checkpoint: str, out_dir: str, trust_remote_code: bool = False) ->
     never prompts), and an ``hf/`` folder that names code of its own (``auto_map``) is refused unless
     ``trust_remote_code`` (``gcore export --trust-remote-code``, the user's choice, not the checkpoint's).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     hf_dir = os.path.join(checkpoint, HF_FILES)
     if not os.path.isdir(hf_dir):
@@ -625,7 +636,9 @@ def export_hf(checkpoint: str, out_dir: str, trust_remote_code: bool = False) ->
     verify(checkpoint)
     try:
         config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        image_text = getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+        auto_class = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+        model = auto_class.from_config(config, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as err:
         raise CheckpointError(f"{hf_dir}: cannot build the model from its config: {type(err).__name__}: "
                               f"{' '.join(str(err).split())}") from None
@@ -639,6 +652,7 @@ def export_hf(checkpoint: str, out_dir: str, trust_remote_code: bool = False) ->
         pass
     else:
         tokenizer.save_pretrained(out_dir)
+    copy_processor_files(hf_dir, out_dir)  # an image-text-to-text model's processor (AutoProcessor loads it)
     return out_dir
 
 

@@ -30,6 +30,7 @@ from gcore.checkpoint import (
     TRAINER_STATE,
     CheckpointError,
     CheckpointManager,
+    copy_processor_files,
     disk_error,
     latest_checkpoint,
     pick_checkpoint,
@@ -241,6 +242,8 @@ class Checkpointer:
             shutil.rmtree(folder, ignore_errors=True)
             self.backend.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
+            if self.hf_files is not None:  # an image-text-to-text model's processor
+                copy_processor_files(self.hf_files, folder)
 
         tmp = final_dir + ".tmp"
         try:

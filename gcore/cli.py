@@ -307,10 +307,16 @@ def eval_main(argv: Sequence[str]) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and init["trainer"].accelerator != "cpu" else "cpu")
     workdir = tempfile.mkdtemp(prefix="gcore-eval-")
     try:
-        tokenizer = load_tokenizer(model_config)
-        source = model_config.source(materialize(model_config, tokenizer, init["trainer"].seed, workdir))
+        images = data.has_images
+        tokenizer = load_tokenizer(model_config, vision=images)
+        source = model_config.source(materialize(model_config, tokenizer, init["trainer"].seed, workdir, images))
+        processor = None
+        if images:  # image prompts (docs/multimodal.md): the model's processor places the images
+            from gcore.vision import load_processor
+
+            processor = load_processor(source.path, source.trust_remote_code)
         prompts = load_eval_prompts(data, tokenizer, sampling.max_new_tokens,
-                                    source.context_length())
+                                    source.context_length(), processor)
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in sampling.stop_token_ids:
             sampling.stop_token_ids = (*sampling.stop_token_ids, tokenizer.eos_token_id)
         torch.manual_seed(init["trainer"].seed)

@@ -14,8 +14,8 @@ import torch
 
 from gcore.balance import LengthPredictor, imbalance, karmarkar_karp, round_robin
 from gcore.errors import DataError
-from gcore.tasks import TASK_METADATA, TASKS
-from gcore.types import Prompt, Sample
+from gcore.tasks import CANVAS_COLOUR, TASK_IMAGE_KEY, TASK_METADATA, TASKS, VISUAL_TASKS
+from gcore.types import Prompt, Sample, VisualInputs
 
 
 @dataclass
@@ -34,7 +34,9 @@ class DataConfig:
             real-model suite (``benchmarks/task_suite.py``), all for the ``math`` reward: ``count_letter`` (how many
             times a letter appears in a word), ``middle`` (the middle one of three numbers), ``multiply`` (a number
             times a single digit), ``count_even`` (how many of four numbers are even), ``digit_sum`` (the sum of a
-            number's digits, answered inside ``\\boxed{}``).
+            number's digits, answered inside ``\\boxed{}``); ``shape_colour``, the visual task (image prompts, for the
+            embedded tiny VLM and the ``target_char`` reward: the colour of a shape on a 56-pixel canvas, answered
+            by the colour's first letter; docs/multimodal.md).
         task_digits: the number sizes in digits of every embedded task with numbers (all but ``target_char``,
             ``reveal`` and ``count_letter``), ``[fewest, most]``:
             ``[2, 3]`` draws 10-999; ``[1, 2]`` (1-99) is an arithmetic level a 135M-parameter instruct model
@@ -58,6 +60,14 @@ class DataConfig:
         eval_path: held-out prompts (same format and keys as ``path``) for ``--trainer.eval_every`` and
             ``gcore eval``. Unset: the embedded task's held-out split when ``path`` is unset.
         num_eval_prompts: how many held-out prompts to evaluate on (the first ones).
+        image_key: the column holding each row's image, or a list of images: a path (relative to the data file's
+            folder), base64 text, or bytes (a parquet binary column, or a ``{"bytes": ...}`` struct). The images
+            are placed before the prompt's text through the processor's chat template; the model must be an
+            image-text-to-text checkpoint (unset ``--model.path``: the embedded tiny VLM). See docs/multimodal.md.
+        max_image_pixels: refuse (one line naming the file and row) an image of more pixels than this.
+        resize_images: scale an image of more than ``max_image_pixels`` pixels down to fit instead of refusing it.
+        blank_images: replace every image by a uniform grey one of the same size (the control that shows whether
+            a policy uses its images: the prompts' tokens are the same, the images tell nothing).
         synthetic_feature_mb: attach to every prompt a synthetic per-sample feature of this many MB (an
             image stand-in, made by the controller that takes the prompt) that travels with its samples
             to generation and training; for benchmarks of data movement (the text models ignore it).
@@ -65,7 +75,7 @@ class DataConfig:
 
     path: str | None = None
     task: Literal["target_char", "arithmetic", "compare", "mixed", "reveal", "count_letter", "middle", "multiply",
-                  "count_even", "digit_sum"] = "target_char"
+                  "count_even", "digit_sum", "shape_colour"] = "target_char"
     task_digits: tuple[int, int] = (2, 3)
     task_judged_share: tuple[float, float] = (0.1, 0.9)
     prompt_key: str = "prompt"
@@ -77,9 +87,25 @@ class DataConfig:
     shuffle: bool = True
     balance: bool = True
     num_synthetic_prompts: int = 1000
+    image_key: str | None = None
+    max_image_pixels: int = 4096 * 4096
+    resize_images: bool = False
+    blank_images: bool = False
     synthetic_feature_mb: float = 0.0
     eval_path: str | None = None
     num_eval_prompts: int = 64
+
+    @property
+    def has_images(self) -> bool:
+        """Whether the prompts carry images: ``image_key`` is set, or the embedded task is a visual one."""
+        return self.image_key is not None or (self.path is None and self.task in VISUAL_TASKS)
+
+    @property
+    def images_column(self) -> str | None:
+        """The rows' column of images: ``image_key``, or the visual task's."""
+        if self.image_key is not None:
+            return self.image_key
+        return TASK_IMAGE_KEY if self.path is None and self.task in VISUAL_TASKS else None
 
 
 def check_tokenizer(config: DataConfig, tokenizer) -> None:  # noqa: ANN001  a transformers tokenizer
@@ -192,8 +218,10 @@ def embedded_rows(task: str, num_prompts: int, split: Literal["train", "test"], 
     return [(row, f"<{task}:{split}>:{i + 1}") for i, row in enumerate(rows)]
 
 
-def load_prompts(config: DataConfig, tokenizer, max_new_tokens: int, context: int | None) -> list[Prompt]:  # noqa: ANN001
-    """Read, template and tokenize every prompt; reject rows that cannot be used."""
+def load_prompts(config: DataConfig, tokenizer, max_new_tokens: int, context: int | None,  # noqa: ANN001
+                 processor=None) -> list[Prompt]:  # noqa: ANN001
+    """Read, template and tokenize every prompt; reject rows that cannot be used. ``processor``: the model's
+    (``gcore.vision.load_processor``), for image prompts."""
     if config.path is None:
         rows = embedded_rows(config.task, config.num_synthetic_prompts, "train", config.task_digits,
                              config.task_judged_share)
@@ -201,7 +229,45 @@ def load_prompts(config: DataConfig, tokenizer, max_new_tokens: int, context: in
         rows = read_rows(config.path)
     if not rows:
         raise DataError(f"--data.path {config.path or '<embedded>'}: the dataset is empty")
-    return tokenize_rows(rows, config, tokenizer, max_new_tokens, context, _metadata_keys(config, config.path is None))
+    return tokenize_rows(rows, config, tokenizer, max_new_tokens, context, _metadata_keys(config, config.path is None),
+                         processor, _folder(config.path))
+
+
+def _folder(path: str | None) -> str:
+    """The folder that relative image paths of a data file start from."""
+    return os.path.dirname(os.path.abspath(path)) if path is not None else os.getcwd()
+
+
+def check_images(config: DataConfig) -> None:
+    """Read every image of ``--data.path`` and ``--data.eval_path`` once, before any controller starts: a missing,
+    unreadable, truncated or too large image is a one-line ``DataError`` naming its file and row here, not in
+    every controller later."""
+    if config.image_key is None:
+        return
+    for path in (config.path, config.eval_path):
+        if path is not None:
+            for row, source in read_rows(path):
+                _row_images(row, config, source, _folder(path))
+
+
+def _row_images(row: dict, config: DataConfig, source: str, base_dir: str) -> list:
+    """The PIL images of one row (``images_column``): read, checked, and blanked with ``blank_images``."""
+    from gcore.vision import read_image
+
+    key = config.images_column
+    assert key is not None  # only called for image prompts
+    if key not in row or row[key] is None:
+        raise DataError(f"{source}: no {key!r} key (keys: {', '.join(map(str, row)) or 'none'}) named in "
+                        "--data.image_key")
+    values = row[key] if isinstance(row[key], (list, tuple)) else [row[key]]
+    if not values:
+        raise DataError(f"{source}: {key!r} holds no image")
+    images = [read_image(value, base_dir, source, config.max_image_pixels, config.resize_images) for value in values]
+    if config.blank_images:
+        from PIL import Image
+
+        images = [Image.new("RGB", image.size, CANVAS_COLOUR) for image in images]
+    return images
 
 
 def _metadata_keys(config: DataConfig, embedded: bool) -> list[str]:
@@ -209,7 +275,8 @@ def _metadata_keys(config: DataConfig, embedded: bool) -> list[str]:
     return list(dict.fromkeys([*(TASK_METADATA.get(config.task, []) if embedded else []), *config.metadata_keys]))
 
 
-def load_eval_prompts(config: DataConfig, tokenizer, max_new_tokens: int, context: int | None) -> list[Prompt]:  # noqa: ANN001
+def load_eval_prompts(config: DataConfig, tokenizer, max_new_tokens: int, context: int | None,  # noqa: ANN001
+                      processor=None) -> list[Prompt]:  # noqa: ANN001
     """The held-out prompts: ``eval_path``, else the embedded task's test split (first ``num_eval_prompts``)."""
     if config.num_eval_prompts < 1:
         raise DataError(f"--data.num_eval_prompts must be >= 1, got {config.num_eval_prompts}")
@@ -224,13 +291,18 @@ def load_eval_prompts(config: DataConfig, tokenizer, max_new_tokens: int, contex
     if not rows:
         raise DataError(f"--data.eval_path {config.eval_path}: the dataset is empty")
     embedded = config.eval_path is None
-    return tokenize_rows(rows, config, tokenizer, max_new_tokens, context, _metadata_keys(config, embedded))
+    return tokenize_rows(rows, config, tokenizer, max_new_tokens, context, _metadata_keys(config, embedded), processor,
+                         _folder(config.eval_path))
 
 
 def tokenize_rows(rows: list[tuple[dict, str]], config: DataConfig, tokenizer, max_new_tokens: int,  # noqa: ANN001
-                  context: int | None, metadata_keys: list[str] | None = None) -> list[Prompt]:
+                  context: int | None, metadata_keys: list[str] | None = None, processor=None,  # noqa: ANN001
+                  base_dir: str = ".") -> list[Prompt]:
     """Template and tokenize rows (with their sources) as ``Prompt``s, copying the ``metadata_keys`` columns
-    (default ``config.metadata_keys``) into their metadata; reject rows that cannot be used."""
+    (default ``config.metadata_keys``) into their metadata; reject rows that cannot be used. Image prompts
+    (``config.has_images``) go through ``processor``, their relative image paths from ``base_dir``."""
+    if config.has_images and processor is None:
+        raise DataError("image prompts need the model's processor (gcore.vision.load_processor)")
     prompts = []
     metadata_keys = config.metadata_keys if metadata_keys is None else metadata_keys
     for index, (row, source) in enumerate(rows):
@@ -246,7 +318,12 @@ def tokenize_rows(rows: list[tuple[dict, str]], config: DataConfig, tokenizer, m
             text = content = config.prompt_template.format(prompt=raw)
         except (KeyError, IndexError, ValueError) as err:
             raise DataError(f"--data.prompt_template {config.prompt_template!r}: {err}") from None
-        if config.chat_template:
+        visual: VisualInputs | None = None
+        if config.has_images:
+            from gcore.vision import encode
+
+            token_ids, visual = encode(processor, text, _row_images(row, config, source, base_dir), source)
+        elif config.chat_template:
             check_tokenizer(config, tokenizer)
             text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                  add_generation_prompt=True)
@@ -265,8 +342,15 @@ def tokenize_rows(rows: list[tuple[dict, str]], config: DataConfig, tokenizer, m
             raise DataError(f"{source}: no {missing!r} key (keys: {', '.join(map(str, row)) or 'none'}) named in "
                             "--data.metadata_keys")
         answer = row.get(config.answer_key)
+        metadata = {key: row[key] for key in metadata_keys}
+        column = config.images_column
+        images = row.get(column) if column else None
+        references = [images] if isinstance(images, str) else images if isinstance(images, list) else []
+        if references and all(isinstance(i, str) and len(i) <= 4096 and os.path.isfile(os.path.join(base_dir, i))
+                              for i in references):
+            metadata[str(column)] = images  # the image paths (not base64), for a reward that reads them
         prompts.append(Prompt(index, text, token_ids, None if answer is None else str(answer), source,
-                              {key: row[key] for key in metadata_keys}, content))
+                              metadata, content, visual))
     return prompts
 
 

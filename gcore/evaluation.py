@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from gcore.engines.base import Engine
+from gcore.engines.base import Engine, generate_prompts
 from gcore.envs.base import Environment
 from gcore.envs.episodes import run_episodes
 from gcore.rewards.base import RewardModel
@@ -68,7 +68,7 @@ def _complete(engine: Engine, tokenizer, prompts: list[Prompt], params: Sampling
         return []
     if env is not None:
         return run_episodes(env, engine.generate, prompts, params, tokenizer)
-    outputs = engine.generate([p.token_ids for p in prompts], params)
+    outputs = generate_prompts(engine, prompts, params)
     return [
         Sample(prompt=p, group=j, response_ids=g.token_ids, response_logprobs=g.logprobs,
                response_text=tokenizer.decode(g.token_ids, skip_special_tokens=True), finished=g.finished)

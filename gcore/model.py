@@ -44,7 +44,7 @@ class ModelSource:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
-        return getattr(config, "max_position_embeddings", None)
+        return getattr(config.get_text_config(), "max_position_embeddings", None)
 
 
 @dataclass
@@ -105,6 +105,91 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+#: the embedded tiny VLM's chat template: its images' placeholders, then the text (no roles: the task's prompts are
+#: a few characters, and the tiny model learns from scratch)
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{% endfor %}"
+)
+#: the vision tokens of the embedded tiny VLM (Qwen2-VL's), added to the character tokenizer
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+#: the embedded tiny VLM's images: resized to this many pixels (56 x 56: 4 x 4 patches of 14, 4 image tokens)
+VL_IMAGE_PIXELS = 56 * 56
+
+
+def vl_tokenizer() -> PreTrainedTokenizerFast:
+    """The embedded tiny VLM's tokenizer: the character tokenizer with Qwen2-VL's vision tokens and a chat
+    template that places the images before the text."""
+    tokenizer = char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    return tokenizer
+
+
+def vl_image_processor():  # noqa: ANN201  transformers' Qwen2-VL image processor (its PIL one without torchvision)
+    """The embedded tiny VLM's image processor: Qwen2-VL's (its PIL implementation, which needs no torchvision),
+    every image resized to ``VL_IMAGE_PIXELS``."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=VL_IMAGE_PIXELS, max_pixels=VL_IMAGE_PIXELS, patch_size=14,
+                                    merge_size=2, temporal_patch_size=2)
+
+
+def build_tiny_vlm(config: ModelConfig, tokenizer, seed: int):  # noqa: ANN001, ANN201  a Qwen2VLForConditionalGeneration
+    """A randomly initialised Qwen2-VL-shaped model: the embedded model's language part (``config``'s sizes) and a
+    2-block, 64-wide vision encoder on 14-pixel patches; the same weights for the same seed."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    head_dim = config.hidden_size // config.num_attention_heads
+    quarter = head_dim // 8  # M-RoPE splits each head's rotary half into temporal, height and width sections
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
+           zip(("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id"), VISION_TOKENS,
+               strict=True)}
+    hf_config = Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
+            num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+            intermediate_size=config.intermediate_size, max_position_embeddings=config.max_position_embeddings,
+            rope_scaling={"type": "mrope", "mrope_section": [head_dim // 2 - 2 * quarter, quarter, quarter]},
+            tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(depth=2, embed_dim=64, hidden_size=config.hidden_size, num_heads=4, mlp_ratio=2,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_chans=3),
+        tie_word_embeddings=True, **ids,
+    )
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = Qwen2VLForConditionalGeneration(hf_config)
+    finally:
+        torch.random.set_rng_state(state)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    return model.to(config.torch_dtype)  # type: ignore[arg-type]  # transformers types .to without a dtype
+
+
+def image_text_to_text(path: str, trust_remote_code: bool = False) -> bool:
+    """Whether the checkpoint at ``path`` is an image-text-to-text model (``AutoModelForImageTextToText`` loads
+    it), read from its ``config.json``."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def causal_lm_class(source: ModelSource):  # noqa: ANN201  a transformers auto class
+    """The auto class that loads ``source`` with its LM head: ``AutoModelForImageTextToText`` for an
+    image-text-to-text checkpoint, else ``AutoModelForCausalLM``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if image_text_to_text(source.path, source.trust_remote_code):
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def build_tiny_model(config: ModelConfig, tokenizer, seed: int) -> Qwen2ForCausalLM:  # noqa: ANN001
     """A randomly initialised Qwen2-style causal LM; the same weights for the same seed."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -133,10 +218,11 @@ def build_tiny_model(config: ModelConfig, tokenizer, seed: int) -> Qwen2ForCausa
     return model.to(config.torch_dtype)  # type: ignore[arg-type]  # transformers types .to without a dtype
 
 
-def load_tokenizer(config: ModelConfig):  # noqa: ANN201
-    """The tokenizer of ``config.path`` (or the embedded one), with a pad token and left padding."""
+def load_tokenizer(config: ModelConfig, vision: bool = False):  # noqa: ANN201
+    """The tokenizer of ``config.path`` (or the embedded one: with ``vision``, the tiny VLM's), with a pad token
+    and left padding."""
     if config.embedded:
-        return char_tokenizer()
+        return vl_tokenizer() if vision else char_tokenizer()
     from transformers import AutoTokenizer
 
     assert config.path is not None  # not embedded: a path was given
@@ -279,11 +365,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def materialize(config: ModelConfig, tokenizer, seed: int, workdir: str) -> str:  # noqa: ANN001
+def materialize(config: ModelConfig, tokenizer, seed: int, workdir: str, vision: bool = False) -> str:  # noqa: ANN001
     """The HF checkpoint directory that trainer and engine load from.
 
     For the embedded model, builds it with ``seed`` and writes it (with its tokenizer) under
-    ``workdir``, so that every engine loads weights the same way: from a directory. A GGUF file
+    ``workdir``, so that every engine loads weights the same way: from a directory; with ``vision``
+    (image prompts) the tiny VLM (``build_tiny_vlm``), with its image processor. A GGUF file
     is converted into ``workdir`` (``import_gguf``).
     """
     if not config.embedded:
@@ -299,7 +386,7 @@ def materialize(config: ModelConfig, tokenizer, seed: int, workdir: str) -> str:
         return config.path
     from safetensors.torch import save_file
 
-    model = build_tiny_model(config, tokenizer, seed)
+    model = build_tiny_vlm(config, tokenizer, seed) if vision else build_tiny_model(config, tokenizer, seed)
     os.makedirs(workdir, exist_ok=True)
     # not model.save_pretrained: under torch.distributed it writes on global rank 0 only, and every
     # rank needs its own copy here (no shared file system). Tied weights are stored under the
@@ -307,11 +394,13 @@ def materialize(config: ModelConfig, tokenizer, seed: int, workdir: str) -> str:
     model.config.save_pretrained(workdir)
     model.generation_config.save_pretrained(workdir)
     state = model.state_dict()
-    if model.config.tie_word_embeddings:
+    if model.config.get_text_config().tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(workdir, "model.safetensors"),
               metadata={"format": "pt"})
     tokenizer.save_pretrained(workdir)
+    if vision:
+        vl_image_processor().save_pretrained(workdir)
     if not os.path.isfile(os.path.join(workdir, "config.json")):
         raise GcoreError(f"could not write the embedded model to {workdir}")
     return workdir

@@ -20,7 +20,7 @@ from gcore.envs.base import Environment
 from gcore.envs.episodes import EpisodeStats, Generate, Tokenizer, run_episodes
 from gcore.errors import RewardError
 from gcore.rewards.base import RewardModel, as_reward, describe_sample
-from gcore.types import Generation, Prompt, Sample, SamplingParams
+from gcore.types import Generation, Prompt, Sample, SamplingParams, VisualInputs
 
 #: ``env``: a multi-turn rollout's wait for its environment's observations with nothing to generate
 STAGES = ("generate", "env", "reward", "swap", "prepare", "train", "sync")
@@ -80,6 +80,11 @@ class RolloutJob:
     reward_errors: int = 0
     first_reward_error: str | None = None
     env_stats: EpisodeStats | None = None  # what the episode loop measured (multi-turn only)
+
+    def visual(self) -> list[VisualInputs | None] | None:
+        """Each prompt's images (``Prompt.visual``), or ``None`` when no prompt has any (text prompts)."""
+        visual = [p.visual for p in self.prompts]
+        return None if all(v is None for v in visual) else visual
 
     @property
     def multi_turn(self) -> bool:

@@ -5,7 +5,8 @@ the time (BENCHMARKS.md), so GRPO's groups hold both right and wrong answers fro
 ``count_letter``, ``middle``, ``multiply``, ``count_even`` and ``digit_sum``, the real-model suite's tasks of
 other families (``benchmarks/task_suite.py``);
 ``mixed``, compare questions mixed with open-ended prompts for a generative judge, whose share changes
-along the dataset (for the ``routed`` reward); ``reveal``, the multi-turn task of ``--env reveal``."""
+along the dataset (for the ``routed`` reward); ``reveal``, the multi-turn task of ``--env reveal``;
+``shape_colour``, the visual task: the colour of a shape drawn on a small canvas (docs/multimodal.md)."""
 
 from __future__ import annotations
 
@@ -273,11 +274,11 @@ def digit_sum_rows(num_prompts: int, seed: int = 0, split: Literal["train", "tes
 
 
 #: a proposed problem: (its key, unique in a split; what ``held_out`` decides by; the row, made once accepted)
-_Proposal = tuple[tuple[int, int, str], tuple[int, int, str], Callable[[], dict[str, str]]]
+_Proposal = tuple[tuple[int, int, str], tuple[int, int, str], Callable[[], dict]]
 
 
 def _distinct_rows(num_prompts: int, split: str, digits: tuple[int, int], rng_seed: str, drawn: str, unit: str,
-                   propose: Callable[[random.Random, int, int], _Proposal | None]) -> list[dict[str, str]]:
+                   propose: Callable[[random.Random, int, int], _Proposal | None]) -> list[dict]:
     """``num_prompts`` distinct problems of ``split`` with numbers of ``digits`` (fewest, most) digits, from
     ``propose(rng, low, high)`` (``None``: rejected): the test split keeps only what ``held_out`` holds out."""
     if split not in ("train", "test"):
@@ -287,7 +288,7 @@ def _distinct_rows(num_prompts: int, split: str, digits: tuple[int, int], rng_se
         raise ValueError(f"digits must be (fewest, most) with 1 <= fewest <= most <= 9, got {digits!r}")
     low, high = 10 ** (fewest - 1), 10**most
     rng = random.Random(rng_seed)
-    rows: list[dict[str, str]] = []
+    rows: list[dict] = []
     seen: set[tuple[int, int, str]] = set()
     draws = 0
     while len(rows) < num_prompts:
@@ -306,12 +307,57 @@ def _distinct_rows(num_prompts: int, split: str, digits: tuple[int, int], rng_se
     return rows
 
 
+#: the ``shape_colour`` task's colours (RGB) by answer: the first letter of the colour's name
+SHAPE_COLOURS = {"r": (220, 40, 40), "g": (40, 180, 60), "b": (40, 70, 220), "y": (230, 210, 40)}
+#: the canvas of ``shape_colour`` (and the colour of a blank image, ``--data.blank_images``)
+CANVAS_SIZE, CANVAS_COLOUR = 56, (128, 128, 128)
+#: the prompt text of ``shape_colour``: the same for every image, so that only the image tells the answer
+SHAPE_COLOUR_PROMPT = "c="
+#: the visual tasks, and the column of their rows that holds the image (a PIL image)
+VISUAL_TASKS = ("shape_colour",)
+TASK_IMAGE_KEY = "image"
+
+
+def shape_colour_rows(num_prompts: int, seed: int = 0, split: Literal["train", "test"] = "train",
+                      digits: tuple[int, int] = (2, 3)) -> list[dict]:
+    """The visual task: a square, circle or triangle of one of four colours (``SHAPE_COLOURS``), of random size
+    (half the canvas to all of it) and place, on a grey ``CANVAS_SIZE``-pixel canvas (a PIL image in the row's
+    ``image`` column); the prompt is ``c=`` for every row and the answer is the colour's letter (``r``, ``g``, ``b``
+    or ``y``), for the ``target_char`` reward: a policy that ignores the image scores at most about 0.27 (the most
+    frequent colour everywhere), one that reads it up to 1. ``held_out`` decides by colour, shape, size and place.
+    ``digits`` is ignored."""
+    from PIL import Image, ImageDraw
+
+    del digits
+
+    def propose(rng: random.Random, low: int, high: int) -> _Proposal:
+        colour, shape = rng.choice(sorted(SHAPE_COLOURS)), rng.choice(["square", "circle", "triangle"])
+        size = rng.randrange(CANVAS_SIZE // 2, CANVAS_SIZE + 1)
+        x, y = rng.randrange(0, CANVAS_SIZE - size + 1), rng.randrange(0, CANVAS_SIZE - size + 1)
+
+        def row() -> dict:
+            image = Image.new("RGB", (CANVAS_SIZE, CANVAS_SIZE), CANVAS_COLOUR)
+            draw, box, fill = ImageDraw.Draw(image), (x, y, x + size - 1, y + size - 1), SHAPE_COLOURS[colour]
+            if shape == "square":
+                draw.rectangle(box, fill=fill)
+            elif shape == "circle":
+                draw.ellipse(box, fill=fill)
+            else:
+                draw.polygon([(x + size // 2, y), (x, y + size - 1), (x + size - 1, y + size - 1)], fill=fill)
+            return {"prompt": SHAPE_COLOUR_PROMPT, "answer": colour, TASK_IMAGE_KEY: image}
+
+        key = (x * 100 + y, size, f"{colour}{shape}")
+        return key, key, row
+
+    return _distinct_rows(num_prompts, split, (1, 1), f"shape_colour-{split}-{seed}", "shapes", "images", propose)
+
+
 #: the embedded tasks by name: ``(num_prompts, seed, split, digits) -> rows`` (``target_char`` ignores ``digits``;
 #: ``mixed`` also takes ``judged_share``)
 TASKS = {"target_char": lambda n, seed, split, digits: target_char_rows(n, seed + (split == "test") * 10_000),
          "arithmetic": arithmetic_rows, "compare": compare_rows, "mixed": mixed_rows,
          "reveal": lambda n, seed, split, digits: reveal_rows(n, seed + (split == "test") * 10_000),
          "count_letter": count_letter_rows, "middle": middle_rows, "multiply": multiply_rows,
-         "count_even": count_even_rows, "digit_sum": digit_sum_rows}
+         "count_even": count_even_rows, "digit_sum": digit_sum_rows, "shape_colour": shape_colour_rows}
 #: the columns of an embedded task's rows that become ``Prompt.metadata``
 TASK_METADATA: dict[str, list[str]] = {"mixed": ["reward"]}

@@ -25,6 +25,7 @@ from gcore.data import (
     CostBalancer,
     DataConfig,
     PromptSampler,
+    check_images,
     check_tokenizer,
     load_eval_prompts,
     load_prompts,
@@ -35,7 +36,7 @@ from gcore.envs.base import Environment
 from gcore.errors import ConfigError, GcoreError, Interrupted, PluginExit, RewardError
 from gcore.liveness import SIGNALS, ControllerWatch, report_rank_failure
 from gcore.loggers import LoggerName, continue_metrics, make_logger, quiet_dependencies
-from gcore.model import ModelConfig, ModelSource, load_tokenizer, make_workdir, materialize
+from gcore.model import ModelConfig, ModelSource, image_text_to_text, load_tokenizer, make_workdir, materialize
 from gcore.placement.base import PlacementPolicy
 from gcore.rendezvous import loopback_store
 from gcore.rewards.base import RewardModel
@@ -305,6 +306,26 @@ class Trainer:
             raise ConfigError("--trainer.eval_every runs with one controller per process (not --trainer.controllers 1)")
         self.backend.validate(self.algorithm, world, single_controller=self._single_controller())
         self.placement.validate(world, single_controller=self._single_controller())
+        if self.data_config.has_images:
+            self._validate_images()
+
+    def _validate_images(self) -> None:
+        """Image prompts (docs/multimodal.md): refuse, in one line naming the option, what does not take them yet."""
+        d = self.data_config
+        what = f"--data.image_key {d.image_key}" if d.image_key is not None else f"--data.task {d.task}"
+        if not getattr(self.engine, "supports_images", False):
+            raise ConfigError(f"{what}: image prompts need --engine hf; {type(self.engine).__name__} is given token "
+                              "ids only in gcore (vLLM and SGLang run in venvs of their own, not wired for images yet)")
+        if not self.placement.supports_images:
+            raise ConfigError(f"{what}: --placement {type(self.placement).__name__} does not hand its engines the "
+                              "prompts' images (supports_images); use --placement static or dynamic")
+        if self._single_controller():
+            raise ConfigError(f"{what}: --trainer.controllers 1 sends prompts as token tensors, without their "
+                              "images; use one controller per process")
+        if self.env.multi_turn:
+            raise ConfigError(f"{what}: multi-turn episodes (--env {type(self.env).__name__}) do not carry images "
+                              "yet; use --env single_turn")
+        self.backend.validate_images()
 
     def _plugin_exit(self, cause: BaseException) -> PluginExit | None:
         """The one-line error for a plugin's code that ended the process (``user_code.ending_as``), naming the
@@ -385,10 +406,15 @@ class Trainer:
         try:
             # before the process group exists: transformers saves only on rank 0 once it does, and
             # every controller builds (and loads) its own copy of the embedded model
-            tokenizer = load_tokenizer(self.model_config)
+            images = self.data_config.has_images
+            tokenizer = load_tokenizer(self.model_config, vision=images)
             check_tokenizer(self.data_config, tokenizer)  # before the model is built and controllers launched
+            check_images(self.data_config)  # every image of the data files read once, here
             self.env.setup(tokenizer)  # the same for the environment's (a tools environment needs a chat template)
-            source = self.model_config.source(materialize(self.model_config, tokenizer, c.seed, workdir))
+            source = self.model_config.source(materialize(self.model_config, tokenizer, c.seed, workdir, images))
+            if images and not image_text_to_text(source.path, source.trust_remote_code):
+                raise ConfigError(f"--model.path {source.path}: image prompts need an image-text-to-text checkpoint "
+                                  "(one AutoModelForImageTextToText loads), with its processor")
             # the single-node rendezvous store lives as long as the run
             cleanup.enter_context(loopback_store(fabric, c.num_nodes, c.collective_timeout))
             cleanup.enter_context(threads.launching())  # Fabric's OMP_NUM_THREADS in a controller is not the user's
@@ -431,7 +457,9 @@ class Trainer:
         the prompt streams and the controller, hand the run's state to the checkpointer, resume, and
         open the run folder."""
         c, rank = self.config, fabric.global_rank
-        prompts = load_prompts(self.data_config, tokenizer, self.sampling.max_new_tokens, source.context_length())
+        processor = self._processor(source)
+        prompts = load_prompts(self.data_config, tokenizer, self.sampling.max_new_tokens, source.context_length(),
+                               processor)
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.sampling.stop_token_ids:
             self.sampling.stop_token_ids = (*self.sampling.stop_token_ids, tokenizer.eos_token_id)
         fabric.seed_everything(c.seed + rank, verbose=False)  # different samples per controller
@@ -483,7 +511,7 @@ class Trainer:
                 print(f"gcore: note: resume with --trainer.max_staleness {c.max_staleness}: {note}", flush=True)
         run_dir = self._open_run_dir(fabric, start_step, checkpointer) if rank == 0 else None
         return _Run(fabric, tokenizer, controller, sampler, take, balancer, checkpointer, start_step,
-                    run_dir, self._eval_prompts(tokenizer, source), central, ahead,
+                    run_dir, self._eval_prompts(tokenizer, source, processor), central, ahead,
                     governor=threads.governor(fabric.device.type))
 
     def _open_run_dir(self, fabric: Fabric, start_step: int, checkpointer: Checkpointer) -> str | None:
@@ -506,11 +534,21 @@ class Trainer:
                 logger.log_hyperparams(self.hyperparameters())
         return run_dir
 
-    def _eval_prompts(self, tokenizer: PreTrainedTokenizerBase, source: ModelSource) -> list[Prompt]:
+    def _processor(self, source: ModelSource) -> Any:  # noqa: ANN401  a transformers processor
+        """The model's processor, for image prompts (``None`` without)."""
+        if not self.data_config.has_images:
+            return None
+        from gcore.vision import load_processor
+
+        return load_processor(source.path, source.trust_remote_code)
+
+    def _eval_prompts(self, tokenizer: PreTrainedTokenizerBase, source: ModelSource, processor: Any = None,  # noqa: ANN401
+                      ) -> list[Prompt]:
         """The held-out prompts of ``--trainer.eval_every`` (none when it is 0)."""
         if not self.config.eval_every:
             return []
-        return load_eval_prompts(self.data_config, tokenizer, self.sampling.max_new_tokens, source.context_length())
+        return load_eval_prompts(self.data_config, tokenizer, self.sampling.max_new_tokens, source.context_length(),
+                                 processor)
 
     # THE LOOP: steps, evaluations, the final save ------------------------------------------------
 

@@ -2,12 +2,36 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
 import torch
 
 from gcore.errors import ConfigError
+
+
+@dataclass
+class VisualInputs:
+    """One prompt's images as its model takes them: the processor's tensors other than the token ids
+    (Qwen2-VL: ``pixel_values`` ``[patches, dim]`` and ``image_grid_thw`` ``[images, 3]``). A batch's are
+    the rows' concatenated along the first dimension (``concat_visual``), in row order: the order of the
+    image tokens in the batch."""
+
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def concat_visual(rows: Sequence[VisualInputs | None]) -> dict[str, torch.Tensor]:
+    """The keyword arguments of a model call on ``rows`` (rows without images give nothing): each tensor
+    of the rows that have images, concatenated along its first dimension; ``{}`` when none has."""
+    present = [row for row in rows if row is not None]
+    if not present:
+        return {}
+    return {key: torch.cat([row.tensors[key] for row in present]) for key in present[0].tensors}
 
 
 @dataclass
@@ -23,6 +47,8 @@ class Prompt:
     #: the user message before ``--data.chat_template`` wrapped it (``None``: ``text`` itself); what an
     #: environment that renders its own conversation (``--env tools``) starts from
     content: str | None = None
+    #: the prompt's images, processed (``--data.image_key``, a visual task); their tokens are in ``token_ids``
+    visual: VisualInputs | None = None
 
 
 @dataclass
@@ -121,6 +147,8 @@ class RolloutBatch:
     #: the truncated importance weight proximal / behaviour (``Algorithm.loss``)
     behaviour_logprobs: torch.Tensor | None = None
     policy_versions: torch.Tensor | None = None  # [B] long: ``Sample.policy_version``, set with ``behaviour_logprobs``
+    #: per row, the prompt's images (``Prompt.visual``; ``None``: a row without); ``None``: no row has any
+    visual: list[VisualInputs | None] | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -130,6 +158,12 @@ class RolloutBatch:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
+            if isinstance(value, list):  # per-row objects (``visual``)
+                if isinstance(index, slice):
+                    rows = list(range(len(value))[index])
+                else:
+                    rows = (index.nonzero().flatten() if index.dtype == torch.bool else index.flatten()).tolist()
+                value = [value[i] for i in rows]
             out[f.name] = value[index] if isinstance(value, torch.Tensor) else value
         sub = RolloutBatch(**out)
         length = int(sub.attention_mask.sum(-1).max().item()) if len(sub) else 1
@@ -178,6 +212,7 @@ def collate(samples: list[Sample], pad_id: int, temperature: float) -> RolloutBa
         truncated=torch.tensor([not s.finished for s in samples], dtype=torch.bool),
         features=_stack_features(samples),
         prompt_lengths=torch.tensor([len(s.prompt.token_ids) for s in samples], dtype=torch.long),
+        visual=[s.prompt.visual for s in samples] if any(s.prompt.visual is not None for s in samples) else None,
     )
 
 

@@ -57,6 +57,13 @@ class TrainingBackend(ABC):
             raise ConfigError(f"--algorithm {type(algorithm).__name__} needs a critic, which backend "
                               f"{type(self).__name__} does not provide (use --backend torch)")
 
+    def validate_images(self) -> None:
+        """Raise a one-line ``ConfigError`` when this backend (with its options) cannot train on image prompts
+        (``--data.image_key``, a visual task); the trainer calls it before anything is launched. Default: it
+        cannot (a backend that feeds the visual inputs to its models overrides this)."""
+        raise ConfigError(f"--backend {type(self).__name__} does not train on image prompts (it feeds the model "
+                          "token ids only); use --backend torch")
+
     @abstractmethod
     def setup(self, fabric: Fabric, source: ModelSource, algorithm: Algorithm, embedded: bool) -> None:
         """Load the policy from ``source``, the reference model if ``algorithm.needs_reference``, and the critic if

@@ -20,7 +20,7 @@ class OptimizerOptions:
 
     Args:
         lr: learning rate; ``None`` picks 1e-6 for a checkpoint given with ``--model.path`` and
-            5e-3 for the embedded tiny model.
+            5e-3 for the embedded tiny model (1e-3 for the embedded tiny VLM of image prompts).
         weight_decay: AdamW weight decay.
         betas: AdamW betas.
         max_grad_norm: clip the global gradient norm to this (0: no clipping).
@@ -49,11 +49,14 @@ class OptimizerOptions:
         self.micro_batch_size = micro_batch_size
         self.warmup_steps = warmup_steps
 
-    def base_lr(self, embedded: bool) -> float:
-        """The learning rate after warm-up: ``lr``, or the default for the model's kind."""
+    def base_lr(self, embedded: bool, vision: bool = False) -> float:
+        """The learning rate after warm-up: ``lr``, or the default for the model's kind (the embedded tiny VLM,
+        ``vision``, learns its visual task with 1e-3 and not with the text model's 5e-3: BENCHMARKS.md)."""
         if self.lr is not None:
             return self.lr
-        return 5e-3 if embedded else 1e-6
+        if embedded:
+            return 1e-3 if vision else 5e-3
+        return 1e-6
 
     def warmup_factor(self, updates: int) -> float:
         """The share of the base learning rate for the update after ``updates`` updates (linear warm-up)."""

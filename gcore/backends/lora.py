@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from gcore.errors import ConfigError
+from gcore.vision import VISION_MODULES
 
 ADAPTER = "default"
 
@@ -50,8 +51,9 @@ def add_adapters(model: torch.nn.Module, rank: int, alpha: int | None,
                  target_modules: Sequence[str] | None) -> list[str]:
     """Inject LoRA layers of ``rank`` into ``model`` in place and freeze everything else. ``target_modules``:
     module names matched against the end of each linear layer's qualified name (``q_proj`` matches
-    ``model.layers.0.self_attn.q_proj``); ``None``: every linear layer but the output head. Returns the
-    names of the linear modules the engine sync sends (``merged_weights``)."""
+    ``model.layers.0.self_attn.q_proj``); ``None``: every linear layer but the output head and, in an
+    image-text-to-text model, but those of the vision encoder and its projector (LoRA on the language part; the
+    vision part stays frozen). Returns the names of the linear modules the engine sync sends (``merged_weights``)."""
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError as err:
@@ -59,7 +61,11 @@ def add_adapters(model: torch.nn.Module, rank: int, alpha: int | None,
 
     linears = linear_module_names(model)
     short = sorted({name.rsplit(".", 1)[-1] for name in linears})
-    targets = short if target_modules is None else list(target_modules)
+    language = [name for name in linears if not set(name.split(".")) & set(VISION_MODULES)]
+    if target_modules is not None:
+        targets = list(target_modules)
+    else:  # by full name where a vision encoder's linear layers share the language part's short names
+        targets = short if len(language) == len(linears) else language
     if target_modules is not None:
         for target in targets:
             if not any(name == target or name.endswith("." + target) for name in linears):

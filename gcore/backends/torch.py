@@ -19,8 +19,9 @@ from gcore.backends.common import OptimizerOptions, check_sequence_parallel_cont
 from gcore.backends.shared_prompts import distinct_prompts, shared_prompt_logits, to_batch_layout
 from gcore.balance import micro_batches_by_length, padding_fraction
 from gcore.errors import ConfigError
-from gcore.model import ModelSource, check_compiler
-from gcore.types import RolloutBatch
+from gcore.model import ModelSource, causal_lm_class, check_compiler, image_text_to_text
+from gcore.types import RolloutBatch, concat_visual
+from gcore.vision import multimodal_positions, vision_parameters
 
 if TYPE_CHECKING:
     from lightning.fabric import Fabric
@@ -39,14 +40,24 @@ class ValueModel(torch.nn.Module):
         from transformers import AutoModel
 
         self.trunk = _load(AutoModel, source, attn_implementation)
-        self.head = torch.nn.Linear(self.trunk.config.hidden_size, 1, dtype=source.dtype)
+        self.head = torch.nn.Linear(self.trunk.config.get_text_config().hidden_size, 1, dtype=source.dtype)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, sp_layout: seqpar.ShardLayout | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, sp_layout: seqpar.ShardLayout | None = None,
+                visual: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Values ``[B, L-1]``: position ``t`` values the state that predicts token ``t+1``. With
-        ``sp_layout`` (sequence parallelism): one value per token of this rank's share, ``[R, S/K]``."""
+        ``sp_layout`` (sequence parallelism): one value per token of this rank's share, ``[R, S/K]``.
+        ``visual``: the rows' images (``concat_visual``), for an image-text-to-text checkpoint's trunk."""
+        if visual:
+            assert attention_mask is not None  # the backend passes one with images
+            ids, mask = input_ids[:, :-1], attention_mask[:, :-1]
+            rope = multimodal_positions(self.trunk, ids, mask, visual)
+            positions = {} if rope is None else {"position_ids": rope[0]}
+            hidden = self.trunk(input_ids=ids, attention_mask=mask, use_cache=False, **positions,
+                                **visual).last_hidden_state
+            return self.head(hidden).squeeze(-1).float()
         if sp_layout is not None:
             hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 sp_layout=sp_layout, use_cache=False).last_hidden_state
@@ -131,6 +142,10 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         lora_target_modules: the linear modules that get adapters, matched against the end of their
             qualified names (e.g. ``[q_proj, v_proj]``); ``None``: every linear layer but the output head
             (for Llama-style models the attention and MLP projections).
+        freeze_vision: with an image-text-to-text checkpoint, train only the language part: the vision encoder
+            and its projector (``gcore.vision.vision_parameters``) keep their weights (the policy's and the
+            critic's). Refused for a model without one. (``lora_rank`` with such a model puts adapters on the
+            language part only and freezes the rest anyway.)
         attn_implementation: the attention of the models this backend runs (policy, reference, critic):
             transformers' ``attn_implementation`` (``sdpa``, ``eager``, ``flash_attention_2``, ...); ``None``:
             transformers' default (``sdpa`` where the model supports it). ``eager`` (two matmuls and a softmax,
@@ -177,8 +192,10 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         lora_target_modules: list[str] | None = None,
         attn_implementation: str | None = None,
         compile: bool = False,
+        freeze_vision: bool = False,
         **optimizer: Any,  # noqa: ANN401  OptimizerOptions's arguments, checked there
     ) -> None:
+        self.freeze_vision = freeze_vision
         self.fsdp = strategy == "fsdp"
         self.sequence_parallel_size, self.sequence_parallel_mode = sequence_parallel_size, sequence_parallel_mode
         self.packing, self.skip_inert_rows, self.share_prompts = packing, skip_inert_rows, share_prompts
@@ -216,6 +233,16 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         if self.compile:
             _check_compile(strategy, size, self.packing, self.lora_rank, self.gradient_checkpointing)
 
+    def validate_images(self) -> None:
+        """Refuse the options not yet tested with image prompts (one line naming the flag)."""
+        clash = {f"--backend.sequence_parallel_size {self.sequence_parallel_size}": self.sequence_parallel_size > 1,
+                 "--backend.packing true": bool(self.packing), "--backend.strategy fsdp": self.fsdp,
+                 "--backend.compile true": self.compile}
+        for flag, on in clash.items():
+            if on:
+                raise ConfigError(f"{flag} does not take image prompts yet (untested: the visual inputs are not "
+                                  "split, packed or sharded); leave it at its default for image prompts")
+
     def strategy(self, world_size: int, device_type: str, timeout: timedelta = default_pg_timeout) -> str | Strategy:
         if not self.fsdp:
             return super().strategy(world_size, device_type, timeout)
@@ -231,10 +258,11 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         check_sequence_parallel_controllers(self.sequence_parallel_size, single_controller)
 
     def setup(self, fabric: Fabric, source: ModelSource, algorithm: Algorithm, embedded: bool) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.fabric = fabric
-        self.hf_model = _load(AutoModelForCausalLM, source, self.attn_implementation)
+        model_class = causal_lm_class(source)
+        self.hf_model = _load(model_class, source, self.attn_implementation)
+        if self.freeze_vision:
+            _freeze_vision(self.hf_model)
         if self.lora_rank:
             self._lora_synced = lora.add_adapters(self.hf_model, self.lora_rank, self.lora_alpha,
                                                   self.lora_target_modules)
@@ -243,12 +271,13 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             if self.lora_rank:  # the frozen embeddings' output must carry a gradient through the checkpoints
                 self.hf_model.enable_input_require_grads()
         self.hf_model.train()
-        lr = self.base_lr(embedded)
+        lr = self.base_lr(embedded, vision=image_text_to_text(source.path, source.trust_remote_code))
         if self.compile:
             check_compiler("--backend.compile", fabric.device)
             compile_blocks(self.hf_model)
         self.policy, self.optimizer = self._setup_trained(
-            self.hf_model, lambda params: _adamw((p for p in params if p.requires_grad) if self.lora_rank else params,
+            self.hf_model, lambda params: _adamw((p for p in params if p.requires_grad)
+                                                 if self.lora_rank or self.freeze_vision else params,
                                                  lr=lr, betas=self.betas, weight_decay=self.weight_decay)
         )
         # Fabric's optimizer wrapper is an instance of the optimizer's class (it subclasses it at run time)
@@ -257,7 +286,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         self.reference = None
         hf_models = [self.hf_model]  # the HF models this backend runs
         if algorithm.needs_reference:
-            reference = _load(AutoModelForCausalLM, source, self.attn_implementation)
+            reference = _load(model_class, source, self.attn_implementation)
             reference.eval().requires_grad_(False)
             # under FSDP sharded like the policy (ModelParallelStrategy moves no unsharded module to the device)
             self.reference = fabric.setup_module(reference) if self.fsdp else fabric.to_device(reference)
@@ -265,13 +294,16 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         self.critic = None
         if algorithm.needs_critic:
             critic = ValueModel(source, self.attn_implementation)
+            if self.freeze_vision:
+                _freeze_vision(critic.trunk)
             if self.gradient_checkpointing:
                 critic.trunk.gradient_checkpointing_enable()
             critic.train()
             critic_lr = self.critic_lr if self.critic_lr is not None else lr
             self.critic, self.critic_optimizer = self._setup_trained(
                 critic,
-                lambda params: _adamw(params, lr=critic_lr, betas=self.betas, weight_decay=self.weight_decay),
+                lambda params: _adamw((p for p in params if p.requires_grad), lr=critic_lr, betas=self.betas,
+                                      weight_decay=self.weight_decay),
             )
             hf_models.append(critic.trunk)
         self._setup_sequence_parallel(hf_models)
@@ -306,6 +338,13 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
                           temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``token_logprobs`` of a micro-batch, through sequence parallelism / packing when set up."""
         input_ids = self.fabric.to_device(micro.input_ids)
+        if micro.visual is not None:  # image prompts: the plain forward with the visual inputs (``validate_images``)
+            ids, mask = input_ids[:, :-1], self.fabric.to_device(micro.attention_mask)[:, :-1]
+            visual = {k: self.fabric.to_device(v) for k, v in concat_visual(micro.visual).items()}
+            rope = multimodal_positions(model, ids, mask, visual)
+            positions = {} if rope is None else {"position_ids": rope[0]}
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False, **positions, **visual).logits
+            return seqpar.next_token_logprobs(logits, input_ids[:, 1:], temperature)
         if self.sp is None:
             shared = None
             if self.share_prompts is not False:  # auto: where it saves a fifth of the tokens or more
@@ -331,6 +370,10 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
     def _forward_values(self, critic: torch.nn.Module, micro: RolloutBatch) -> torch.Tensor:
         """The critic's values ``[B, L-1]`` of a micro-batch, through sequence parallelism / packing when set up."""
         input_ids = self.fabric.to_device(micro.input_ids)
+        if micro.visual is not None:
+            visual = {k: self.fabric.to_device(v) for k, v in concat_visual(micro.visual).items()}
+            return critic(input_ids=input_ids, attention_mask=self.fabric.to_device(micro.attention_mask),
+                          visual=visual)
         if self.sp is None:
             return critic(input_ids=input_ids, attention_mask=self.fabric.to_device(micro.attention_mask))
         return seqpar.sequence_parallel_values(critic, input_ids, micro.attention_mask, self.sp, self._pack(self.sp))
@@ -557,6 +600,16 @@ def _load(auto_class: type[AutoModel] | type[AutoModelForCausalLM], source: Mode
             raise  # another fault of the checkpoint: not this option's
         reason = " ".join(str(error).split())
         raise ConfigError(f"--backend.attn_implementation {attn_implementation}: {reason}") from None
+
+
+def _freeze_vision(model: torch.nn.Module) -> None:
+    """``--backend.freeze_vision``: no gradient for the vision encoder and its projector."""
+    frozen = vision_parameters(model)
+    if not frozen:
+        raise ConfigError(f"--backend.freeze_vision true: {type(model).__name__} has no vision encoder to freeze; "
+                          "use --backend.freeze_vision false")
+    for parameter in frozen:
+        parameter.requires_grad_(False)
 
 
 def _check_compile(strategy: str, sequence_parallel_size: int, packing: bool | None, lora_rank: int,

@@ -8,8 +8,9 @@ from typing import Final, Literal, TypeAlias
 
 import torch
 
+from gcore.errors import ConfigError
 from gcore.model import ModelSource
-from gcore.types import Generation, SamplingParams
+from gcore.types import Generation, Prompt, SamplingParams
 
 #: the roles an engine worker process holds (``gcore/engines/pool.py``; the placement policies assign them): the
 #: policy's engine, the generative judge's engine, or a rule-based reward. Spelled here, not in ``pool.py``, so
@@ -26,7 +27,13 @@ class Engine(ABC):
     Lifecycle: ``setup`` loads the model from an HF checkpoint directory; ``generate`` is called
     once or more per step; ``update_weights`` receives the trainer's new weights after each
     optimizer step; ``sleep``/``wake_up`` release and retake device memory when placement asks.
+
+    An engine that generates from image prompts sets ``supports_images``: its ``generate`` then takes
+    ``visual``, each prompt's images (``Prompt.visual``); ``generate_prompts`` passes them.
     """
+
+    #: whether ``generate`` takes image prompts (a ``visual`` keyword argument)
+    supports_images: bool = False
 
     @abstractmethod
     def setup(self, source: ModelSource, device: torch.device) -> None:
@@ -54,6 +61,16 @@ class Engine(ABC):
 
     def shutdown(self) -> None:
         """Free everything; the engine is not used again."""
+
+
+def generate_prompts(engine: Engine, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Generation]]:
+    """``engine.generate`` on the prompts' token ids, with their images (``visual``) when they have any."""
+    token_ids = [p.token_ids for p in prompts]
+    if all(p.visual is None for p in prompts):
+        return engine.generate(token_ids, params)
+    if not getattr(engine, "supports_images", False):
+        raise ConfigError(f"the {type(engine).__name__} engine does not generate from image prompts; use --engine hf")
+    return engine.generate(token_ids, params, visual=[p.visual for p in prompts])  # type: ignore[call-arg]
 
 
 def buckets(weights: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -16,8 +16,8 @@ import torch
 
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError
-from gcore.model import DTYPES, ModelSource, cache_keyword, check_compiler
-from gcore.types import Generation, SamplingParams
+from gcore.model import DTYPES, ModelSource, cache_keyword, causal_lm_class, check_compiler
+from gcore.types import Generation, SamplingParams, VisualInputs, concat_visual
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,14 @@ class HFEngine(Engine):
     temperature, top_k, repetition_penalty, min_p, ...) are ignored, and ``setup`` logs a warning naming
     any that would change ``model.generate``'s samples (docs/engines.md, "Sampling"). The recorded
     log-probabilities are those of the model's own distribution, as with top-k and top-p.
+
+    Image prompts (an image-text-to-text checkpoint, docs/multimodal.md): the prefill takes each prompt's visual
+    inputs, and for a Qwen2-VL-style model its 3D positions (``gcore.vision.multimodal_positions``); the decode
+    continues through the model's forward (no static-cache decoder) at each row's last position + 1. Not with
+    ``use_generate``.
     """
+
+    supports_images = True
 
     def __init__(
         self,
@@ -89,10 +96,11 @@ class HFEngine(Engine):
         self.pad_id = 0
         self.eos_ids: tuple[int, ...] = ()
         self.bos_id: int | None = None
+        self.media_ids: tuple[int, ...] = ()
         self.asleep = False
 
     def setup(self, source: ModelSource, device: torch.device) -> None:
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import GenerationConfig
 
         self.device = device
         self._decoder = None
@@ -101,7 +109,7 @@ class HFEngine(Engine):
                 raise ConfigError("--engine.compile true with --engine.cuda_graphs true on a GPU is untested (the CUDA "
                                   "graph already replays the step without launches): use one of them")
             check_compiler("--engine.compile", device)
-        model = AutoModelForCausalLM.from_pretrained(
+        model = causal_lm_class(source).from_pretrained(
             source.path, dtype=source.dtype if self.dtype == "auto" else DTYPES[self.dtype],
             trust_remote_code=source.trust_remote_code,
         )
@@ -116,6 +124,9 @@ class HFEngine(Engine):
         pad = generation.pad_token_id if generation.pad_token_id is not None else config.pad_token_id
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
         self.bos_id = generation.bos_token_id if generation.bos_token_id is not None else config.bos_token_id
+        # an image or video placeholder in a response would ask the model for an image it was never given
+        self.media_ids = tuple(i for i in (getattr(config, "image_token_id", None),
+                                           getattr(config, "video_token_id", None)) if isinstance(i, int))
         ignored = ignored_generation_values(generation)
         if ignored:
             logger.warning("%s: generation_config.json sets %s, which the hf engine ignores (it samples with "
@@ -124,22 +135,30 @@ class HFEngine(Engine):
 
     def _banned(self, stop_ids: Sequence[int]) -> list[int]:
         """Token ids never sampled in a response: pad and bos, unless they end a response (none with
-        ``sample_special_tokens``)."""
-        if self.sample_special_tokens:
-            return []
-        return [t for t in dict.fromkeys((self.pad_id, self.bos_id)) if t is not None and t not in stop_ids]
+        ``sample_special_tokens``), and an image-text-to-text model's image and video placeholders."""
+        special = () if self.sample_special_tokens else (self.pad_id, self.bos_id)
+        return [t for t in dict.fromkeys((*special, *self.media_ids)) if t is not None and t not in stop_ids]
 
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 visual: Sequence[VisualInputs | None] | None = None) -> list[list[Generation]]:
+        """``params.n`` generations per prompt; ``visual``: each prompt's images (``Prompt.visual``), if any."""
         model = self.model
         if model is None:
             raise RuntimeError("HFEngine.generate called before setup")
+        if visual is not None and self.use_generate and any(v is not None for v in visual):
+            raise ConfigError("--engine.use_generate true does not take image prompts (yet); use the engine's own "
+                              "loop, --engine.use_generate false")
         flat = [list(p) for p in prompts for _ in range(params.n)]
+        flat_visual = [v for v in (visual or [None] * len(prompts)) for _ in range(params.n)]
         chunk = self.max_batch_size or len(flat)
         generations: list[Generation] = []
-        sample = self._generate if self.use_generate else self._sample
         for start in range(0, len(flat), chunk):
-            generations.extend(sample(model, flat[start : start + chunk], params))
+            if self.use_generate:
+                generations.extend(self._generate(model, flat[start : start + chunk], params))
+            else:
+                generations.extend(self._sample(model, flat[start : start + chunk], params,
+                                                flat_visual[start : start + chunk]))
         return [generations[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
     @torch.inference_mode()
@@ -184,15 +203,23 @@ class HFEngine(Engine):
                 self._decoder = StaticCacheDecoder.build(model)
         return self._decoder
 
-    def _sample(self, model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def _sample(self, model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams,
+                visual: Sequence[VisualInputs | None] = ()) -> list[Generation]:
         """Batched sampling: one prefill per distinct prompt, then one decode step and one draw per token."""
         from transformers import DynamicCache
 
+        from gcore.vision import multimodal_positions
+
         device = self.device
-        distinct = {p: i for i, p in enumerate(dict.fromkeys(tuple(p) for p in prompts))}
-        rows = torch.tensor([distinct[tuple(p)] for p in prompts], dtype=torch.long, device=device)
-        input_ids, attention_mask = self._left_pad([list(p) for p in distinct])
+        # a prompt is its tokens and its images (the image tokens of two images of one size are the same)
+        images = list(visual) or [None] * len(prompts)
+        keys = [(tuple(p), id(v)) for p, v in zip(prompts, images, strict=True)]
+        distinct = {key: i for i, key in enumerate(dict.fromkeys(keys))}
+        rows = torch.tensor([distinct[key] for key in keys], dtype=torch.long, device=device)
+        firsts = {key: row for row, key in reversed(list(enumerate(keys)))}
+        input_ids, attention_mask = self._left_pad([list(key[0]) for key in distinct])
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        inputs = {k: v.to(device) for k, v in concat_visual([images[firsts[key]] for key in distinct]).items()}
         batch, width, budget = len(prompts), input_ids.shape[1], params.max_new_tokens
         stop_ids = tuple(dict.fromkeys(self.eos_ids + tuple(params.stop_token_ids)))
         stop = torch.tensor(stop_ids, dtype=torch.long, device=device) if stop_ids else None
@@ -200,14 +227,19 @@ class HFEngine(Engine):
         banned = torch.tensor(self._banned(stop_ids), dtype=torch.long, device=device)
         # positions count real tokens only, so a left-padded row sees the positions it would see alone
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        rope = multimodal_positions(model, input_ids, attention_mask, inputs) if inputs else None
+        if rope is not None:  # M-RoPE: 3D positions over the images; a text token ``t`` is at ``t + delta``
+            position_ids, deltas = rope
         cache = DynamicCache(config=model.config)
         with_cache = {cache_keyword(model): cache}
         logits = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            use_cache=True, logits_to_keep=1, **with_cache,
+            use_cache=True, logits_to_keep=1, **inputs, **with_cache,
         ).logits[:, -1][rows]
         prompt_lengths = attention_mask.sum(-1)[rows]
-        decoder = self._static_decoder(model)
+        if rope is not None:
+            prompt_lengths = prompt_lengths + deltas[rows, 0].to(device)
+        decoder = self._static_decoder(model) if not inputs else None
         if decoder is not None:
             decoder.start(cache, rows, attention_mask, budget)
             if self.cuda_graphs and device.type == "cuda":
@@ -223,9 +255,12 @@ class HFEngine(Engine):
             mask[:, :width] = attention_mask[rows]
 
             def advance(chosen: torch.Tensor, t: int) -> torch.Tensor:
+                positions = (prompt_lengths + t).unsqueeze(-1)
+                if rope is not None:
+                    positions = positions.unsqueeze(0).expand(3, -1, -1)
                 return model(
                     input_ids=chosen.unsqueeze(-1), attention_mask=mask[:, : width + t + 1],
-                    position_ids=(prompt_lengths + t).unsqueeze(-1), use_cache=True, logits_to_keep=1, **with_cache,
+                    position_ids=positions, use_cache=True, logits_to_keep=1, **with_cache,
                 ).logits[:, -1]
 
         tokens = torch.full((batch, budget), self.pad_id, dtype=torch.long, device=device)

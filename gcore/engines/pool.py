@@ -55,7 +55,7 @@ from gcore.engines.base import JUDGE, POLICY, REWARD, Engine, Role
 from gcore.errors import GcoreError
 from gcore.model import ModelSource
 from gcore.threads import spawning, worker_threads
-from gcore.types import Generation, Sample, SamplingParams
+from gcore.types import Generation, Sample, SamplingParams, VisualInputs
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -243,9 +243,10 @@ def _send(replies: Connection, reply: Reply) -> None:
 
 def _serve(runtime: _WorkerRuntime, kind: JobKind, args: tuple) -> object:
     """One request in the worker: its result, which the pool reads as ``kind`` says."""
-    if kind == "generate":
-        role, prompts, params, *seed = args  # a request of ``submit_generate`` with a ``seed`` carries it last
-        return runtime.generate(role, prompts, params, seed[0] if seed else None)
+    if kind == "generate":  # (role, prompts, params[, seed or None[, each prompt's visual inputs or None]])
+        role, prompts, params, *extra = args
+        seed, visual = (*extra, None, None)[:2]
+        return runtime.generate(role, prompts, params, seed, visual)
     if kind == "logprobs":
         role, prompts, candidates = args
         return runtime.next_token_logprobs(role, prompts, candidates)
@@ -323,13 +324,16 @@ class _WorkerRuntime:
             self.switch(role, None)
 
     def generate(self, role: Role, prompts: list[list[int]], params: SamplingParams,
-                 seed: int | None = None) -> list[list[Generation]]:
+                 seed: int | None = None, visual: list[VisualInputs | None] | None = None) -> list[list[Generation]]:
         """Sample with the ``role`` engine; with a ``seed``, from a random state drawn from it alone (not from
-        what this worker sampled before), so that a request samples the same wherever and whenever it runs."""
+        what this worker sampled before), so that a request samples the same wherever and whenever it runs.
+        ``visual``: each prompt's images (image prompts)."""
         self._take(role)
         if seed is not None:
             torch.manual_seed(seed)
-        return self._engine(role).generate(prompts, params)
+        if visual is None:
+            return self._engine(role).generate(prompts, params)
+        return self._engine(role).generate(prompts, params, visual=visual)  # type: ignore[call-arg]  # supports_images
 
     def next_token_logprobs(self, role: Role, prompts: list[list[int]], candidates: list[int]) -> list[list[float]]:
         self._take(role)
@@ -556,31 +560,41 @@ class WorkerPool:
             self._pump(0.2)
 
     def generate(self, role: Role, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 workers: Sequence[int]) -> list[list[Generation]]:
-        """``prompts`` split into one request per worker; the results in the order of ``prompts``."""
-        return self.collect_generate(self.submit_generate(role, prompts, params, workers))
+                 workers: Sequence[int], visual: Sequence[VisualInputs | None] | None = None) -> list[list[Generation]]:
+        """``prompts`` split into one request per worker; the results in the order of ``prompts``. ``visual``: each
+        prompt's images (image prompts)."""
+        return self.collect_generate(self.submit_generate(role, prompts, params, workers, visual))
 
     def submit_generate(self, role: Role, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                        workers: Sequence[int], seed: int | None = None) -> list[Job]:
+                        workers: Sequence[int], visual: Sequence[VisualInputs | None] | None = None,
+                        seed: int | None = None) -> list[Job]:
         """Send ``generate``'s requests and return at once; ``collect_generate`` waits for them. With a ``seed``,
         request ``i`` samples from ``seed + i`` whichever worker serves it (``_WorkerRuntime.generate``): the
-        samples depend on the prompts and the seed, not on the worker or on what it ran before."""
-        return self.submit_split("generate", role, prompts, params, workers, seed)
+        samples depend on the prompts and the seed, not on the worker or on what it ran before. ``visual``: each
+        prompt's images (image prompts)."""
+        return self.submit_split("generate", role, prompts, params, workers, seed, visual)
 
     def collect_generate(self, jobs: list[Job]) -> list[list[Generation]]:
         """Wait for requests of ``submit_generate``; their results in the order of its prompts."""
         return cast("list[list[Generation]]", self.collect(jobs))
 
     def submit_split(self, kind: Literal["generate", "logprobs"], role: Role, prompts: Sequence[Sequence[int]],
-                     option: object, workers: Sequence[int], seed: int | None = None) -> list[Job]:
-        """``prompts`` split into one ``kind`` request per worker, each ``(role, its prompts, option)`` (with a
-        ``seed``, ``seed + i`` added to request ``i``); returns at once (``collect`` waits)."""
+                     option: object, workers: Sequence[int], seed: int | None = None,
+                     visual: Sequence[VisualInputs | None] | None = None) -> list[Job]:
+        """``prompts`` split into one ``kind`` request per worker, each ``(role, its prompts, option)``; a
+        ``generate`` request also carries its seed (``seed + i`` for request ``i``, or ``None``) and its prompts'
+        ``visual`` inputs (or ``None``). Returns at once (``collect`` waits)."""
         if not prompts:
             return []
         chunk = math.ceil(len(prompts) / len(workers))
-        return [self.submit(kind, (role, [list(p) for p in prompts[s : s + chunk]], option,
-                                   *(() if seed is None else (seed + i,))), workers, role)
-                for i, s in enumerate(range(0, len(prompts), chunk))]
+
+        def extra(i: int, start: int) -> tuple:
+            if kind != "generate":
+                return ()
+            return (None if seed is None else seed + i, None if visual is None else list(visual[start : start + chunk]))
+
+        return [self.submit(kind, (role, [list(p) for p in prompts[s : s + chunk]], option, *extra(i, s)), workers,
+                            role) for i, s in enumerate(range(0, len(prompts), chunk))]
 
     def collect(self, jobs: list[Job]) -> list[object]:
         """Wait for requests of ``submit_split``; their results (one per prompt) in the order of its prompts."""
@@ -795,8 +809,12 @@ class PoolEngine(Engine):
     def setup(self, source: ModelSource, device: torch.device) -> None:
         """The workers loaded the engine already."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
-        return self.pool.generate(self.role, prompts, params, self.workers)
+    #: the workers' engines take image prompts where the configured engine does (the trainer checks that one)
+    supports_images = True
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 visual: Sequence[VisualInputs | None] | None = None) -> list[list[Generation]]:
+        return self.pool.generate(self.role, prompts, params, self.workers, visual)
 
     def next_token_logprobs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int]) -> list[list[float]]:
         """Split over the role's workers like ``generate``; the results in the order of ``prompts``."""

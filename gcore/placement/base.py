@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from gcore.engines.base import Engine
+from gcore.engines.base import Engine, generate_prompts
 from gcore.model import ModelSource
 from gcore.rewards.base import RewardModel
 from gcore.rollout import RolloutJob, StageTimer
@@ -79,6 +79,14 @@ class PlacementPolicy(ABC):
         Default: yes; a policy whose decisions follow measured times says no (the trainer notes it on resume)."""
         return True
 
+    @property
+    def supports_images(self) -> bool:
+        """Whether the rollouts can generate from image prompts (each prompt's visual inputs handed to the engine:
+        ``generate_prompts`` in the controller's process, ``RolloutJob.visual`` to engine worker processes). The
+        built-in policies do; default no, so that a policy that hands its engines token ids only is refused in one
+        line instead of generating without the images."""
+        return False
+
     @abstractmethod
     def setup(self, world_size: int, device_type: str, reward: RewardModel | None = None) -> None:
         """Check that the roles fit the devices and the reward; raise a ``GcoreError`` if not.
@@ -119,7 +127,7 @@ class PlacementPolicy(ABC):
         else:
             with job.timer("generate"):
                 self.before_generate(job.engine)
-                outputs = job.engine.generate([p.token_ids for p in job.prompts], job.sampling)
+                outputs = generate_prompts(job.engine, job.prompts, job.sampling)
             samples = job.samples(outputs)
         with job.timer("reward"):
             job.score(samples)

@@ -208,6 +208,10 @@ class DynamicPlacement(PlacementPolicy):
         return generating + [self.reward_role] * self.judge_devices
 
     @property
+    def supports_images(self) -> bool:
+        return True
+
+    @property
     def supports_overlap(self) -> bool:
         return True
 
@@ -263,10 +267,12 @@ class DynamicPlacement(PlacementPolicy):
         if not streamed:
             size = max(size, math.ceil(len(prompts) / len(generators)))
         chunks = {start: prompts[start : start + size] for start in range(0, len(prompts), size)}
-        seed = () if job.seed is None else (job.seed,)  # each request samples from the job's seed + its first prompt
+        visual = job.visual()  # each prompt's images (image prompts), else None
         requests = {start: pool.submit("generate", (POLICY, [p.token_ids for p in chunk], job.sampling,
-                                                    *(x + start for x in seed)), generators, POLICY)
-                    for start, chunk in chunks.items()}
+                                                    # each request samples from the job's seed + its first prompt
+                                                    None if job.seed is None else job.seed + start,
+                                                    None if visual is None else visual[start : start + size]),
+                                       generators, POLICY) for start, chunk in chunks.items()}
 
         def generations() -> list[list[Generation]]:
             pool.wait(list(requests.values()))

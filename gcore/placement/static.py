@@ -84,8 +84,13 @@ class StaticPlacement(PlacementPolicy):
         return policy
 
     @property
+    def supports_images(self) -> bool:
+        return True
+
+    @property
     def supports_overlap(self) -> bool:
         return self.workers > 0
+
 
     def allow_overlap(self) -> None:
         if self.pool is not None:
@@ -133,7 +138,7 @@ class StaticPlacement(PlacementPolicy):
         pool.busy.clear()
         started = time.perf_counter()
         requests = pool.submit_generate(POLICY, [p.token_ids for p in job.prompts], job.sampling,
-                                        list(range(pool.size)), seed=job.seed)
+                                        list(range(pool.size)), job.visual(), seed=job.seed)
         return InFlight(lambda: self._finish_rollout(job, requests, started),
                         generations=lambda: pool.collect_generate(requests))
 
