@@ -158,16 +158,9 @@ def build_tiny_vlm(config: ModelConfig, tokenizer, seed: int):  # noqa: ANN001, 
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_chans=3),
         tie_word_embeddings=True, **ids,
     )
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = Qwen2VLForConditionalGeneration(hf_config)
-    finally:
-        torch.random.set_rng_state(state)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model = _seeded(Qwen2VLForConditionalGeneration, hf_config, tokenizer, seed)
     model.generation_config.bos_token_id = tokenizer.bos_token_id
-    return model.to(config.torch_dtype)  # type: ignore[arg-type]  # transformers types .to without a dtype
+    return model.to(config.torch_dtype)
 
 
 def image_text_to_text(path: str, trust_remote_code: bool = False) -> bool:
@@ -207,15 +200,22 @@ def build_tiny_model(config: ModelConfig, tokenizer, seed: int) -> Qwen2ForCausa
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    model = _seeded(Qwen2ForCausalLM, hf_config, tokenizer, seed)
+    return model.to(config.torch_dtype)
+
+
+def _seeded(model_class, hf_config, tokenizer, seed: int):  # noqa: ANN001, ANN202  transformers classes
+    """``model_class(hf_config)`` initialised from ``seed`` (the caller's random state left as it was), its
+    generation config given the tokenizer's pad and end tokens."""
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = Qwen2ForCausalLM(hf_config)
+        model = model_class(hf_config)
     finally:
         torch.random.set_rng_state(state)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return model.to(config.torch_dtype)  # type: ignore[arg-type]  # transformers types .to without a dtype
+    return model
 
 
 def load_tokenizer(config: ModelConfig, vision: bool = False):  # noqa: ANN201
