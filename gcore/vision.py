@@ -131,7 +131,7 @@ def load_processor(path: str, trust_remote_code: bool) -> Any:  # noqa: ANN401  
     model_type = getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), "model_type", None)
     if model_type in QWEN_VL_TYPES:
         try:
-            return ImageTokenProcessor(AutoImageProcessor.from_pretrained(path),
+            return ImageTokenProcessor(AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code),
                                        AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
         except Exception as err:  # noqa: BLE001  reported below, in one line
             error = err
