@@ -8,9 +8,11 @@ ignores the observation can at best repeat one digit always: 0.1 on average. Mea
 - with the digit revealed: seeds 0, 1, 2: 0.304, 0.186, 0.360 (first-10: 0.031, 0.027, 0.016);
 - the same with an observation that shows ``?`` instead of the digit: 0.107, 0.114, 0.094.
 
-So the test asks the 3-seed mean of the last 10 steps to exceed ``MIN_MEAN`` (halfway between the two
-means, 0.105 and 0.283) and every seed to gain at least ``MIN_RATIO`` times its first 10 steps' mean
-(measured ratios 7-22).
+Later runs spread wider (2026-11-26, fresh clones, the suite's other process beside them): seeds 0, 1, 2:
+0.156, 0.107, 0.202 (mean 0.155); seed 1 alone twice more: 0.125 and 0.166. So the test asks the 3-seed mean of
+the last 10 steps to exceed ``MIN_MEAN`` (0.135: between the hidden-digit mean 0.105, whose seeds never passed
+0.114, and the lowest revealed mean measured, 0.155) and every seed to gain at least ``MIN_RATIO`` times its
+first 10 steps' mean (measured ratios 4-22).
 """
 
 import pytest
@@ -21,7 +23,7 @@ from gcore.envs.reveal import RevealEnvironment
 from gcore.types import SamplingParams
 
 SEEDS = (0, 1, 2)
-MIN_MEAN = 0.19
+MIN_MEAN = 0.135
 MIN_RATIO = 3.0
 pytestmark = pytest.mark.timeout(1800)
 
