@@ -38,13 +38,15 @@ def _fit(root, *args, **kwargs):
 @pytest.mark.integration
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])  # ppo: the critic and its optimizer come back too
 def test_resume_continues_exactly(tmp_path, algorithm):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a fixed thread count: the governor's adapted counts change sums' last bit
     whole = _fit(tmp_path / "a", "--trainer.max_steps", "6", "--trainer.checkpoint_every", "3",
-                 "--algorithm", algorithm)
+                 "--algorithm", algorithm, env=env)
     assert whole.returncode == 0, whole.stderr
     ckpt = tmp_path / "a" / "gcore" / "checkpoints" / "step_00000002"
     assert ckpt.is_dir()
     first = _rows(tmp_path / "a")["version_0"]
-    resumed = _fit(tmp_path / "a", "--trainer.max_steps", "6", "--trainer.resume", str(ckpt), "--algorithm", algorithm)
+    resumed = _fit(tmp_path / "a", "--trainer.max_steps", "6", "--trainer.resume", str(ckpt), "--algorithm", algorithm,
+                   env=env)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and "at step 3" in resumed.stdout
     runs = _rows(tmp_path / "a")
