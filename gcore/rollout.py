@@ -115,6 +115,8 @@ class RolloutJob:
                 response_text=str(self.tokenizer.decode(g.token_ids, skip_special_tokens=True)),  # ids -> one str
                 finished=g.finished,
                 policy_version=self.policy_version,
+                # partial rollouts: a token sampled after the engine loaded k updates is k versions newer
+                token_versions=None if g.versions is None else [self.policy_version + v for v in g.versions],
             )
             for group, (prompt, generations) in enumerate(zip(self.prompts[start:], outputs, strict=False))
             for g in generations

@@ -100,6 +100,11 @@ class TrainerConfig:
             would be older is generated again, ``async/regenerated_stale``); the loss corrects for it
             (``--algorithm.behaviour_is_cap``). A checkpoint holds the prompts drawn ahead and the rollouts in
             flight, so a resumed run continues exactly over static engine workers. See docs/asynchronous.md.
+        partial_rollouts: with ``max_staleness`` K >= 1, a weight update does not wait behind the generation in
+            flight: the engine workers stop between tokens, load the new weights and continue the unfinished
+            responses with them (no token thrown away; the prompt and tokens so far are prefilled again). Each
+            token records the version that sampled it (``Sample.token_versions``); a sample's staleness is its
+            oldest token's. Needs an engine that ``supports_interrupt`` (``--engine hf``). docs/asynchronous.md.
     """
 
     max_steps: int = 30
@@ -124,6 +129,7 @@ class TrainerConfig:
     controllers: int | None = None
     eval_every: int = 0
     max_staleness: int = 0
+    partial_rollouts: bool = False
 
     def validate(self) -> None:
         """A one-line ``ConfigError`` for the first flag out of its range."""
@@ -142,6 +148,9 @@ class TrainerConfig:
             (self.eval_every >= 0, f"--trainer.eval_every must be >= 0, got {self.eval_every}"),
             (self.max_staleness >= 0, f"--trainer.max_staleness must be >= 0 (0: synchronous; K: the rollouts of "
              f"the next K steps run while this one trains), got {self.max_staleness}"),
+            (not self.partial_rollouts or self.max_staleness >= 1,
+             "--trainer.partial_rollouts true continues the rollouts in flight across a weight update: it needs "
+             "--trainer.max_staleness >= 1 (rollouts that run while a step trains)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -299,6 +308,10 @@ class Trainer:
                               f"while the controller trains: --placement dynamic, or --placement static with "
                               f"--placement.workers N; {type(self.placement).__name__} here runs its engine in the "
                               "controller's process")
+        if c.partial_rollouts and not self.engine.supports_interrupt:
+            raise ConfigError(f"--trainer.partial_rollouts true: the {type(self.engine).__name__} engine cannot stop "
+                              "between tokens for a weight update (supports_interrupt); use --engine hf with "
+                              "--engine.use_generate false")
         world = self._world_size()
         if c.controllers not in (None, 1, world):
             raise ConfigError(f"--trainer.controllers {c.controllers}: valid choices are 1 (one controller drives "
@@ -494,7 +507,8 @@ class Trainer:
         controller = controller_class(fabric, self.rollout_engine, self.reward, self.algorithm, self.backend,
                                       self.placement, tokenizer, self.sampling,
                                       draw_prompts=lambda k: take([extra.next_global()[0] for _ in range(k)]),
-                                      max_staleness=c.max_staleness, env=self.env, seed=c.seed)
+                                      max_staleness=c.max_staleness, partial_rollouts=c.partial_rollouts,
+                                      env=self.env, seed=c.seed)
         controller.setup()
         ahead: list[tuple[list[int], list[int], float]] = []
         pipeline = _Pipeline(ahead, controller, fabric.world_size, c.max_staleness)
@@ -509,6 +523,9 @@ class Trainer:
                 notes.append(f"{type(self.placement).__name__} does not sample the same on every run (its split of "
                              "the workers follows measured times): the rollouts in flight are collected as recorded, "
                              "but the resumed run is not an exact continuation")
+            if c.partial_rollouts:
+                notes.append("partial rollouts continue across a weight update from wherever it stopped them (a "
+                             "matter of timing): the resumed run is not an exact continuation")
             for note in notes if rank == 0 else []:
                 print(f"gcore: note: resume with --trainer.max_staleness {c.max_staleness}: {note}", flush=True)
         run_dir = self._open_run_dir(fabric, start_step, checkpointer) if rank == 0 else None

@@ -93,6 +93,10 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float]
     finished: bool  # True when it ended on a stop token, False when cut at max_new_tokens
+    #: partial rollouts (``--trainer.partial_rollouts``): for each token, how many weight updates the engine had
+    #: loaded during this request before it sampled the token (0: the weights the request was sent to). ``None``:
+    #: no update came during the request (every token 0).
+    versions: list[int] | None = None
 
 
 @dataclass
@@ -115,6 +119,10 @@ class Sample:
     #: model's (one turn). ``response_logprobs`` is 0 at observation tokens.
     response_mask: list[int] | None = None
     turns: int = 1  # model turns in the episode
+    #: partial rollouts (``--trainer.partial_rollouts``): the policy version that sampled each response token
+    #: (``policy_version`` for the tokens sampled before a weight update came, one more per update since);
+    #: ``None``: every token ``policy_version``'s
+    token_versions: list[int] | None = None
     env_reward: float = 0.0  # the sum of the environment's rewards for the turns (added to the reward model's)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final, Literal, TypeAlias
 
 import torch
@@ -34,6 +34,15 @@ class Engine(ABC):
 
     #: whether ``generate`` takes image prompts (a ``visual`` keyword argument)
     supports_images: bool = False
+    #: partial rollouts (``--trainer.partial_rollouts``): set by the process that serves the engine; an engine
+    #: that ``supports_interrupt`` calls it between decoding steps and, once it returns True, stops and returns
+    #: what it has (a generation cut there is neither finished nor at ``max_new_tokens``)
+    interrupt: Callable[[], bool] | None = None
+
+    @property
+    def supports_interrupt(self) -> bool:
+        """Whether ``generate`` stops early when ``interrupt`` says so (partial rollouts). Default: no."""
+        return False
 
     @abstractmethod
     def setup(self, source: ModelSource, device: torch.device) -> None:

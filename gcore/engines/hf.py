@@ -99,6 +99,11 @@ class HFEngine(Engine):
         self.media_ids: tuple[int, ...] = ()
         self.asleep = False
 
+    @property
+    def supports_interrupt(self) -> bool:
+        """The engine's own loop stops between tokens when ``interrupt`` says so; ``model.generate`` does not."""
+        return not self.use_generate
+
     def setup(self, source: ModelSource, device: torch.device) -> None:
         from transformers import GenerationConfig
 
@@ -269,6 +274,7 @@ class HFEngine(Engine):
         done = torch.zeros(batch, dtype=torch.bool, device=device)
         # reading ``done`` waits for the device: on a GPU look every 8 tokens so that launches run ahead
         check_every = 1 if device.type == "cpu" else 8
+        interrupt = self.interrupt
         for t in range(budget):
             logits = logits.float()
             if not greedy and params.temperature != 1.0:
@@ -288,6 +294,9 @@ class HFEngine(Engine):
                 done = done | hit
                 if (t + 1) % check_every == 0 and bool(done.all()):
                     break
+            if interrupt is not None and t + 1 < budget and interrupt():  # a weight update came: stop here
+                lengths = torch.where(done, lengths, t + 1)
+                break
             if t + 1 < budget:
                 logits = advance(chosen, t)
         finished = done.cpu().tolist() if stop is not None else [False] * batch

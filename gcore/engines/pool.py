@@ -46,7 +46,7 @@ import pickle
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal, Protocol, SupportsInt, TypeAlias, assert_never, cast
 
 import torch
@@ -224,9 +224,19 @@ def _worker_main(index: int, threads: int, seed: int, specs: bytes, role: Role, 
                 return
             kind: JobKind = message[0]
             job_id: int = message[1]
+
+            def take_sync(conn: Connection = conn) -> None:
+                """A partial rollout's weight update, sent while its generation ran: load it and answer it."""
+                update = conn.recv()
+                if update[0] != "sync":
+                    raise GcoreError(f"engine worker {index}: a {update[0]!r} request came during a partial rollout "
+                                     "(only a weight sync may)")
+                started = time.perf_counter()
+                _send(conn, ("result", index, update[1], (runtime.sync(*update[2:]), time.perf_counter() - started)))
+
             try:
                 started = time.perf_counter()
-                result = _serve(runtime, kind, message[2:])
+                result = _serve(runtime, kind, message[2:], conn.poll, take_sync)
                 reply: Reply = ("result", index, job_id, (result, time.perf_counter() - started))
             except Exception:  # noqa: BLE001  an engine may fail in any way: the pool retries elsewhere or reports it
                 reply = ("error", index, job_id, traceback.format_exc())
@@ -241,11 +251,16 @@ def _send(replies: Connection, reply: Reply) -> None:
     replies.send(reply)
 
 
-def _serve(runtime: _WorkerRuntime, kind: JobKind, args: tuple) -> object:
-    """One request in the worker: its result, which the pool reads as ``kind`` says."""
-    if kind == "generate":  # (role, prompts, params[, seed or None[, each prompt's visual inputs or None]])
+def _serve(runtime: _WorkerRuntime, kind: JobKind, args: tuple, pending: Callable[[], bool] = lambda: False,
+           take_sync: Callable[[], None] = lambda: None) -> object:
+    """One request in the worker: its result, which the pool reads as ``kind`` says. ``pending``: whether another
+    request came meanwhile; ``take_sync``: serve it, a weight update (partial rollouts: ``generate`` with
+    ``partial``)."""
+    if kind == "generate":  # (role, prompts, params[, seed or None[, each prompt's visual inputs or None[, partial]]])
         role, prompts, params, *extra = args
-        seed, visual = (*extra, None, None)[:2]
+        seed, visual, partial = (*extra, None, None, False)[:3]
+        if partial:
+            return runtime.generate_partial(role, prompts, params, seed, visual, pending, take_sync)
         return runtime.generate(role, prompts, params, seed, visual)
     if kind == "logprobs":
         role, prompts, candidates = args
@@ -335,6 +350,41 @@ class _WorkerRuntime:
             return self._engine(role).generate(prompts, params)
         return self._engine(role).generate(prompts, params, visual=visual)  # type: ignore[call-arg]  # supports_images
 
+    def generate_partial(self, role: Role, prompts: list[list[int]], params: SamplingParams, seed: int | None,
+                         visual: list[VisualInputs | None] | None, pending: Callable[[], bool],
+                         take_sync: Callable[[], None]) -> list[list[Generation]]:
+        """``generate`` as a partial rollout: when a weight update comes during it (``pending``), the engine stops
+        between tokens, the update is loaded (``take_sync``), and every unfinished generation continues from its
+        tokens with the new weights (its prompt and tokens prefilled again: the KV cache of the old weights is not
+        kept), one more version per update (``Generation.versions``). No token is thrown away."""
+        self._take(role)
+        engine = self._engine(role)
+        if not engine.supports_interrupt:
+            return self.generate(role, prompts, params, seed, visual)
+        engine.interrupt = pending
+        try:
+            out = self.generate(role, prompts, params, seed, visual)
+            budget, loads = params.max_new_tokens, 0
+            cut = [(i, j) for i, row in enumerate(out) for j, g in enumerate(row)
+                   if not g.finished and len(g.token_ids) < budget]
+            while cut:
+                take_sync()  # the update is there: it is what stopped the engine
+                loads += 1
+                for left in sorted({budget - len(out[i][j].token_ids) for i, j in cut}):
+                    group = [(i, j) for i, j in cut if budget - len(out[i][j].token_ids) == left]
+                    more = self.generate(role, [prompts[i] + out[i][j].token_ids for i, j in group],
+                                         replace(params, n=1, max_new_tokens=left), None,
+                                         None if visual is None else [visual[i] for i, _ in group])
+                    for (i, j), (extra,) in zip(group, more, strict=True):
+                        g = out[i][j]
+                        versions = (g.versions or [0] * len(g.token_ids)) + [loads] * len(extra.token_ids)
+                        out[i][j] = Generation(g.token_ids + extra.token_ids, g.logprobs + extra.logprobs,
+                                               extra.finished, versions)
+                cut = [(i, j) for i, j in cut if not out[i][j].finished and len(out[i][j].token_ids) < budget]
+            return out
+        finally:
+            engine.interrupt = None
+
     def next_token_logprobs(self, role: Role, prompts: list[list[int]], candidates: list[int]) -> list[list[float]]:
         self._take(role)
         return self._engine(role).next_token_logprobs(prompts, candidates)
@@ -409,7 +459,12 @@ class WorkerPool:
         self.weights: SharedWeights | None = None
         #: weight syncs return once queued, without waiting for the generation in flight (``sync_weights``)
         self.queue_syncs = False
+        #: partial rollouts (``--trainer.partial_rollouts``, with ``queue_syncs``): a weight sync goes at once to a
+        #: worker that is generating for the policy, which stops between tokens, loads it and continues the
+        #: unfinished generations with it (``_WorkerRuntime.generate_partial``)
+        self.partial_rollouts = False
         self._syncs: list[Job] = []  # the last queued sync's requests
+        self._side: dict[int, Job] = {}  # worker -> the weight sync sent to it during its generation
         self.busy: dict[str, float] = {}
         self.retried = 0
         self.respawned = 0
@@ -591,7 +646,8 @@ class WorkerPool:
         def extra(i: int, start: int) -> tuple:
             if kind != "generate":
                 return ()
-            return (None if seed is None else seed + i, None if visual is None else list(visual[start : start + chunk]))
+            return (None if seed is None else seed + i, None if visual is None else list(visual[start : start + chunk]),
+                    self.partial_rollouts and role == POLICY)
 
         return [self.submit(kind, (role, [list(p) for p in prompts[s : s + chunk]], option, *extra(i, s)), workers,
                             role) for i, s in enumerate(range(0, len(prompts), chunk))]
@@ -640,8 +696,7 @@ class WorkerPool:
             views[name].copy_(tensor)
         self.weights.version += 1
         copied = time.perf_counter()
-        jobs = [self.submit("sync", (self.weights.ref(),), [i]) for i in range(self.size)
-                if self.roles[i] == POLICY]
+        jobs = [self._send_sync(i) for i in range(self.size) if self.roles[i] == POLICY]
         if self.queue_syncs and self.peers is None:
             self._syncs = jobs
             loaded = self.weights.nbytes * len(jobs)
@@ -653,6 +708,24 @@ class WorkerPool:
         end = time.perf_counter()
         return {"bytes": float(loaded), "shm_bytes": float(self.weights.nbytes), "copy_s": copied - started,
                 "load_s": end - copied, "s": end - started}
+
+    def _send_sync(self, i: int) -> Job:
+        """Worker ``i``'s weight sync: queued behind its requests, or, during a partial rollout's generation (a
+        ``generate`` request that says ``partial``), sent at once: the worker takes it between two tokens."""
+        assert self.weights is not None  # set by sync_weights
+        running = self._busy_with[i]
+        conn = self._conns[i]
+        partial = running is not None and running.kind == "generate" and len(running.args) > 5 and running.args[5]
+        if not (self.partial_rollouts and partial and conn is not None and i not in self._side):
+            return self.submit("sync", (self.weights.ref(),), [i])
+        job = Job(next(self._ids), "sync", (self.weights.ref(),), (i,), worker=i, sent=time.monotonic(), attempts=1)
+        self._jobs[job.id] = job
+        self._side[i] = job
+        try:
+            conn.send((job.kind, job.id, *job.args))
+        except OSError:  # it died: noticed by the next ``_pump``
+            self._drop(i)
+        return job
 
     # -- dispatcher --------------------------------------------------------------------------
     def _dispatch(self) -> None:
@@ -725,7 +798,10 @@ class WorkerPool:
         job = self._jobs.get(job_id) if job_id is not None else None
         if job is None or job.done or job.worker != i:
             return  # a late answer to a request that was already sent elsewhere
-        self._busy_with[i] = None
+        if self._side.get(i) is job:  # a partial rollout's weight sync: the generation goes on
+            del self._side[i]
+        else:
+            self._busy_with[i] = None
         if kind == "result":
             job.result, job.busy_s = cast("tuple[object, float]", payload)
             job.done = job.ok = True
@@ -741,6 +817,9 @@ class WorkerPool:
     def _fail_worker(self, i: int, why: str) -> None:
         job, self._busy_with[i] = self._busy_with[i], None
         self._ready[i] = False
+        side = self._side.pop(i, None)
+        if side is not None:  # a respawned worker loads the latest weights
+            self._retry(side, i, f"engine worker {i} failed during a partial rollout ({why})")
         if job is not None:
             self._retry(job, i, f"engine worker {i} failed on a {job.kind} request ({why})")
 

@@ -135,10 +135,11 @@ class PlacementPolicy(ABC):
             self.after_generate(job.engine)
         return samples
 
-    def allow_overlap(self) -> None:
+    def allow_overlap(self, partial: bool = False) -> None:
         """Called once by the controller when rollouts will run while it trains (``--trainer.max_staleness``
         >= 1, only where ``supports_overlap``): from then on a weight update is queued behind the
-        generation in flight instead of waiting for it."""
+        generation in flight instead of waiting for it. ``partial`` (``--trainer.partial_rollouts``): instead,
+        the generation in flight stops between tokens, takes the update and continues with it."""
 
     def start_rollout(self, job: RolloutJob) -> Callable[[], list[Sample]]:
         """Start ``job``; returns the function that waits for it and returns its samples (timed in

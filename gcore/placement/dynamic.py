@@ -221,10 +221,11 @@ class DynamicPlacement(PlacementPolicy):
         decides how a rollout's prompts are dealt out to requests (each sampling from its own seed)."""
         return False
 
-    def allow_overlap(self) -> None:
+    def allow_overlap(self, partial: bool = False) -> None:
         if self.pool is None:
             raise RuntimeError("DynamicPlacement.allow_overlap called before launch")
         self.pool.queue_syncs = True
+        self.pool.partial_rollouts = partial
 
     def rollout(self, job: RolloutJob) -> list[Sample]:
         """Generate on one partition and judge on the other at once: each finished request is judged
@@ -271,7 +272,8 @@ class DynamicPlacement(PlacementPolicy):
         requests = {start: pool.submit("generate", (POLICY, [p.token_ids for p in chunk], job.sampling,
                                                     # each request samples from the job's seed + its first prompt
                                                     None if job.seed is None else job.seed + start,
-                                                    None if visual is None else visual[start : start + size]),
+                                                    None if visual is None else visual[start : start + size],
+                                                    pool.partial_rollouts),
                                        generators, POLICY) for start, chunk in chunks.items()}
 
         def generations() -> list[list[Generation]]:

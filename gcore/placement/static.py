@@ -92,9 +92,10 @@ class StaticPlacement(PlacementPolicy):
         return self.workers > 0
 
 
-    def allow_overlap(self) -> None:
+    def allow_overlap(self, partial: bool = False) -> None:
         if self.pool is not None:
             self.pool.queue_syncs = True
+            self.pool.partial_rollouts = partial
 
     def rollout(self, job: RolloutJob) -> list[Sample]:
         if self.pool is None:

@@ -38,7 +38,7 @@ def _fit(root, *args, **kwargs):
 @pytest.mark.integration
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])  # ppo: the critic and its optimizer come back too
 def test_resume_continues_exactly(tmp_path, algorithm):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a fixed thread count: the governor's adapted counts change sums' last bit
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a fixed thread count: adapted counts change sums' last bit
     whole = _fit(tmp_path / "a", "--trainer.max_steps", "6", "--trainer.checkpoint_every", "3",
                  "--algorithm", algorithm, env=env)
     assert whole.returncode == 0, whole.stderr
