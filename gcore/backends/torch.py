@@ -207,6 +207,8 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         self.sp: seqpar.SequenceParallelGroup | None = None  # set by setup when sequence parallel
         self._lora_synced: list[str] = []  # LoRA: the linear modules the engine sync sends
         self._synced: dict[str, torch.Tensor] | None = None  # FSDP: the full weights of the last sync
+        #: ``freeze_vision``: the names of the frozen vision weights, which ``named_weights`` leaves out
+        self._frozen: frozenset[str] = frozenset()
 
     def _check_options(self, strategy: str) -> None:
         """Refuse an invalid or untested combination of the options (one ``ConfigError`` naming the flags)."""
@@ -263,6 +265,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         self.hf_model = _load(model_class, source, self.attn_implementation)
         if self.freeze_vision:
             _freeze_vision(self.hf_model)
+            self._frozen = frozenset(name for name, p in self.hf_model.named_parameters() if not p.requires_grad)
         if self.lora_rank:
             self._lora_synced = lora.add_adapters(self.hf_model, self.lora_rank, self.lora_alpha,
                                                   self.lora_target_modules)
@@ -533,18 +536,20 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         return weights
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy's full weights (under FSDP gathered from the shards: every rank calls it). With LoRA: the
-        weights of the linear modules LoRA changes (and their siblings), merged, under the base model's names;
-        every other weight is frozen and equals what the engine loaded from the checkpoint."""
+        """The policy's weights (under FSDP gathered from the shards: every rank calls it) that training can change:
+        with LoRA, the weights of the linear modules LoRA changes (and their siblings), merged, under the base
+        model's names; with ``freeze_vision``, all but the vision encoder's and its projector's. Every weight left
+        out is frozen and equals what the engine loaded from the checkpoint, so a sync sends only what changed."""
         if self.lora_rank:
             yield from lora.merged_weights(self.hf_model, self._lora_synced)
             return
         if self.fsdp:
-            self._synced = self._full_state_dict()
-            yield from self._synced.items()
+            self._synced = self._full_state_dict()  # whole: ``save_pretrained`` writes it
+            yield from ((name, t) for name, t in self._synced.items() if name not in self._frozen)
             return
         for name, tensor in self.hf_model.state_dict().items():
-            yield name, tensor.detach()
+            if name not in self._frozen:
+                yield name, tensor.detach()
 
     def save_pretrained(self, path: str) -> None:
         """Write an HF checkpoint (rank 0 alone; under FSDP the weights of the last ``named_weights`` call,

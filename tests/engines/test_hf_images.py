@@ -96,6 +96,18 @@ def test_ppo_trains_policy_and_critic_on_image_prompts_with_a_frozen_vision_enco
     changed = {name for name, p in backend.hf_model.named_parameters() if not torch.equal(p, before[name])}
     assert changed and not any(".visual." in f".{name}" for name in changed)
     assert any("language_model" in name for name in changed)
+    # the sync sends only what training can change; an engine that took it holds the trainer's weights, all of them
+    sent = dict(backend.named_weights())
+    assert sent and not any(".visual." in f".{name}" for name in sent)
+    assert set(sent) | {n for n, p in backend.hf_model.named_parameters() if not p.requires_grad} == \
+        set(backend.hf_model.state_dict())
+    fresh = HFEngine()
+    fresh.setup(config.source(path), torch.device("cpu"))
+    fresh.update_weights(sent.items())
+    trained = backend.hf_model.state_dict()
+    assert fresh.model is not None
+    for name, tensor in fresh.model.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
 
 
 def test_lora_adapts_the_language_part_and_the_engine_follows_the_sync(vlm):
