@@ -3,12 +3,16 @@
     python benchmarks/async_overlap.py --rounds 2 --steps 20 -- --placement dynamic --placement.workers 1
     python benchmarks/async_overlap.py --ks 0 1 2 --rounds 1 -- --placement.workers 2
     python benchmarks/async_overlap.py --judge --rounds 1 --steps 8 -- --placement dynamic --placement.workers 2
+    python benchmarks/async_overlap.py --ks 0 1 1p 2 2p --rounds 2 -- --placement.workers 2 --sampling.max_new_tokens 64
 
 Runs ``gcore fit`` (this checkout first on ``PYTHONPATH``) with the same seed and options, each K of
-``--ks`` in turn (default K=0 then K=1), ``--rounds`` times, and prints for each run the machine load
+``--ks`` in turn (default K=0 then K=1; ``1p``: K=1 with ``--trainer.partial_rollouts true``), ``--rounds``
+times, and prints for each run the machine load
 (``/proc/loadavg``) before it, the samples per second over the steps after ``--warmup`` (samples
 generated / the sum of ``time/step``), the median step, train and rollout-wait times, the staleness
-each K >= 1 run logged (and the samples it regenerated because they were older than K), and then the
+each K >= 1 run logged (and the samples it regenerated because they were older than K), the generation
+workers' idle share (1 - their busy seconds over workers x the steps' seconds; ``--placement.workers`` read from
+the options), the samples a weight update cut (partial rollouts), and then the
 reward per step of each K (the mean over the rounds) and over the last quarter of the steps, to see
 whether learning per step holds. ``--judge``: the reward is a generative judge, the embedded tiny
 model (another seed) with the ``probability`` verdict (``--reward generative``), judged in the
@@ -43,12 +47,13 @@ def tiny_judge() -> str:
     return materialize(ModelConfig(), char_tokenizer(), 1, tempfile.mkdtemp(prefix="gcore-judge-"))
 
 
-def run(k: int, args: argparse.Namespace, extra: list[str]) -> dict:
+def run(label: str, args: argparse.Namespace, extra: list[str]) -> dict:
+    k, partial = int(label.rstrip("p")), label.endswith("p")
     with tempfile.TemporaryDirectory() as root:
         cmd = [sys.executable, "-m", "gcore.cli", "fit", "--trainer.max_steps", str(args.steps),
                "--trainer.seed", str(args.seed), "--trainer.enable_progress_bar", "false",
                "--trainer.save_final", "false", "--trainer.default_root_dir", root, "--trainer.max_staleness", str(k),
-               *extra]
+               "--trainer.partial_rollouts", str(partial).lower(), *extra]
         before = load()
         started = time.perf_counter()
         done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
@@ -60,8 +65,12 @@ def run(k: int, args: argparse.Namespace, extra: list[str]) -> dict:
             rows = [r for r in csv.DictReader(f) if r.get("reward/mean")]
     timed = rows[args.warmup:]
     col = lambda name, rs=timed: [float(r[name]) for r in rs if r.get(name)]  # noqa: E731
+    workers = int(extra[extra.index("--placement.workers") + 1]) if "--placement.workers" in extra else 1
+    busy = workers * (sum(col("time/rollout")) - sum(col("time/reward"))) - sum(col("time/idle_generate"))
     return {
-        "k": k, "load": before, "wall": wall,
+        "k": label, "load": before, "wall": wall,
+        "idle": 1.0 - busy / (workers * sum(col("time/step"))),
+        "partial": sum(col("async/partial_samples", rows)),
         "samples_per_s": sum(col("samples/total")) / sum(col("time/step")),
         "step": statistics.median(col("time/step")), "train": statistics.median(col("time/train")),
         "wait": statistics.median(col("async/rollout_wait_s")) if k else float("nan"),
@@ -77,7 +86,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timings")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--ks", type=int, nargs="+", default=[0, 1], help="the max_staleness values to run")
+    parser.add_argument("--ks", nargs="+", default=["0", "1"],
+                        help="the max_staleness values to run; a trailing p: with partial rollouts (1p)")
     parser.add_argument("--judge", action="store_true", help="a generative judge (the embedded tiny model) scores")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
@@ -92,13 +102,16 @@ def main() -> None:
             results.append(r)
             print(f"round {round_} K={k}: load {r['load']}; {r['samples_per_s']:.2f} samples/s; median step "
                   f"{r['step']:.2f}s, train {r['train']:.2f}s, rollout wait {r['wait']:.2f}s; staleness max "
-                  f"{r['staleness']:.0f}, regenerated {r['regenerated']:.0f}; run {r['wall']:.0f}s", flush=True)
+                  f"{r['staleness']:.0f}, regenerated {r['regenerated']:.0f}; generation idle {r['idle']:.0%}, "
+                  f"samples cut by an update {r['partial']:.0f}; run {r['wall']:.0f}s", flush=True)
     for k in args.ks:
         mine = [r for r in results if r["k"] == k]
         rates = [r["samples_per_s"] for r in mine]
         curve = [statistics.mean(values) for values in zip(*(r["rewards"] for r in mine), strict=True)]
         tail = curve[-max(1, len(curve) // 4):]
+        idle = statistics.mean(r["idle"] for r in mine)
         print(f"K={k}: samples/s {' '.join(f'{x:.2f}' for x in rates)} (mean {statistics.mean(rates):.2f}); "
+              f"generation idle {idle:.0%}; "
               f"reward of the last {len(tail)} steps {statistics.mean(tail):.3f}; reward per step "
               + " ".join(f"{x:.3f}" for x in curve))
     print(f"load after: {load()}")
