@@ -11,8 +11,8 @@ times, and prints for each run the machine load
 (``/proc/loadavg``) before it, the samples per second over the steps after ``--warmup`` (samples
 generated / the sum of ``time/step``), the median step, train and rollout-wait times, the staleness
 each K >= 1 run logged (and the samples it regenerated because they were older than K), the generation
-workers' idle share (1 - their busy seconds over workers x the steps' seconds; ``--placement.workers`` read from
-the options), the samples a weight update cut (partial rollouts), and then the
+workers' idle share over the whole run (1 - their busy seconds over workers x the steps' seconds;
+``--placement.workers`` read from the options), the samples a weight update cut (partial rollouts), and then the
 reward per step of each K (the mean over the rounds) and over the last quarter of the steps, to see
 whether learning per step holds. ``--judge``: the reward is a generative judge, the embedded tiny
 model (another seed) with the ``probability`` verdict (``--reward generative``), judged in the
@@ -66,10 +66,13 @@ def run(label: str, args: argparse.Namespace, extra: list[str]) -> dict:
     timed = rows[args.warmup:]
     col = lambda name, rs=timed: [float(r[name]) for r in rs if r.get(name)]  # noqa: E731
     workers = int(extra[extra.index("--placement.workers") + 1]) if "--placement.workers" in extra else 1
-    busy = workers * (sum(col("time/rollout")) - sum(col("time/reward"))) - sum(col("time/idle_generate"))
+    # over every step: with K >= 1 a step's rollout ran during the step before, so part of the first timed step's
+    # busy time lies in the warm-up (a bias as large as one step when steps are few)
+    busy = (workers * (sum(col("time/rollout", rows)) - sum(col("time/reward", rows)))
+            - sum(col("time/idle_generate", rows)))
     return {
         "k": label, "load": before, "wall": wall,
-        "idle": 1.0 - busy / (workers * sum(col("time/step"))),
+        "idle": 1.0 - busy / (workers * sum(col("time/step", rows))),
         "partial": sum(col("async/partial_samples", rows)),
         "samples_per_s": sum(col("samples/total")) / sum(col("time/step")),
         "step": statistics.median(col("time/step")), "train": statistics.median(col("time/train")),
