@@ -104,7 +104,8 @@ class TrainerConfig:
             flight: the engine workers stop between tokens, load the new weights and continue the unfinished
             responses with them (no token thrown away; the prompt and tokens so far are prefilled again). Each
             token records the version that sampled it (``Sample.token_versions``); a sample's staleness is its
-            oldest token's. Needs an engine that ``supports_interrupt`` (``--engine hf``). docs/asynchronous.md.
+            oldest token's. Needs an engine that ``supports_interrupt`` (``--engine hf``, or ``--engine vllm`` in
+            its default in-process mode). docs/asynchronous.md.
     """
 
     max_steps: int = 30
@@ -311,7 +312,7 @@ class Trainer:
         if c.partial_rollouts and not self.engine.supports_interrupt:
             raise ConfigError(f"--trainer.partial_rollouts true: the {type(self.engine).__name__} engine cannot stop "
                               "between tokens for a weight update (supports_interrupt); use --engine hf with "
-                              "--engine.use_generate false")
+                              "--engine.use_generate false, or --engine vllm without --engine.separate_process")
         world = self._world_size()
         if c.controllers not in (None, 1, world):
             raise ConfigError(f"--trainer.controllers {c.controllers}: valid choices are 1 (one controller drives "

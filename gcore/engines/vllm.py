@@ -12,6 +12,12 @@ child process, as vLLM does by default; the weights then travel through vLLM's w
 (``init_weight_transfer_engine``/``start_weight_update``/``update_weights``/``finish_weight_update``)
 with gcore's ``gcore_broadcast`` backend: packed buckets broadcast over a two-rank gloo (CPU) or
 NCCL (GPU) group. See :mod:`gcore.engines.vllm_sync`.
+
+Partial rollouts (``interrupt`` set by the worker): in the in-process mode ``generate`` drives the engine as
+``LLM.generate`` does (``llm_engine.add_request``, then ``step`` until done), asks ``interrupt`` between steps and,
+once it says True, aborts the unfinished requests and returns each completion's tokens so far (``finished``
+False). The separate-process mode does not support it (``supports_interrupt`` is False). After every weight sync
+the prefix cache is reset: its blocks hold keys and values of the old weights.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 import importlib
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +53,10 @@ def _import_vllm():  # noqa: ANN202
 
 class VLLMEngine(Engine):
     """Generation with vLLM.
+
+    With ``interrupt`` set (partial rollouts) and the engine core in this process, it stops between engine steps
+    when ``interrupt`` says so and returns the tokens so far (unfinished); with ``separate_process`` it does not
+    support interruption (``supports_interrupt`` is False).
 
     Args:
         gpu_memory_utilization: share of GPU memory vLLM may take (weights + KV cache).
@@ -106,6 +116,11 @@ class VLLMEngine(Engine):
         self.asleep = False
         self.last_sync_seconds = 0.0
 
+    @property
+    def supports_interrupt(self) -> bool:
+        """In this process the engine is stepped here and stops between steps; the separate-process mode does not."""
+        return not self.separate_process
+
     def setup(self, source: ModelSource, device: torch.device) -> None:
         # the engine core in this process (in-memory sync) or in a child process (broadcast sync)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.separate_process else "0"
@@ -162,8 +177,51 @@ class VLLMEngine(Engine):
             detokenize=False,
         )
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        if self.interrupt is not None and self.supports_interrupt:
+            return self._generate_interruptible(requests, sampling, self.interrupt)
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         return [[to_generation(c) for c in out.outputs] for out in outputs]
+
+    def _generate_interruptible(self, requests: list, sampling: Any,  # noqa: ANN401 - vllm.SamplingParams
+                                interrupt: Callable[[], bool]) -> list[list[Generation]]:
+        """``LLM.generate`` as ``LLM._run_engine`` does it (``add_request``, then ``step`` until done), asking
+        ``interrupt`` between steps; once it says True the unfinished requests are aborted and each completion
+        returns its tokens so far (``finished`` False). vLLM's ``n`` stays: a parent request whose children's
+        outputs carry their index. Outputs come as deltas (``RequestOutputKind.DELTA``), gathered here."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        sampling.output_kind = RequestOutputKind.DELTA
+        ids = [str(next(self.llm.request_counter)) for _ in requests]  # the LLM's own ids: none is reused
+        row = {request_id: i for i, request_id in enumerate(ids)}
+        n = sampling.n
+        tokens: list[list[list[int]]] = [[[] for _ in range(n)] for _ in requests]
+        logprobs: list[list[list[float]]] = [[[] for _ in range(n)] for _ in requests]
+        finished = [[False] * n for _ in requests]
+        render = getattr(self.llm, "_preprocess_cmpl", None)  # what LLM.generate does; else add_request renders
+        inputs = render(requests) if render is not None else requests
+        added: list[str] = []
+        try:
+            for request_id, request in zip(ids, inputs, strict=True):
+                engine.add_request(request_id, request, sampling)
+                added.append(request_id)
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    i = row[output.request_id]
+                    for completion in output.outputs:
+                        new_tokens, new_logprobs = sampled(completion)
+                        tokens[i][completion.index] += new_tokens
+                        logprobs[i][completion.index] += new_logprobs
+                        finished[i][completion.index] = completion.finish_reason == "stop"
+                if engine.has_unfinished_requests() and interrupt():  # a weight update came: stop here
+                    engine.abort_request(ids)
+                    break
+        except BaseException:
+            if added:
+                engine.abort_request(added)
+            raise
+        return [[Generation(tokens[i][j], logprobs[i][j], finished[i][j]) for j in range(n)]
+                for i in range(len(requests))]
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         if self.llm is None:
@@ -171,6 +229,7 @@ class VLLMEngine(Engine):
         if self.sender is not None:  # the model lives in vLLM's engine process: broadcast buckets
             start = time.perf_counter()
             sent = self.sender.send(weights)
+            self._forget_old_kv()
             self.last_sync_seconds = time.perf_counter() - start
             return sent
         start, received = time.perf_counter(), [0]
@@ -191,8 +250,15 @@ class VLLMEngine(Engine):
                              "(--engine.sync_timeout_s)") from err
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        self._forget_old_kv()
         self.last_sync_seconds = time.perf_counter() - start
         return received[0]
+
+    def _forget_old_kv(self) -> None:
+        """Drop the prefix cache after a weight sync: its blocks hold keys and values of the old weights, which a
+        prompt that shares a full block with an earlier one (a repeated prompt, a continued response) would reuse."""
+        if not self.llm.reset_prefix_cache():
+            raise GcoreError("vLLM could not reset its prefix cache after a weight sync (requests were running)")
 
     def sleep(self) -> None:
         if self.llm is not None and self.device.type == "cuda" and not self.asleep:
@@ -213,13 +279,19 @@ class VLLMEngine(Engine):
         self.llm = None
 
 
-def to_generation(completion) -> Generation:  # noqa: ANN001 - vllm.CompletionOutput
-    """gcore's ``Generation`` from one vLLM ``CompletionOutput`` (token ids + sampled logprobs)."""
+def sampled(completion) -> tuple[list[int], list[float]]:  # noqa: ANN001 - vllm.CompletionOutput
+    """One vLLM ``CompletionOutput``'s token ids and each sampled token's log-probability."""
     token_ids = list(completion.token_ids)
     if completion.logprobs is None:
         raise GcoreError("vLLM returned no logprobs; the engine must request logprobs=0")
     if len(completion.logprobs) != len(token_ids):
         raise GcoreError(f"vLLM returned {len(completion.logprobs)} logprobs for {len(token_ids)} tokens")
     logprobs = [float(position[token].logprob) for position, token in zip(completion.logprobs, token_ids, strict=False)]
+    return token_ids, logprobs
+
+
+def to_generation(completion) -> Generation:  # noqa: ANN001 - vllm.CompletionOutput
+    """gcore's ``Generation`` from one vLLM ``CompletionOutput`` (token ids + sampled logprobs)."""
+    token_ids, logprobs = sampled(completion)
     return Generation(token_ids, logprobs, finished=completion.finish_reason == "stop")
 

@@ -199,3 +199,141 @@ def test_three_turn_episodes_are_the_engines_tokens_and_the_trainers_logprobs(tm
     gap, samples = three_turn_trajectory_gap(engine, backend, tokenizer)
     assert all(s.turns == 3 and s.finished for s in samples)
     assert gap < PARITY
+
+
+# -- partial rollouts (--trainer.partial_rollouts): the engine stops between steps when ``interrupt`` says so ---------
+
+LONG = [3 + i % 40 for i in range(150)]  # longer than a KV block on CPU (128): its first block is prefix-cached
+
+
+@pytest.fixture(scope="module")
+def two_vllm_policies(tmp_path_factory):
+    """A tiny model's checkpoint, a vLLM engine with its weights (old), one with other weights (new), a third one
+    for the worker's runtime, the checkpoint's weights and the other ones. The engines live as long as the module:
+    vLLM's in-process engines share the process's parallel groups, which the first one shut down takes with it."""
+    import gc
+
+    from safetensors.torch import load_file
+
+    from gcore.engines.vllm import VLLMEngine
+
+    if torch.cuda.is_available():
+        pytest.skip("vLLM's CPU backend is not installed on GPU machines")
+    gc.collect()  # the engines of earlier tests go now, not while these run
+    path = materialize(ModelConfig(num_hidden_layers=2), char_tokenizer(), 0,
+                       str(tmp_path_factory.mktemp("vllm_policy") / "model"))
+    old, new, spare = (VLLMEngine(enforce_eager=True, max_model_len=256) for _ in range(3))
+    for engine in (old, new, spare):
+        engine.setup(ModelSource(path), torch.device("cpu"))
+    generator = torch.Generator().manual_seed(1)
+    original = sorted(load_file(f"{path}/model.safetensors").items())
+    weights = [(name, t + 0.5 * torch.randn(t.shape, generator=generator)) for name, t in original]
+    new.update_weights(weights)
+    yield path, old, new, spare, original, weights
+    for engine in (old, new, spare):
+        engine.shutdown()
+    gc.collect()
+
+
+def _close(got, want):
+    return torch.allclose(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_an_interrupt_stops_vllm_between_steps_with_the_tokens_so_far(two_vllm_policies, k):
+    """``interrupt`` turns True after the k-th engine step: each greedy generation still running is the first k
+    tokens of the uninterrupted one (same ids and log-probabilities), unfinished; with ``n`` > 1 every sample of
+    every prompt stops there too, in order; the aborted requests leave nothing behind in the engine."""
+    _, old, *_ = two_vllm_policies
+    assert old.supports_interrupt
+    prompts, params = [[5, 6, 7], [8, 9], LONG, [10, 11, 12, 13]], SamplingParams(n=1, max_new_tokens=12,
+                                                                                     temperature=0.0)
+    whole = [g for (g,) in old.generate(prompts, params)]
+    def after_k_steps():  # a fresh count for each generate
+        calls = iter(range(1, 10_000))
+        return lambda: next(calls) >= k
+
+    try:
+        old.interrupt = after_k_steps()
+        cut = [g for (g,) in old.generate(prompts, params)]
+        old.interrupt = after_k_steps()
+        sampled = old.generate(prompts, SamplingParams(n=3, max_new_tokens=12, temperature=1.0))
+    finally:
+        old.interrupt = None
+    for got, want in zip(cut, whole, strict=True):
+        assert got.token_ids == want.token_ids[: len(got.token_ids)]
+        assert _close(got.logprobs, want.logprobs[: len(got.logprobs)])
+        if len(want.token_ids) > k:  # still running at the k-th step
+            assert len(got.token_ids) == k and not got.finished
+        else:
+            assert got.token_ids == want.token_ids and got.finished == want.finished
+    assert any(not g.finished and len(g.token_ids) < params.max_new_tokens for g in cut)  # the cut did happen
+    assert [len(row) for row in sampled] == [3] * len(prompts)
+    for row in sampled:
+        for g in row:
+            assert len(g.logprobs) == len(g.token_ids) and all(lp <= 0 for lp in g.logprobs)
+            assert len(g.token_ids) == k or (g.finished and len(g.token_ids) < k)
+    assert [g for (g,) in old.generate(prompts, params)] == whole  # nothing left of the aborted requests
+
+
+def _expected(old, new, prompts, params, cuts):
+    """Greedy decoding when the weights change after ``cuts[0]`` tokens (and ``cuts[1]``, ...): the old weights'
+    first tokens, then the new weights' continuation of the prompt and the tokens so far (as
+    tests/trainer/test_partial_rollouts.py computes it for the hf engine)."""
+    from gcore.types import Generation
+
+    engines = [old, *[new] * len(cuts)]
+    bounds = [0, *cuts, params.max_new_tokens]
+    out = []
+    for prompt in prompts:
+        tokens, logprobs, versions, finished = [], [], [], False
+        for version, (engine, start, end) in enumerate(zip(engines, bounds, bounds[1:], strict=False)):
+            if finished or end <= start:
+                continue
+            (g,), = engine.generate([prompt + tokens], SamplingParams(n=1, max_new_tokens=end - start,
+                                                                      temperature=0.0))
+            tokens, logprobs, finished = tokens + g.token_ids, logprobs + g.logprobs, g.finished
+            versions += [version] * len(g.token_ids)
+        out.append(Generation(tokens, logprobs, finished, versions if any(versions) else None))
+    return out
+
+
+@pytest.mark.parametrize("cuts", [[4], [3, 7]])
+def test_a_partial_rollout_on_vllm_continues_every_unfinished_response_with_the_new_weights(two_vllm_policies, cuts):
+    """The worker's runtime on a vLLM engine, the update's arrival injected (``pending`` turns true at the k-th
+    step, after the k-th token): the tokens before it are the old weights', those after it the new weights'
+    continuation (its prompt, a KV block long, is not served from the old weights' prefix cache), one more
+    version per update."""
+    from gcore.engines.pool import POLICY, RoleSpec, _WorkerRuntime
+    from gcore.engines.vllm import VLLMEngine
+
+    path, old, new, spare, original, weights = two_vllm_policies
+    runtime = _WorkerRuntime({POLICY: RoleSpec(VLLMEngine(enforce_eager=True, max_model_len=256), ModelSource(path))},
+                             release=True, device=torch.device("cpu"))
+    spare.update_weights(original)  # the checkpoint's weights (an earlier case left the new ones)
+    runtime.engines[POLICY], runtime.role = spare, POLICY  # what ``switch`` would set up, without a 4th engine
+    steps = iter(range(1, 10_000))
+    arrivals = set(cuts)
+    updates = []
+
+    def pending() -> bool:  # called once per engine step while requests run
+        return next(steps) in arrivals
+
+    def take_sync() -> None:
+        updates.append(1)
+        runtime._engine(POLICY).update_weights(weights)
+
+    prompts, params = [[5, 6, 7], [8, 9], LONG, [10, 11, 12, 13]], SamplingParams(n=1, max_new_tokens=12,
+                                                                                     temperature=0.0)
+    out = runtime.generate_partial(POLICY, prompts, params, None, None, pending, take_sync)
+    assert spare.interrupt is None  # put back
+    expected = _expected(old, new, prompts, params, cuts)
+    assert len(updates) == len(cuts)
+    for (got,), want in zip(out, expected, strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.versions == want.versions
+        assert got.finished == want.finished
+        assert _close(got.logprobs, want.logprobs)
+    assert any(g.versions and max(g.versions) == len(cuts) for (g,) in out)  # the cuts did happen
+    if len(cuts) == 1:  # tokens 0 up to the cut, 1 after it
+        assert any(g.versions == [0] * cuts[0] + [1] * (len(g.token_ids) - cuts[0]) for (g,) in out)
