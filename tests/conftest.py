@@ -260,3 +260,28 @@ def three_turn_trajectory_gap(engine, backend, tokenizer):
     assert int(batch.response_mask.sum()) == sum(sum(s.response_mask) for s in samples)
     trainer = backend.compute_logprobs(batch, "policy")
     return float(((trainer - batch.engine_logprobs) * batch.response_mask).abs().max()), samples
+
+
+def greedy_with_updates(old, new, prompts, params, cuts):
+    """Partial rollouts' reference (tests/trainer/test_partial_rollouts.py, tests/engines/test_vllm.py): what greedy
+    decoding gives when the weights change after ``cuts[0]`` tokens (and ``cuts[1]``, ...): the old
+    weights' first tokens, then each newer engine's continuation of the prompt and the tokens so far."""
+    from gcore.types import Generation, SamplingParams
+
+    engines = [old, *[new] * len(cuts)]
+    bounds = [0, *cuts, params.max_new_tokens]
+    out = []
+    for prompt in prompts:
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        finished = False
+        for version, (engine, start, end) in enumerate(zip(engines, bounds, bounds[1:], strict=False)):
+            if finished or end <= start:
+                continue
+            (g,), = engine.generate([prompt + tokens], SamplingParams(n=1, max_new_tokens=end - start,
+                                                                      temperature=0.0))
+            tokens, logprobs, finished = tokens + g.token_ids, logprobs + g.logprobs, g.finished
+            versions += [version] * len(g.token_ids)
+        out.append(Generation(tokens, logprobs, finished, versions if any(versions) else None))
+    return out

@@ -5,7 +5,7 @@ Runs where vLLM is installed (its own venv in CI: see .ci/run); skipped elsewher
 
 import pytest
 import torch
-from conftest import engine_logprob_gap, stale_after_train_step
+from conftest import engine_logprob_gap, greedy_with_updates, stale_after_train_step
 from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, SamplingParams, TorchBackend, Trainer, TrainerConfig
@@ -276,28 +276,6 @@ def test_an_interrupt_stops_vllm_between_steps_with_the_tokens_so_far(two_vllm_p
     assert [g for (g,) in old.generate(prompts, params)] == whole  # nothing left of the aborted requests
 
 
-def _expected(old, new, prompts, params, cuts):
-    """Greedy decoding when the weights change after ``cuts[0]`` tokens (and ``cuts[1]``, ...): the old weights'
-    first tokens, then the new weights' continuation of the prompt and the tokens so far (as
-    tests/trainer/test_partial_rollouts.py computes it for the hf engine)."""
-    from gcore.types import Generation
-
-    engines = [old, *[new] * len(cuts)]
-    bounds = [0, *cuts, params.max_new_tokens]
-    out = []
-    for prompt in prompts:
-        tokens, logprobs, versions, finished = [], [], [], False
-        for version, (engine, start, end) in enumerate(zip(engines, bounds, bounds[1:], strict=False)):
-            if finished or end <= start:
-                continue
-            (g,), = engine.generate([prompt + tokens], SamplingParams(n=1, max_new_tokens=end - start,
-                                                                      temperature=0.0))
-            tokens, logprobs, finished = tokens + g.token_ids, logprobs + g.logprobs, g.finished
-            versions += [version] * len(g.token_ids)
-        out.append(Generation(tokens, logprobs, finished, versions if any(versions) else None))
-    return out
-
-
 @pytest.mark.parametrize("cuts", [[4], [3, 7]])
 def test_a_partial_rollout_on_vllm_continues_every_unfinished_response_with_the_new_weights(two_vllm_policies, cuts):
     """The worker's runtime on a vLLM engine, the update's arrival injected (``pending`` turns true at the k-th
@@ -327,7 +305,7 @@ def test_a_partial_rollout_on_vllm_continues_every_unfinished_response_with_the_
                                                                                      temperature=0.0)
     out = runtime.generate_partial(POLICY, prompts, params, None, None, pending, take_sync)
     assert spare.interrupt is None  # put back
-    expected = _expected(old, new, prompts, params, cuts)
+    expected = greedy_with_updates(old, new, prompts, params, cuts)
     assert len(updates) == len(cuts)
     for (got,), want in zip(out, expected, strict=True):
         assert got.token_ids == want.token_ids

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 import torch
-from conftest import FAST
+from conftest import FAST, greedy_with_updates
 
 from gcore.engines.hf import HFEngine
 from gcore.engines.pool import POLICY, RoleSpec, WorkerPool, _WorkerRuntime
 from gcore.model import ModelConfig, ModelSource, char_tokenizer, materialize
-from gcore.types import Generation, SamplingParams
+from gcore.types import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -31,29 +31,6 @@ def two_policies(tmp_path_factory):
                for name, t in old.model.state_dict().items()]
     new.update_weights(weights)
     return path, old, new, weights
-
-
-def _expected(old: HFEngine, new: HFEngine, prompts: list[list[int]], params: SamplingParams,
-              cuts: list[int]) -> list[Generation]:
-    """What greedy decoding gives when the weights change after ``cuts[0]`` tokens (and ``cuts[1]``, ...): the old
-    weights' first tokens, then each newer engine's continuation of the prompt and the tokens so far."""
-    engines = [old, *[new] * len(cuts)]
-    bounds = [0, *cuts, params.max_new_tokens]
-    out = []
-    for prompt in prompts:
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        finished = False
-        for version, (engine, start, end) in enumerate(zip(engines, bounds, bounds[1:], strict=False)):
-            if finished or end <= start:
-                continue
-            (g,), = engine.generate([prompt + tokens], SamplingParams(n=1, max_new_tokens=end - start,
-                                                                      temperature=0.0))
-            tokens, logprobs, finished = tokens + g.token_ids, logprobs + g.logprobs, g.finished
-            versions += [version] * len(g.token_ids)
-        out.append(Generation(tokens, logprobs, finished, versions if any(versions) else None))
-    return out
 
 
 @pytest.mark.parametrize("cuts", [[4], [3, 7]])
@@ -78,7 +55,7 @@ def test_a_partial_rollout_continues_every_unfinished_response_with_the_new_weig
 
     prompts, params = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], SamplingParams(n=2, max_new_tokens=12, temperature=0.0)
     out = runtime.generate_partial(POLICY, prompts, params, None, None, pending, take_sync)
-    expected = _expected(old, new, prompts, params, cuts)  # the k-th call comes after the k-th token
+    expected = greedy_with_updates(old, new, prompts, params, cuts)  # the k-th call comes after the k-th token
     assert len(updates) == len(cuts)
     assert runtime._engine(POLICY).interrupt is None  # put back
     for row, want in zip(out, expected, strict=True):
@@ -116,7 +93,7 @@ def test_a_weight_sync_reaches_a_worker_during_its_generation_and_the_responses_
     assert cut is not None, "the update did not land during the generation"
     for g in got:
         assert g.versions == [0] * cut + [1] * (len(g.token_ids) - cut)  # every row cut at the same token
-    assert [g.token_ids for g in got] == [g.token_ids for g in _expected(old, new, prompts, params, [cut])]
+    assert [g.token_ids for g in got] == [g.token_ids for g in greedy_with_updates(old, new, prompts, params, [cut])]
 
 
 def test_partial_rollouts_need_max_staleness_and_an_engine_that_stops_between_tokens():
