@@ -174,7 +174,10 @@ def test_a_frozen_controller_is_named_and_every_process_ends(tmp_path, victim):
     while time.time() < deadline and process.poll() is None and (
             not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
         time.sleep(0.2)
-    assert process.poll() is None, process.communicate()
+    if process.poll() is not None:  # the whole of what it said, not a shortened repr
+        out, err = process.communicate()
+        raise AssertionError(f"the run ended (exit {process.returncode}) before a controller was frozen:\n"
+                             f"{out[-3000:]}\n{err[-6000:]}")
     children = psutil.Process(process.pid).children()
     assert len(children) == 1  # controller 0 launched controller 1
     frozen = process.pid if victim == 0 else children[0].pid
