@@ -109,13 +109,14 @@ def test_partial_rollouts_need_max_staleness_and_an_engine_that_stops_between_to
 
 @pytest.mark.integration
 @pytest.mark.slow  # a CLI run with two engine workers
-def test_fit_with_partial_rollouts_trains_within_the_staleness_bound(tmp_path):
-    """Three steps with K = 1 and partial rollouts on two engine workers: each token's version is logged through
-    ``async/token_staleness_mean`` (between 0 and 1), no sample is trained more than one version old, and the
-    run trains. How many samples an update cuts is a matter of timing (``async/partial_samples``, >= 0)."""
+@pytest.mark.parametrize("placement", ["static", "dynamic"])
+def test_fit_with_partial_rollouts_trains_within_the_staleness_bound(tmp_path, placement):
+    """Three steps with K = 1 and partial rollouts on two engine workers, static or dynamic: each token's version
+    is logged through ``async/token_staleness_mean`` (between 0 and 1), no sample is trained more than one version
+    old, and the run trains. How many samples an update cuts is a matter of timing (``async/partial_samples``)."""
     cmd = [sys.executable, "-m", "gcore", "fit", "--trainer.default_root_dir", str(tmp_path), *FAST,
            "--trainer.save_final", "false", "--trainer.max_steps", "3", "--trainer.max_staleness", "1",
-           "--trainer.partial_rollouts", "true", "--placement", "static", "--placement.workers", "2",
+           "--trainer.partial_rollouts", "true", "--placement", placement, "--placement.workers", "2",
            "--sampling.max_new_tokens", "48"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
