@@ -365,8 +365,11 @@ class _WorkerRuntime:
         try:
             out = self.generate(role, prompts, params, seed, visual)
             budget, loads = params.max_new_tokens, 0
-            cut = [(i, j) for i, row in enumerate(out) for j, g in enumerate(row)
-                   if not g.finished and len(g.token_ids) < budget]
+
+            def cut_short(g: Generation) -> bool:  # stopped by an update: neither finished nor at the budget
+                return not g.finished and len(g.token_ids) < budget
+
+            cut = [(i, j) for i, row in enumerate(out) for j, g in enumerate(row) if cut_short(g)]
             while cut:
                 take_sync()  # the update is there: it is what stopped the engine
                 loads += 1
@@ -380,7 +383,7 @@ class _WorkerRuntime:
                         versions = (g.versions or [0] * len(g.token_ids)) + [loads] * len(extra.token_ids)
                         out[i][j] = Generation(g.token_ids + extra.token_ids, g.logprobs + extra.logprobs,
                                                extra.finished, versions)
-                cut = [(i, j) for i, j in cut if not out[i][j].finished and len(out[i][j].token_ids) < budget]
+                cut = [(i, j) for i, j in cut if cut_short(out[i][j])]
             return out
         finally:
             engine.interrupt = None
@@ -715,8 +718,9 @@ class WorkerPool:
         assert self.weights is not None  # set by sync_weights
         running = self._busy_with[i]
         conn = self._conns[i]
-        partial = running is not None and running.kind == "generate" and len(running.args) > 5 and running.args[5]
-        if not (self.partial_rollouts and partial and conn is not None and i not in self._side):
+        # with ``partial_rollouts`` every policy generate request says ``partial`` (``submit_split``, dynamic placement)
+        generating = running is not None and running.kind == "generate" and running.role == POLICY
+        if not (self.partial_rollouts and generating and conn is not None and i not in self._side):
             return self.submit("sync", (self.weights.ref(),), [i])
         job = Job(next(self._ids), "sync", (self.weights.ref(),), (i,), worker=i, sent=time.monotonic(), attempts=1)
         self._jobs[job.id] = job
