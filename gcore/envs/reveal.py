@@ -7,7 +7,7 @@ observation carries the digit, so a policy that scores more than a constant digi
 to use what the environment told it.
 
 The digit is written ``repeat`` times: the randomly initialised tiny model does not learn, within a
-test's 40 steps, to find one digit after its first turn's random characters (with the digit once:
+test's 60 steps, to find one digit after its first turn's random characters (with the digit once:
 mean reward 0.09 after 60 steps, the same as an observation without the digit), while with 8 copies
 it reaches about 0.3 (tests/envs/test_reveal_learning.py has the measured spread).
 """
