@@ -11,11 +11,12 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import yaml
 
 from gcore import registry
-from gcore.config_errors import check_config_file, config_paths, unknown_option
+from gcore.config_errors import check_config_file, config_paths, locate, placed, unknown_option
 from gcore.errors import ConfigError, GcoreError
 
 #: the default plugin of each family
@@ -164,19 +165,26 @@ def parse(parser, argv: Sequence[str]):  # noqa: ANN001, ANN201  a jsonargparse 
         return parser.parse_args(with_default_plugins(resolve_argv(argv)))
     except ArgumentError as err:
         unknown = unknown_option(str(err), parser)
-        text = unknown.describe(configs) if unknown is not None else one_line(str(err))
+        text = unknown.describe(configs) if unknown is not None else one_line(str(err), configs, argv)
         raise ConfigError(f"{text} (gcore fit --help lists the options)") from None
 
 
-def one_line(message: str) -> str:
-    """jsonargparse's error message in one line: ``--trainer.max_steps: Expected a <class 'int'>. Got value:
-    abc`` for a nested one (the option's keys joined, the innermost expectation), else its lines joined."""
+def one_line(message: str, configs: Sequence[str] = (), argv: Sequence[str] = ()) -> str:
+    """jsonargparse's error message in one line: for a value of the wrong type the option's keys joined and the
+    innermost expectation, where it was set: ``--trainer.max_steps: Expected a <class 'int'>. Got value: abc`` on
+    the command line, ``cfg.yaml:3: trainer.max_steps: ...`` in the last of ``configs`` that sets it (a flag
+    overrides a file, a later file an earlier one); any other message's lines joined."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
-    keys = [m.group(1) for line in lines if (m := re.match(r'Parser key "([^"]+)":', line))]
+    keys = [key for line in lines if (m := re.match(r'Parser key "([^"]+)":', line)) for key in m.group(1).split(".")]
     expected = next((line for line in lines if line.startswith("Expected a ") and "Got value" in line), None)
-    if keys and expected is not None:
-        return f"--{'.'.join(keys)}: {expected}"
-    return " ".join(lines)[:500]
+    if not keys or expected is None:
+        return " ".join(lines)[:500]
+    flag, got = f"--{'.'.join(keys)}", expected.partition("Got value: ")[2]
+    typed = [after for arg, after in zip(argv, [*argv[1:], ""], strict=True) if arg == flag]
+    typed += [arg.partition("=")[2] for arg in argv if arg.startswith(f"{flag}=")]
+    # jsonargparse checks a config file as it reads it, before a flag that overrides the value
+    where = "" if got in typed else locate(list(reversed(configs)), keys)
+    return f"{where}{'.'.join(keys)}: {expected}" if where else f"{flag}: {expected}"
 
 
 def with_default_plugins(argv: Sequence[str]) -> list[str]:
@@ -228,12 +236,8 @@ def _families_in_config(path: str) -> set[str]:
             or (isinstance(data.get(family), dict) and "class_path" in data[family])}
 
 
-def fit_main(argv: Sequence[str]) -> int:
-    """``gcore fit``: parse, build every plugin, train."""
-    from gcore.trainer import Trainer
-
-    parser = build_fit_parser()
-    config = parse(parser, argv)
+def _instantiate(parser, config) -> dict[str, Any]:  # noqa: ANN001  a jsonargparse parser and Namespace
+    """The ``Trainer``'s arguments: the configs and plugins built from ``config``."""
     try:
         init = parser.instantiate_classes(config)
     except GcoreError:
@@ -241,8 +245,20 @@ def fit_main(argv: Sequence[str]) -> int:
     except (TypeError, ValueError) as err:  # a plugin's constructor rejected its arguments
         _explain_plugin_error(config)
         raise GcoreError(f"invalid configuration: {str(err).splitlines()[0]}") from None
-    kwargs = {key: init[key] for key in ("trainer", "model", "data", "sampling", *registry.GROUPS)}
-    result = Trainer(**kwargs).fit()
+    return {key: init[key] for key in ("trainer", "model", "data", "sampling", *registry.GROUPS)}
+
+
+def fit_main(argv: Sequence[str]) -> int:
+    """``gcore fit``: parse, build every plugin, train."""
+    from gcore.trainer import Trainer
+
+    parser = build_fit_parser()
+    config = parse(parser, argv)
+    try:
+        result = Trainer(**_instantiate(parser, config)).fit()
+    except ConfigError as err:  # a check naming its option: where a config file set it, the file and line
+        err.args = (placed(str(err), config_paths(argv), argv),)
+        raise
     if result.run_dir is not None:
         print(f"metrics and config: {result.run_dir}")
     if result.final_model_dir is not None:

@@ -134,6 +134,23 @@ def _class_options(class_path: str) -> tuple[str, ...]:
     return _options(parser, "")
 
 
+_NAMED_FLAG = re.compile(r"--([A-Za-z_]\w*(?:\.\w+)+)")
+
+
+def placed(message: str, configs: Sequence[str], argv: Sequence[str]) -> str:
+    """A check's message that begins with the option it refuses (``--trainer.max_steps must be >= 1, got -1``),
+    with the option's file and line in its stead when a config file set it and the command line did not
+    (``cfg.yaml:2: trainer.max_steps must be >= 1, got -1``); any other message as it is."""
+    m = _NAMED_FLAG.match(message)
+    if m is None or not configs:
+        return message
+    flag = m.group(0)
+    if any(arg == flag or arg.startswith(f"{flag}=") for arg in argv):
+        return message
+    where = locate(list(reversed(configs)), m.group(1).split("."))  # the last file that sets it wins
+    return f"{where}{message[2:]}" if where else message
+
+
 def locate(configs: Sequence[str], keys: Sequence[str]) -> str:
     """``cfg.yaml:3: ``: the file and line of the last of ``keys`` in the first config file that holds them
     all (a plugin's options may sit under ``init_args``); empty when none does (a command-line option)."""

@@ -166,3 +166,24 @@ def test_an_unknown_plugin_option_names_the_line_the_class_and_its_options(tmp_p
     error = _fit_error(tmp_path, monkeypatch, capsys, "--algorithm.klcoef", "0.1")
     assert error.startswith("gcore: error: unknown option --algorithm.klcoef of gcore.algorithms.grpo.GRPO (did you "
                             "mean --algorithm.kl_coef?); valid choices under --algorithm: ")
+
+
+@pytest.mark.parametrize(("text", "flags", "error"), [
+    ("trainer:\n  max_steps: 2\n  seed: abc\n", [],
+     "cfg.yaml:3: trainer.seed: Expected a <class 'int'>. Got value: abc (gcore fit --help lists the options)"),
+    ("reward:\n  class_path: generative\n  init_args:\n    max_new_tokens: lots\n", [],
+     "cfg.yaml:4: reward.max_new_tokens: Expected a <class 'int'>. Got value: lots (gcore fit --help lists the "
+     "options)"),
+    ("trainer:\n  max_steps: -1\n", [], "cfg.yaml:2: trainer.max_steps must be >= 1, got -1"),
+    ("placement:\n  class_path: dynamic\n  init_args:\n    workers: -2\n", [],
+     "cfg.yaml:4: placement.workers must be >= 0 (0: one per core), got -2"),
+    # the command line's value overrides the file's: the flag is named
+    ("trainer:\n  max_steps: -1\n", ["--trainer.max_steps", "0"], "--trainer.max_steps must be >= 1, got 0"),
+    ("sampling:\n  n: 4\n", ["--trainer.seed=xyz"],
+     "--trainer.seed: Expected a <class 'int'>. Got value: xyz (gcore fit --help lists the options)"),
+], ids=["type", "plugin-type", "check", "plugin-check", "flag-check", "flag-type"])
+def test_a_bad_value_in_a_config_file_names_the_file_and_line(tmp_path, monkeypatch, capsys, text, flags, error):
+    """A value of the wrong type, or one a check refuses, names the config file and line that set it; a flag that
+    overrides the file is named as a flag."""
+    (tmp_path / "cfg.yaml").write_text(text)
+    assert _fit_error(tmp_path, monkeypatch, capsys, "--config", "cfg.yaml", *flags) == f"gcore: error: {error}"
