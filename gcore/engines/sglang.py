@@ -9,14 +9,23 @@ On CPUs it runs SGLang 0.5.15.post1's CPU engine (``SGLANG_USE_CPU_ENGINE=1``), 
 environment of its own by ``scripts/install_sglang_cpu.sh`` (see docs/engines.md). There SGLang's
 memory release frees nothing, so ``sleep`` shuts the engine's processes down and ``wake_up`` starts
 them again from the checkpoint; the next weight sync brings the trainer's weights back.
+
+Partial rollouts (``interrupt`` set by the worker): ``generate`` streams (``stream=True``: each request's tokens and
+log-probabilities so far, one message per new token), asks ``interrupt`` after each message and, once it says True,
+aborts the unfinished requests (SGLang's ``abort_request``) and returns each one's tokens so far (``finished``
+False). The tokens SGLang made after the last message read are dropped with the aborted requests. A weight sync
+flushes SGLang's prefix cache (``flush_cache`` on its last bucket): its entries hold keys and values of the old
+weights, which a continued response (its prompt and tokens so far) would otherwise reuse.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -167,6 +176,11 @@ class SGLangEngine(Engine):
         self._launch: dict[str, Any] = {}
         self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gcore-sglang")
 
+    @property
+    def supports_interrupt(self) -> bool:
+        """SGLang streams each request's tokens here: ``generate`` stops when ``interrupt`` says so."""
+        return True
+
     def _call(self, what: str, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         """``fn(*args, **kwargs)`` on the call thread, under the timeout; fails early if an SGLang process died."""
         future = self._calls.submit(fn, *args, **kwargs)
@@ -264,8 +278,6 @@ class SGLangEngine(Engine):
         self.processes = []
         loop = getattr(engine, "loop", None)  # each Engine makes its own event loop
         if loop is not None and not loop.is_closed() and not loop.is_running():
-            import asyncio
-
             pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
             for task in pending:
                 task.cancel()  # its tokenizer manager's receive loops, waiting on the ended processes
@@ -278,9 +290,48 @@ class SGLangEngine(Engine):
         if self.stale:
             raise GcoreError("SGLang restarted from the checkpoint after sleep: sync the weights before generating")
         flat = [list(p) for p in prompts for _ in range(params.n)]
-        outputs = self._call("generate", self.engine.generate, input_ids=flat,
-                             sampling_params=sampling_dict(params), return_logprob=True)
+        if self.interrupt is not None:
+            outputs = self._call("generate", self._generate_interruptible, flat, sampling_dict(params), self.interrupt)
+        else:
+            outputs = self._call("generate", self.engine.generate, input_ids=flat,
+                                 sampling_params=sampling_dict(params), return_logprob=True)
         return group_outputs(outputs, len(prompts), params.n)
+
+    def _generate_interruptible(self, flat: list[list[int]], sampling: dict[str, Any],
+                                interrupt: Callable[[], bool]) -> list[dict[str, Any]]:
+        """``Engine.generate`` streamed (each request's output so far, one message per new token, ``index`` its
+        position), asking ``interrupt`` after each message; once it says True the unfinished requests are aborted
+        and each one's output is its last message read (tokens so far, no finish reason: ``finished`` False). The
+        stream is then read to its end (each aborted request's last message), which leaves nothing in SGLang."""
+        asyncio.set_event_loop(self.engine.loop)  # abort_request's socket sends on this thread's current loop
+        rids = [uuid.uuid4().hex for _ in flat]  # named here, to abort them
+        last: list[dict[str, Any]] = [{"output_ids": [], "meta_info": {"output_token_logprobs": []}} for _ in flat]
+        running = set(range(len(flat)))
+        stream = self.engine.generate(input_ids=flat, sampling_params=sampling, return_logprob=True, stream=True,
+                                      rid=rids)
+        try:
+            for chunk in stream:
+                if not running:  # cut: what comes now is the aborted requests' ends
+                    continue
+                i, meta = chunk["index"], chunk["meta_info"]
+                # copies: SGLang keeps extending the lists of an unfinished request's messages
+                last[i] = {"output_ids": list(chunk["output_ids"]),
+                           "meta_info": {"finish_reason": meta["finish_reason"],
+                                         "output_token_logprobs": list(meta["output_token_logprobs"])}}
+                if meta["finish_reason"] is not None:
+                    running.discard(i)
+                if running and interrupt():  # a weight update came: stop here
+                    self._abort(rids[j] for j in running)
+                    running.clear()
+        except BaseException:
+            self._abort(rids[j] for j in running)
+            raise
+        return last
+
+    def _abort(self, rids: Iterable[str]) -> None:
+        """Abort SGLang requests by id (one that has finished meanwhile is left alone)."""
+        for rid in rids:
+            self.engine.tokenizer_manager.abort_request(rid)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         if self.engine is None:

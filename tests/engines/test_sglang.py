@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import engine_logprob_gap, stale_after_train_step
+from conftest import engine_logprob_gap, greedy_with_updates, stale_after_train_step
 
 from gcore import SamplingParams
 from gcore.engines.sglang import buckets, group_outputs, sampling_dict, to_generation
@@ -267,3 +267,142 @@ def test_three_turn_episodes_are_the_engines_tokens_and_the_trainers_logprobs(tm
         assert gap < PARITY
     finally:
         engine.shutdown()
+
+
+# -- partial rollouts (--trainer.partial_rollouts): generate streams and stops when ``interrupt`` says so ------------
+
+LONG = [3 + i % 40 for i in range(150)]  # a long prompt: its prefix is in SGLang's radix cache when continued
+PROMPTS = [[5, 6, 7], [8, 9], LONG, [10, 11, 12, 13]]
+GREEDY = SamplingParams(n=1, max_new_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def two_sglang_policies(tmp_path_factory):
+    """A tiny model's checkpoint, an SGLang engine with its weights (old), one with other weights (new), the
+    checkpoint's weights and the other ones."""
+    pytest.importorskip("sglang")
+    from safetensors.torch import load_file
+
+    from gcore import ModelConfig
+    from gcore.engines.sglang import SGLangEngine
+    from gcore.model import char_tokenizer, materialize
+
+    if torch.cuda.is_available():
+        pytest.skip("SGLang's CPU engine is installed on CPU-only machines")
+    path = materialize(ModelConfig(num_hidden_layers=2), char_tokenizer(), 0,
+                       str(tmp_path_factory.mktemp("sglang_policy") / "model"))
+    old, new = (SGLangEngine(cpu_kv_cache_tokens=4096, cpu_threads=1, timeout_s=300) for _ in range(2))
+    try:
+        for engine in (old, new):
+            engine.setup(ModelSource(path), torch.device("cpu"))
+        generator = torch.Generator().manual_seed(1)
+        original = sorted(load_file(f"{path}/model.safetensors").items())
+        weights = [(name, t + 0.5 * torch.randn(t.shape, generator=generator)) for name, t in original]
+        new.update_weights(weights)
+        yield path, old, new, original, weights
+    finally:
+        for engine in (old, new):
+            engine.shutdown()
+
+
+def _close(got, want, atol=1e-5):
+    return torch.allclose(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), atol=atol)
+
+
+def _after_calls(k):
+    """An ``interrupt`` that turns True at its k-th call."""
+    calls = iter(range(1, 10_000))
+    return lambda: next(calls) >= k
+
+
+@pytest.mark.integration
+@pytest.mark.sglang
+@pytest.mark.parametrize("k", [1, 12])
+def test_an_interrupt_stops_sglang_with_the_tokens_so_far(two_sglang_policies, k):
+    """``interrupt`` (asked after each streamed message) turns True at its k-th call: each greedy generation still
+    running is a prefix of the uninterrupted one (same ids and log-probabilities), unfinished; with ``n`` > 1 every
+    sample of every prompt is returned, in order; the aborted requests leave nothing behind in SGLang. Which
+    responses are cut, and where, depends on how SGLang's messages interleave; that some are is certain when k is
+    less than the number of requests (one message read per call: some request has none)."""
+    _, old, *_ = two_sglang_policies
+    assert old.supports_interrupt
+    whole = [g for (g,) in old.generate(PROMPTS, GREEDY)]
+    try:
+        old.interrupt = _after_calls(k)
+        cut = [g for (g,) in old.generate(PROMPTS, GREEDY)]
+        old.interrupt = _after_calls(k)
+        sampled = old.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=12, temperature=1.0))
+    finally:
+        old.interrupt = None
+    for got, want in zip(cut, whole, strict=True):
+        assert got.token_ids == want.token_ids[: len(got.token_ids)]
+        assert _close(got.logprobs, want.logprobs[: len(got.logprobs)])
+        if len(got.token_ids) < len(want.token_ids):  # cut
+            assert not got.finished
+        else:
+            assert got.finished == want.finished
+    if k < len(PROMPTS):
+        assert any(len(g.token_ids) < GREEDY.max_new_tokens for g in cut)  # the cut did happen
+    assert [len(row) for row in sampled] == [3] * len(PROMPTS)
+    if k < 3 * len(PROMPTS):
+        assert any(len(g.token_ids) < 12 for row in sampled for g in row)
+    for row in sampled:
+        for g in row:
+            assert len(g.logprobs) == len(g.token_ids) <= 12 and all(lp <= 0 for lp in g.logprobs)
+    assert not old.engine.tokenizer_manager.rid_to_state  # nothing left of the aborted requests
+    again = [g for (g,) in old.generate(PROMPTS, GREEDY)]
+    assert [g.token_ids for g in again] == [g.token_ids for g in whole]
+    assert all(_close(a.logprobs, w.logprobs) for a, w in zip(again, whole, strict=True))
+
+
+def _cuts(g):
+    """Where the weight updates cut a continued generation: how many tokens came before each new version."""
+    versions = g.versions or []
+    return [sum(v < version for v in versions) for version in range(1, max(versions, default=0) + 1)]
+
+
+@pytest.mark.integration
+@pytest.mark.sglang
+@pytest.mark.parametrize("cuts", [[3], [2, 6]])
+def test_a_partial_rollout_on_sglang_continues_every_unfinished_response_with_the_new_weights(two_sglang_policies,
+                                                                                               cuts):
+    """The worker's runtime on an SGLang engine, the update's arrival injected (``pending`` turns true at its k-th
+    call, after a streamed message): each response's tokens before its cut are the old weights', those after it the
+    new weights' continuation (not served from the old weights' prefix cache), one more version per update. Where
+    each response is cut depends on how SGLang's messages interleave: the reference is built per response. The
+    first update is certain to cut (it comes before every request has sent a message)."""
+    from gcore.engines.pool import POLICY, RoleSpec, _WorkerRuntime
+    from gcore.engines.sglang import SGLangEngine
+
+    path, old, new, original, weights = two_sglang_policies
+    runtime = _WorkerRuntime({POLICY: RoleSpec(SGLangEngine(), ModelSource(path))}, release=True,
+                             device=torch.device("cpu"))
+    old.update_weights(original)  # the checkpoint's weights (an earlier case left the new ones)
+    runtime.engines[POLICY], runtime.role = old, POLICY  # what ``switch`` would set up, without a 3rd engine
+    calls = iter(range(1, 10_000))
+    arrivals = set(cuts)
+    updates = []
+
+    def pending() -> bool:  # called once per streamed message while requests run
+        return next(calls) in arrivals
+
+    def take_sync() -> None:
+        updates.append(1)
+        runtime._engine(POLICY).update_weights(weights)
+
+    try:
+        out = runtime.generate_partial(POLICY, PROMPTS, GREEDY, None, None, pending, take_sync)
+    finally:
+        old.update_weights(original)
+    assert old.interrupt is None  # put back
+    assert len(updates) == len(cuts)
+    for prompt, (got,) in zip(PROMPTS, out, strict=True):
+        (want,) = greedy_with_updates(old, new, [prompt], GREEDY, _cuts(got))
+        assert got.token_ids == want.token_ids
+        assert got.versions == want.versions
+        assert got.finished == want.finished
+        # PARITY, not 1e-5: the reference decodes each prompt alone, the runtime them all in one batch (measured:
+        # at most about 2e-5 apart)
+        assert _close(got.logprobs, want.logprobs, PARITY)
+    assert any(g.versions and max(g.versions) == len(cuts) for (g,) in out)  # the cuts did happen
+    assert any(0 < _cuts(g)[0] < len(g.token_ids) for (g,) in out if g.versions)  # old tokens, then new ones
