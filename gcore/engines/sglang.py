@@ -176,6 +176,12 @@ class SGLangEngine(Engine):
         self._launch: dict[str, Any] = {}
         self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gcore-sglang")
 
+    def __reduce__(self) -> tuple:
+        """An engine worker (``--placement.workers``) cannot hold SGLang: it is a daemonic process, and SGLang starts
+        processes of its own. The one-line reason, instead of pickle's about the call thread's queue."""
+        raise TypeError("SGLang runs in the controller's process only (it starts processes of its own, which an engine "
+                        "worker cannot); engine workers and partial rollouts take --engine hf or vllm")
+
     @property
     def supports_interrupt(self) -> bool:
         """SGLang streams each request's tokens here: ``generate`` stops when ``interrupt`` says so."""

@@ -111,6 +111,23 @@ def test_bad_arguments_name_the_flag():
         SGLangEngine(cpu_release="swap")
 
 
+@pytest.mark.sglang
+def test_sglang_in_an_engine_worker_is_refused_in_one_line_saying_why():
+    """An engine worker is a daemonic process, which cannot start SGLang's own processes: ``--placement.workers``
+    (and so partial rollouts in the trainer) with ``--engine sglang`` is refused before any worker starts."""
+    from gcore import StaticPlacement, Trainer, TrainerConfig
+    from gcore.engines.sglang import SGLangEngine
+    from gcore.errors import ConfigError
+
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("the missing-install error comes first")
+    with pytest.raises(ConfigError, match=r"--placement.workers: the policy SGLangEngine cannot be sent to a worker "
+                                          r"process: SGLang runs in the controller's process only .* take --engine "
+                                          r"hf or vllm$"):
+        Trainer(TrainerConfig(max_steps=1, enable_progress_bar=False), engine=SGLangEngine(),
+                placement=StaticPlacement(workers=1)).fit()
+
+
 @pytest.mark.integration
 @pytest.mark.sglang
 def test_torchvision_imports_next_to_the_cpu_torch():
