@@ -285,3 +285,24 @@ def greedy_with_updates(old, new, prompts, params, cuts):
             versions += [version] * len(g.token_ids)
         out.append(Generation(tokens, logprobs, finished, versions if any(versions) else None))
     return out
+
+
+def injected_updates(runtime, weights, arrivals):
+    """A weight update's arrival injected into ``_WorkerRuntime.generate_partial`` (partial rollouts' tests: hf, vLLM,
+    SGLang): ``pending`` turns true at its k-th call for each k in ``arrivals`` (the engine asks it after each token,
+    step or streamed message), ``take_sync`` loads ``weights`` into the runtime's policy engine and records it in
+    ``updates``. Returns ``(pending, take_sync, updates)``."""
+    from gcore.engines.pool import POLICY
+
+    calls = iter(range(1, 10_000))
+    updates = []
+
+    def pending() -> bool:
+        return next(calls) in arrivals
+
+    def take_sync() -> None:
+        updates.append(1)
+        runtime._engine(POLICY).update_weights(weights)
+
+    return pending, take_sync, updates
+

@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import engine_logprob_gap, greedy_with_updates, stale_after_train_step
+from conftest import engine_logprob_gap, greedy_with_updates, injected_updates, stale_after_train_step
 
 from gcore import SamplingParams
 from gcore.engines.sglang import buckets, group_outputs, sampling_dict, to_generation
@@ -396,17 +396,7 @@ def test_a_partial_rollout_on_sglang_continues_every_unfinished_response_with_th
                              device=torch.device("cpu"))
     old.update_weights(original)  # the checkpoint's weights (an earlier case left the new ones)
     runtime.engines[POLICY], runtime.role = old, POLICY  # what ``switch`` would set up, without a 3rd engine
-    calls = iter(range(1, 10_000))
-    arrivals = set(cuts)
-    updates = []
-
-    def pending() -> bool:  # called once per streamed message while requests run
-        return next(calls) in arrivals
-
-    def take_sync() -> None:
-        updates.append(1)
-        runtime._engine(POLICY).update_weights(weights)
-
+    pending, take_sync, updates = injected_updates(runtime, weights, set(cuts))  # pending: once per message
     try:
         out = runtime.generate_partial(POLICY, PROMPTS, GREEDY, None, None, pending, take_sync)
     finally:

@@ -5,7 +5,7 @@ Runs where vLLM is installed (its own venv in CI: see .ci/run); skipped elsewher
 
 import pytest
 import torch
-from conftest import engine_logprob_gap, greedy_with_updates, stale_after_train_step
+from conftest import engine_logprob_gap, greedy_with_updates, injected_updates, stale_after_train_step
 from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, SamplingParams, TorchBackend, Trainer, TrainerConfig
@@ -290,17 +290,7 @@ def test_a_partial_rollout_on_vllm_continues_every_unfinished_response_with_the_
                              release=True, device=torch.device("cpu"))
     spare.update_weights(original)  # the checkpoint's weights (an earlier case left the new ones)
     runtime.engines[POLICY], runtime.role = spare, POLICY  # what ``switch`` would set up, without a 4th engine
-    steps = iter(range(1, 10_000))
-    arrivals = set(cuts)
-    updates = []
-
-    def pending() -> bool:  # called once per engine step while requests run
-        return next(steps) in arrivals
-
-    def take_sync() -> None:
-        updates.append(1)
-        runtime._engine(POLICY).update_weights(weights)
-
+    pending, take_sync, updates = injected_updates(runtime, weights, set(cuts))  # pending: once per engine step
     prompts, params = [[5, 6, 7], [8, 9], LONG, [10, 11, 12, 13]], SamplingParams(n=1, max_new_tokens=12,
                                                                                      temperature=0.0)
     out = runtime.generate_partial(POLICY, prompts, params, None, None, pending, take_sync)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FAST, greedy_with_updates
+from conftest import FAST, greedy_with_updates, injected_updates
 
 from gcore.engines.hf import HFEngine
 from gcore.engines.pool import POLICY, RoleSpec, WorkerPool, _WorkerRuntime
@@ -42,17 +42,7 @@ def test_a_partial_rollout_continues_every_unfinished_response_with_the_new_weig
     runtime = _WorkerRuntime({POLICY: RoleSpec(HFEngine(), ModelSource(path))}, release=True,
                              device=torch.device("cpu"))
     runtime.switch(POLICY, None)
-    tokens_seen = iter(range(1, 10_000))
-    arrivals = set(cuts)
-    updates = []
-
-    def pending() -> bool:  # called once per token, after it is sampled
-        return next(tokens_seen) in arrivals
-
-    def take_sync() -> None:
-        updates.append(1)
-        runtime._engine(POLICY).update_weights(weights)
-
+    pending, take_sync, updates = injected_updates(runtime, weights, set(cuts))  # pending: once per token sampled
     prompts, params = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], SamplingParams(n=2, max_new_tokens=12, temperature=0.0)
     out = runtime.generate_partial(POLICY, prompts, params, None, None, pending, take_sync)
     expected = greedy_with_updates(old, new, prompts, params, cuts)  # the k-th call comes after the k-th token
