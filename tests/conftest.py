@@ -306,3 +306,10 @@ def injected_updates(runtime, weights, arrivals):
 
     return pending, take_sync, updates
 
+
+def interrupt_after(k):
+    """An engine's ``interrupt`` (partial rollouts' tests: vLLM, SGLang) that turns True at its k-th call, with a
+    count of its own (a fresh one for each ``generate``)."""
+    calls = iter(range(1, 10_000))
+    return lambda: next(calls) >= k
+

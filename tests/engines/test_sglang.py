@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import engine_logprob_gap, greedy_with_updates, injected_updates, stale_after_train_step
+from conftest import engine_logprob_gap, greedy_with_updates, injected_updates, interrupt_after, stale_after_train_step
 
 from gcore import SamplingParams
 from gcore.engines.sglang import buckets, group_outputs, sampling_dict, to_generation
@@ -326,12 +326,6 @@ def _close(got, want, atol=1e-5):
     return torch.allclose(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), atol=atol)
 
 
-def _after_calls(k):
-    """An ``interrupt`` that turns True at its k-th call."""
-    calls = iter(range(1, 10_000))
-    return lambda: next(calls) >= k
-
-
 @pytest.mark.integration
 @pytest.mark.sglang
 @pytest.mark.parametrize("k", [1, 12])
@@ -345,9 +339,9 @@ def test_an_interrupt_stops_sglang_with_the_tokens_so_far(two_sglang_policies, k
     assert old.supports_interrupt
     whole = [g for (g,) in old.generate(PROMPTS, GREEDY)]
     try:
-        old.interrupt = _after_calls(k)
+        old.interrupt = interrupt_after(k)
         cut = [g for (g,) in old.generate(PROMPTS, GREEDY)]
-        old.interrupt = _after_calls(k)
+        old.interrupt = interrupt_after(k)
         sampled = old.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=12, temperature=1.0))
     finally:
         old.interrupt = None

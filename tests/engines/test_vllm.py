@@ -5,7 +5,7 @@ Runs where vLLM is installed (its own venv in CI: see .ci/run); skipped elsewher
 
 import pytest
 import torch
-from conftest import engine_logprob_gap, greedy_with_updates, injected_updates, stale_after_train_step
+from conftest import engine_logprob_gap, greedy_with_updates, injected_updates, interrupt_after, stale_after_train_step
 from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, SamplingParams, TorchBackend, Trainer, TrainerConfig
@@ -249,14 +249,10 @@ def test_an_interrupt_stops_vllm_between_steps_with_the_tokens_so_far(two_vllm_p
     prompts, params = [[5, 6, 7], [8, 9], LONG, [10, 11, 12, 13]], SamplingParams(n=1, max_new_tokens=12,
                                                                                      temperature=0.0)
     whole = [g for (g,) in old.generate(prompts, params)]
-    def after_k_steps():  # a fresh count for each generate
-        calls = iter(range(1, 10_000))
-        return lambda: next(calls) >= k
-
     try:
-        old.interrupt = after_k_steps()
+        old.interrupt = interrupt_after(k)
         cut = [g for (g,) in old.generate(prompts, params)]
-        old.interrupt = after_k_steps()
+        old.interrupt = interrupt_after(k)
         sampled = old.generate(prompts, SamplingParams(n=3, max_new_tokens=12, temperature=1.0))
     finally:
         old.interrupt = None
