@@ -307,9 +307,23 @@ def injected_updates(runtime, weights, arrivals):
     return pending, take_sync, updates
 
 
-def interrupt_after(k):
-    """An engine's ``interrupt`` (partial rollouts' tests: vLLM, SGLang) that turns True at its k-th call, with a
-    count of its own (a fresh one for each ``generate``)."""
-    calls = iter(range(1, 10_000))
-    return lambda: next(calls) >= k
+def interrupted_runs(engine, prompts, params, k):
+    """Partial rollouts' engine tests (vLLM, SGLang): ``engine``'s greedy ``params`` (n=1) generations of ``prompts``
+    whole, the same with an ``interrupt`` that turns True at its k-th call, and ``n=3`` samples at temperature 1
+    under such an interrupt (each with a count of its own); ``interrupt`` is put back to None."""
+    from gcore.types import SamplingParams
+
+    def interrupt_after():
+        calls = iter(range(1, 10_000))
+        return lambda: next(calls) >= k
+
+    whole = [g for (g,) in engine.generate(prompts, params)]
+    try:
+        engine.interrupt = interrupt_after()
+        cut = [g for (g,) in engine.generate(prompts, params)]
+        engine.interrupt = interrupt_after()
+        sampled = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=12, temperature=1.0))
+    finally:
+        engine.interrupt = None
+    return whole, cut, sampled
 

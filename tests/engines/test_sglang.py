@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import engine_logprob_gap, greedy_with_updates, injected_updates, interrupt_after, stale_after_train_step
+from conftest import engine_logprob_gap, greedy_with_updates, injected_updates, interrupted_runs, stale_after_train_step
 
 from gcore import SamplingParams
 from gcore.engines.sglang import buckets, group_outputs, sampling_dict, to_generation
@@ -337,14 +337,7 @@ def test_an_interrupt_stops_sglang_with_the_tokens_so_far(two_sglang_policies, k
     less than the number of requests (one message read per call: some request has none)."""
     _, old, *_ = two_sglang_policies
     assert old.supports_interrupt
-    whole = [g for (g,) in old.generate(PROMPTS, GREEDY)]
-    try:
-        old.interrupt = interrupt_after(k)
-        cut = [g for (g,) in old.generate(PROMPTS, GREEDY)]
-        old.interrupt = interrupt_after(k)
-        sampled = old.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=12, temperature=1.0))
-    finally:
-        old.interrupt = None
+    whole, cut, sampled = interrupted_runs(old, PROMPTS, GREEDY, k)
     for got, want in zip(cut, whole, strict=True):
         assert got.token_ids == want.token_ids[: len(got.token_ids)]
         assert _close(got.logprobs, want.logprobs[: len(got.logprobs)])

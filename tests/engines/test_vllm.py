@@ -5,7 +5,7 @@ Runs where vLLM is installed (its own venv in CI: see .ci/run); skipped elsewher
 
 import pytest
 import torch
-from conftest import engine_logprob_gap, greedy_with_updates, injected_updates, interrupt_after, stale_after_train_step
+from conftest import engine_logprob_gap, greedy_with_updates, injected_updates, interrupted_runs, stale_after_train_step
 from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, SamplingParams, TorchBackend, Trainer, TrainerConfig
@@ -248,14 +248,7 @@ def test_an_interrupt_stops_vllm_between_steps_with_the_tokens_so_far(two_vllm_p
     assert old.supports_interrupt
     prompts, params = [[5, 6, 7], [8, 9], LONG, [10, 11, 12, 13]], SamplingParams(n=1, max_new_tokens=12,
                                                                                      temperature=0.0)
-    whole = [g for (g,) in old.generate(prompts, params)]
-    try:
-        old.interrupt = interrupt_after(k)
-        cut = [g for (g,) in old.generate(prompts, params)]
-        old.interrupt = interrupt_after(k)
-        sampled = old.generate(prompts, SamplingParams(n=3, max_new_tokens=12, temperature=1.0))
-    finally:
-        old.interrupt = None
+    whole, cut, sampled = interrupted_runs(old, prompts, params, k)
     for got, want in zip(cut, whole, strict=True):
         assert got.token_ids == want.token_ids[: len(got.token_ids)]
         assert _close(got.logprobs, want.logprobs[: len(got.logprobs)])
