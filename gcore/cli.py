@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from gcore import registry
-from gcore.config_errors import check_config_file, config_paths, locate, placed, unknown_option
+from gcore.config_errors import check_config_file, config_paths, last_set, placed, typed, unknown_option
 from gcore.errors import ConfigError, GcoreError
 
 #: the default plugin of each family
@@ -180,10 +180,8 @@ def one_line(message: str, configs: Sequence[str] = (), argv: Sequence[str] = ()
     if not keys or expected is None:
         return " ".join(lines)[:500]
     flag, got = f"--{'.'.join(keys)}", expected.partition("Got value: ")[2]
-    typed = [after for arg, after in zip(argv, [*argv[1:], ""], strict=True) if arg == flag]
-    typed += [arg.partition("=")[2] for arg in argv if arg.startswith(f"{flag}=")]
     # jsonargparse checks a config file as it reads it, before a flag that overrides the value
-    where = "" if got in typed else locate(list(reversed(configs)), keys)
+    where = "" if got in typed(flag, argv) else last_set(configs, keys)
     return f"{where}{'.'.join(keys)}: {expected}" if where else f"{flag}: {expected}"
 
 

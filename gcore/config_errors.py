@@ -142,13 +142,21 @@ def placed(message: str, configs: Sequence[str], argv: Sequence[str]) -> str:
     with the option's file and line in its stead when a config file set it and the command line did not
     (``cfg.yaml:2: trainer.max_steps must be >= 1, got -1``); any other message as it is."""
     m = _NAMED_FLAG.match(message)
-    if m is None or not configs:
+    if m is None or not configs or typed(m.group(0), argv):
         return message
-    flag = m.group(0)
-    if any(arg == flag or arg.startswith(f"{flag}=") for arg in argv):
-        return message
-    where = locate(list(reversed(configs)), m.group(1).split("."))  # the last file that sets it wins
+    where = last_set(configs, m.group(1).split("."))
     return f"{where}{message[2:]}" if where else message
+
+
+def typed(flag: str, argv: Sequence[str]) -> list[str]:
+    """The values the command line gives ``flag`` (``--a.b v`` or ``--a.b=v``); empty when it does not name it."""
+    values = [after for arg, after in zip(argv, [*argv[1:], ""], strict=True) if arg == flag]
+    return values + [arg.partition("=")[2] for arg in argv if arg.startswith(f"{flag}=")]
+
+
+def last_set(configs: Sequence[str], keys: Sequence[str]) -> str:
+    """``locate`` in the last of ``configs`` that sets ``keys``: a later config file overrides an earlier one."""
+    return locate(list(reversed(configs)), keys)
 
 
 def locate(configs: Sequence[str], keys: Sequence[str]) -> str:
