@@ -2,6 +2,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,6 +62,14 @@ def score(prompt, response, answer):
         f.write(json.dumps(prompt) + "\\n")
     return float(answer in response)
 '''
+
+
+def varied_reward(folder) -> list[str]:
+    """``gcore fit`` options for a python reward that differs within almost every group (a hash of the response's
+    characters, 0-4): the tiny random model rarely scores on its task, so a run checked for gradients uses this."""
+    path = Path(folder) / "varied.py"
+    path.write_text("def score(prompt, response, answer):\n    return float(sum(map(ord, response)) % 5)\n")
+    return ["--reward", "python", "--reward.function", f"{path}:score"]
 
 
 @pytest.fixture(autouse=True)

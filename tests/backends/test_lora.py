@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FAST, engine_logprob_gap
+from conftest import FAST, engine_logprob_gap, varied_reward
 from lightning.fabric import Fabric
 
 from gcore import GRPO, HFEngine, ModelConfig, SamplingParams, TorchBackend
@@ -177,10 +177,8 @@ def test_lora_on_engine_workers_and_two_ranks(tmp_path):
     """Two DDP ranks train the adapters; the engine workers (``--placement dynamic``) get the partial merged
     sync through shared memory, and a worker that loads later takes the checkpoint plus that sync."""
     # a reward that varies within every group (the tiny random model rarely answers the task): gradients each step
-    reward = tmp_path / "varied.py"
-    reward.write_text("def score(prompt, response, answer):\n    return float(sum(map(ord, response)) % 5)\n")
     result = _fit(tmp_path, "--trainer.max_steps", "3", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
-                  "--placement", "dynamic", "--reward", "python", "--reward.function", f"{reward}:score")
+                  "--placement", "dynamic", *varied_reward(tmp_path))
     assert result.returncode == 0, result.stderr
     rows = _rows(tmp_path)
     assert len(rows) == 3 and all(float(r["grad_norm"]) > 0 for r in rows)

@@ -5,7 +5,14 @@ Runs where vLLM is installed (its own venv in CI: see .ci/run); skipped elsewher
 
 import pytest
 import torch
-from conftest import engine_logprob_gap, greedy_with_updates, injected_updates, interrupted_runs, stale_after_train_step
+from conftest import (
+    engine_logprob_gap,
+    greedy_with_updates,
+    injected_updates,
+    interrupted_runs,
+    stale_after_train_step,
+    varied_reward,
+)
 from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, SamplingParams, TorchBackend, Trainer, TrainerConfig
@@ -310,7 +317,7 @@ def test_fit_on_vllm_with_partial_rollouts_cuts_responses_and_stays_within_the_s
            "--trainer.enable_progress_bar", "false", "--trainer.save_final", "false", "--trainer.max_steps", "4",
            "--engine", "vllm", "--engine.enforce_eager", "true", "--engine.max_model_len", "256",
            "--placement.workers", "1", "--trainer.max_staleness", "1", "--trainer.partial_rollouts", "true",
-           "--sampling.max_new_tokens", "64"]
+           "--sampling.max_new_tokens", "64", *varied_reward(tmp_path)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     (metrics,) = tmp_path.glob("gcore/version_*/metrics.csv")

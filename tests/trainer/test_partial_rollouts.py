@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FAST, greedy_with_updates, injected_updates
+from conftest import FAST, greedy_with_updates, injected_updates, varied_reward
 
 from gcore.engines.hf import HFEngine
 from gcore.engines.pool import POLICY, RoleSpec, WorkerPool, _WorkerRuntime
@@ -103,11 +103,13 @@ def test_partial_rollouts_need_max_staleness_and_an_engine_that_stops_between_to
 def test_fit_with_partial_rollouts_trains_within_the_staleness_bound(tmp_path, placement):
     """Three steps with K = 1 and partial rollouts on two engine workers, static or dynamic: each token's version
     is logged through ``async/token_staleness_mean`` (between 0 and 1), no sample is trained more than one version
-    old, and the run trains. How many samples an update cuts is a matter of timing (``async/partial_samples``)."""
+    old, and every step trains (a reward that varies within the groups: with the task's reward, 4 groups of 2 tiny-model
+    samples all scored the same on some step, and that step had no gradient). How many samples an update cuts is a
+    matter of timing (``async/partial_samples``)."""
     cmd = [sys.executable, "-m", "gcore", "fit", "--trainer.default_root_dir", str(tmp_path), *FAST,
            "--trainer.save_final", "false", "--trainer.max_steps", "3", "--trainer.max_staleness", "1",
            "--trainer.partial_rollouts", "true", "--placement", placement, "--placement.workers", "2",
-           "--sampling.max_new_tokens", "48"]
+           "--sampling.max_new_tokens", "48", *varied_reward(tmp_path)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     (metrics,) = tmp_path.glob("gcore/version_*/metrics.csv")
