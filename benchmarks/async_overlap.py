@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import statistics
 import subprocess
@@ -80,6 +81,7 @@ def run(label: str, args: argparse.Namespace, extra: list[str]) -> dict:
         "staleness": max(col("async/staleness_max", rows), default=0.0),
         "regenerated": sum(col("async/regenerated_stale", rows)),
         "rewards": col("reward/mean", rows),
+        "workers": workers, "rows": rows,
     }
 
 
@@ -92,6 +94,8 @@ def main() -> None:
     parser.add_argument("--ks", nargs="+", default=["0", "1"],
                         help="the max_staleness values to run; a trailing p: with partial rollouts (1p)")
     parser.add_argument("--judge", action="store_true", help="a generative judge (the embedded tiny model) scores")
+    parser.add_argument("--save", help="write every run (its figures and its metrics.csv rows) to this json "
+                        "(benchmarks/async_calibration.py fits the simulator to it)")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     if args.judge:
@@ -118,6 +122,10 @@ def main() -> None:
               f"reward of the last {len(tail)} steps {statistics.mean(tail):.3f}; reward per step "
               + " ".join(f"{x:.3f}" for x in curve))
     print(f"load after: {load()}")
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump({"command": f"gcore fit {' '.join(extra)} --trainer.max_steps {args.steps} "
+                       f"--trainer.seed {args.seed}", "warmup": args.warmup, "runs": results}, f, indent=1)
 
 
 if __name__ == "__main__":
