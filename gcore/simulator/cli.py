@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
              "samples at most K policy versions old (0: only the synchronous loop)",
     )
     parser.add_argument(
-        "--partial-rollouts", nargs="?", const="sync", default=None, metavar="",
+        "--partial-rollouts", action="store_true",
         help="with --max-staleness: also run it with partial rollouts, as the trainer does them: when a "
              "training step ends, its new weights cut every response in flight, which continues with them",
     )
@@ -82,10 +82,12 @@ def main(argv: list[str]) -> int:
              "when the step K before it starts training) or 'device' (each device runs ahead on its own share)",
     )
     parser.add_argument("--plot", default="simulate.png", help="PNG path; {devices} is replaced per size")
+    for flag, value in zip(argv, [*argv[1:], ""], strict=True):  # the removed token budget: --partial-rollouts 400
+        budget = flag.split("=", 1)[1] if flag.startswith("--partial-rollouts=") else value
+        if flag.startswith("--partial-rollouts") and budget.isdigit():
+            parser.error(f"--partial-rollouts takes no value now ({budget!r}): responses are cut when new weights "
+                         "arrive, as in the trainer; the token budget model was removed")
     args = parser.parse_args(argv)
-    if args.partial_rollouts not in (None, "sync"):
-        parser.error(f"--partial-rollouts takes no value now ({args.partial_rollouts!r}): responses are cut when "
-                     "new weights arrive, as in the trainer; the token budget model was removed")
     if args.partial_rollouts and not args.max_staleness:
         parser.error("--partial-rollouts needs --max-staleness >= 1 (a cut response continues with newer weights)")
     work, dynamic_options = load_workload(args.config)
@@ -95,7 +97,7 @@ def main(argv: list[str]) -> int:
         if args.max_staleness and devices < 4:
             raise ConfigError(f"--devices {devices}: --max-staleness needs at least 4 (train, generate, judge)")
         runs = run_all(devices, args.steps, work, dynamic_options, args.seed, not args.no_release,
-                       args.max_staleness, partial=bool(args.partial_rollouts), dispatch=args.dispatch)
+                       args.max_staleness, partial=args.partial_rollouts, dispatch=args.dispatch)
         base = summarize(runs["static"], devices)
         print(f"{devices} devices, {args.steps} steps")
         print(f"  {'policy':<24} {'step_s':>8} {'idle':>6} {'idle_gen':>8} {'idle_judge':>10} {'idle_train':>10} "
