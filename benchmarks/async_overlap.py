@@ -17,7 +17,9 @@ reward per step of each K (the mean over the rounds) and over the last quarter o
 whether learning per step holds. ``--judge``: the reward is a generative judge, the embedded tiny
 model (another seed) with the ``probability`` verdict (``--reward generative``), judged in the
 pipeline with K >= 1 (docs/asynchronous.md). Everything after ``--`` is passed on to ``gcore fit``.
-Record the output in BENCHMARKS.md with the command, the date and the load.
+Record the output in BENCHMARKS.md with the command, the date and the load. ``--save FILE``: every run's
+figures and metrics.csv rows as json, for ``benchmarks/async_calibration.py`` (the simulator's asynchronous
+model against these runs).
 """
 
 from __future__ import annotations
