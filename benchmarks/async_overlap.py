@@ -17,13 +17,16 @@ reward per step of each K (the mean over the rounds) and over the last quarter o
 whether learning per step holds. ``--judge``: the reward is a generative judge, the embedded tiny
 model (another seed) with the ``probability`` verdict (``--reward generative``), judged in the
 pipeline with K >= 1 (docs/asynchronous.md). Everything after ``--`` is passed on to ``gcore fit``.
-Record the output in BENCHMARKS.md with the command, the date and the load.
+Record the output in BENCHMARKS.md with the command, the date and the load. ``--save FILE``: every run's
+figures and metrics.csv rows as json, for ``benchmarks/async_calibration.py`` (the simulator's asynchronous
+model against these runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import statistics
 import subprocess
@@ -80,6 +83,7 @@ def run(label: str, args: argparse.Namespace, extra: list[str]) -> dict:
         "staleness": max(col("async/staleness_max", rows), default=0.0),
         "regenerated": sum(col("async/regenerated_stale", rows)),
         "rewards": col("reward/mean", rows),
+        "workers": workers, "rows": rows,
     }
 
 
@@ -92,6 +96,8 @@ def main() -> None:
     parser.add_argument("--ks", nargs="+", default=["0", "1"],
                         help="the max_staleness values to run; a trailing p: with partial rollouts (1p)")
     parser.add_argument("--judge", action="store_true", help="a generative judge (the embedded tiny model) scores")
+    parser.add_argument("--save", help="write every run (its figures and its metrics.csv rows) to this json "
+                        "(benchmarks/async_calibration.py fits the simulator to it)")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     if args.judge:
@@ -118,6 +124,10 @@ def main() -> None:
               f"reward of the last {len(tail)} steps {statistics.mean(tail):.3f}; reward per step "
               + " ".join(f"{x:.3f}" for x in curve))
     print(f"load after: {load()}")
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump({"command": f"gcore fit {' '.join(extra)} --trainer.max_steps {args.steps} "
+                       f"--trainer.seed {args.seed}", "warmup": args.warmup, "runs": results}, f, indent=1)
 
 
 if __name__ == "__main__":

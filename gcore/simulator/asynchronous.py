@@ -1,33 +1,46 @@
 """Asynchronous training in the simulator: bounded staleness ``K`` and partial rollouts.
 
-With ``K >= 1`` (one-step-off and fully asynchronous pipelines: NeMo-RL, verl, AReaL, slime) the
-devices keep their roles for the whole run: ``train_devices`` train, the others hold the policy's
-engine (``generate``) or the judge's (``judge``), split by ``DynamicPlacement`` as in the
-synchronous loop. Nothing swaps; after every training step the new weights are loaded into each
-generation engine before its next share of samples (one ``swap_s`` on that device: an assumption,
-the same estimate as an engine swap).
+With ``K >= 1`` (one-step-off and fully asynchronous pipelines: gcore's trainer, NeMo-RL, verl,
+AReaL, slime) the devices keep their roles for the whole run: ``train_devices`` train, the others
+hold the policy's engine (``generate``) or the judge's (``judge``), split by ``DynamicPlacement`` as
+in the synchronous loop. Nothing swaps roles; a new policy version (the weights after a training
+step and its sync) reaches every generation device when that training step ends, and loading it
+costs ``swap_s`` on that device (an assumption, the same estimate as an engine swap).
 
 A generation device serves its share of every batch in turn (the samples are dealt round-robin, as
-the trainer's controllers hold their own prompts), without waiting for the other devices: it may
-start batch ``b`` as soon as policy version ``b - K`` exists (version ``v``: the weights after
-``v`` training steps), and loads the newest version there is when it starts. So every sample is
-trained on at most ``K`` versions after the one that wrote its first token. ``K = 0`` is the
-synchronous loop of ``model.simulate``, which this module does not replace.
+the trainer's controllers hold their own prompts). When it may start batch ``b`` is ``dispatch``:
 
-Partial rollouts (``partial_budget`` tokens): within one share a response generates at most the
-budget; the rest is paused at the share's end and continued in the same device's share of the next
-batch, after the weight load (its prompt and the tokens so far are read again at ``prefill_token_s``), and the
-sample is trained on in the step in which it ends. A response is paused only when that keeps its
-staleness within ``K``: the budget bounds the tail of a share exactly where it would hold a step up
-(a device that starts late starts with fresh weights), and nowhere else.
+- ``step`` (gcore's trainer, docs/asynchronous.md): batch ``b``'s requests go out when training step
+  ``b - K`` starts, i.e. once batch ``b - K`` is complete on every device and training step
+  ``b - K - 1`` has ended (batches ``1..K`` when step 0 starts). A device that finished its share
+  early waits for the slowest one. Without partial rollouts a weight update is a request of its own
+  on the device, and the trainer's pool hands a device its next request only when the controller
+  calls the pool, which it does not while it trains: a request sent while the device still loads
+  weights starts when that training step ends (measured: at K = 1 the generation then hardly
+  overlaps training, docs/simulator.md).
+- ``device`` (AReaL/slime-like, the model before issue 34): a device starts batch ``b`` as soon as it is
+  free and policy version ``b - K`` exists, without waiting for the other devices.
+
+Weights: without partial rollouts an update waits behind the share in flight (the trainer queues it
+behind the request): a device loads the newest version when it arrives or, if it is generating
+then, when its share ends. With partial rollouts (``partial``, the trainer's
+``--trainer.partial_rollouts``) an update cuts the share in flight: at the first decode-step
+boundary at or after the training step's end the device stops, loads the new weights (``swap_s``),
+reads every unfinished response's prompt and tokens so far again (``prefill_token_s``) and
+continues them with the new version; a finished response is not touched. There is no token budget:
+responses are cut exactly when new weights arrive, and a response ends in the batch it was started
+for, so the trained batch size is fixed. Every token records the version that generated it; a
+sample's staleness is its first token's (the oldest), so every sample is trained on at most ``K``
+versions after the one that wrote its first token (``StepResult.staleness``; per token:
+``token_staleness``; samples whose tokens span several versions: ``cut``).
 
 Re-sampling (``resample_fraction``) stays local to a generation device, as in the trainer: a device
 draws its second round of batch ``b`` once its own first-round samples have verdicts. The judge
 serves older batches first. The training partition is sized once, from the first batch: its share
 of the devices is training's share of the work (device-seconds of training, generation and judging,
-as the synchronous loop would spend them), rounded up. The placement policy reads each batch's
-telemetry when the batch is done; its decision applies from batch ``b + K + 1``, the first that
-cannot have started yet.
+as the synchronous loop would spend them), rounded up (``train_devices`` overrides it, e.g. to model
+a measured run). The placement policy reads each batch's telemetry when the batch is done; its
+decision applies from batch ``b + K + 1``, the first that cannot have started yet.
 
 Accounting: a step's time is the time between two training steps' ends; busy and idle are counted
 per device in that window (busy intervals clipped to it), so busy + idle = devices x step time.
@@ -36,6 +49,7 @@ per device in that window (busy intervals clipped to it), so busy + idle = devic
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import random
 from collections import Counter
@@ -45,6 +59,7 @@ from dataclasses import dataclass, field
 from gcore.errors import ConfigError
 from gcore.placement import DynamicPlacement, Telemetry
 from gcore.simulator.model import (
+    DeviceCosts,
     StepResult,
     Workload,
     generation_costs,
@@ -57,15 +72,18 @@ from gcore.simulator.model import (
 )
 
 Intervals = list[tuple[float, float]]
+DISPATCH = ("step", "device")
 
 
 @dataclass
 class Response:
-    """A response being generated: ``done`` of its ``length`` tokens so far, the first with ``version``."""
+    """A response being generated: ``done`` of its ``length`` tokens so far, the first with ``version``;
+    ``segments``: (version, tokens) for each run of tokens between two weight loads."""
 
     length: int
     version: int = -1
     done: int = 0
+    segments: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -124,6 +142,106 @@ def clipper(intervals: Intervals) -> Callable[[float, float], float]:
     return lambda a, b: busy_before(intervals, starts, total, b) - busy_before(intervals, starts, total, a)
 
 
+def serve_cut(
+    steps: list[int], prefill: list[int], costs: DeviceCosts, deadline: float = math.inf,
+    intervals: Intervals | None = None,
+) -> tuple[list[float | None], list[int], float]:
+    """``model.serve`` of requests that all arrive at 0, stopped at the first decode-step boundary at or
+    after ``deadline`` (a weight update came: the engine stops between two tokens).
+
+    Returns each request's finish time (``None``: not finished when it stopped), the decode steps each
+    did, and when the device stopped (it is busy from 0 to then). With no deadline the times are
+    ``serve``'s, computed by the same expressions.
+    """
+    n = len(steps)
+    finish: list[float | None] = [None] * n
+    progress = [0] * n
+    cap = costs.max_batch or n or 1
+    now = 0.0
+
+    def running_cost(advance: int, rows: int, context: int, read: int = 0) -> float:
+        took = costs.prefill_token_s * read + advance * (costs.step_s + costs.token_s * rows)
+        return took + costs.context_token_s * (advance * context + rows * advance * (advance + 1) / 2)
+
+    def steps_to(limit: int, cost: Callable[[int], float], left: float) -> int:
+        """The fewest steps (1..limit) whose cost reaches ``left`` seconds: the step in flight at the deadline ends."""
+        lo, hi = 1, limit
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if cost(mid) >= left:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    if costs.batching == "static":
+        for start in range(0, n, cap):
+            if now >= deadline:
+                break
+            chunk = list(range(start, min(n, start + cap)))
+            length, rows, read = max(steps[i] for i in chunk), len(chunk), sum(prefill[i] for i in chunk)
+            took = costs.prefill_token_s * read + length * (costs.step_s + costs.token_s * rows)
+            took += costs.context_token_s * (length * read + rows * length * (length + 1) / 2)
+            cut = now + took > deadline
+            if cut:
+                def chunk_cost(a: int, rows: int = rows, read: int = read) -> float:
+                    return running_cost(a, rows, read, read)
+
+                length = steps_to(length, chunk_cost, deadline - now)
+                took = chunk_cost(length)
+            begin = now
+            now = begin + took
+            record(intervals, begin, now)
+            for i in chunk:
+                progress[i] = min(steps[i], length)
+                if steps[i] <= length:
+                    finish[i] = now
+            if cut:
+                break
+        return finish, progress, now
+    running: list[tuple[int, int]] = []  # (decode step count at which it ends, request)
+    joined_at = [0] * n
+    done_steps, waiting, context = 0, 0, 0
+    while waiting < n or running:
+        if now >= deadline:
+            break
+        joined = 0
+        while waiting < n and len(running) < cap:
+            heapq.heappush(running, (done_steps + steps[waiting], waiting))
+            joined_at[waiting] = done_steps
+            joined += prefill[waiting]
+            waiting += 1
+        begin = now
+        now += costs.prefill_token_s * joined
+        record(intervals, begin, now)
+        context += joined
+        rows = len(running)
+        advance = running[0][0] - done_steps
+        took = advance * (costs.step_s + costs.token_s * rows)
+        took += costs.context_token_s * (advance * context + rows * advance * (advance + 1) / 2)
+        cut = now + took > deadline
+        if cut:
+            def batch_cost(a: int, rows: int = rows, context: int = context) -> float:
+                return running_cost(a, rows, context)
+
+            advance = steps_to(advance, batch_cost, deadline - now)
+            took = batch_cost(advance)
+        begin = now
+        now += took
+        record(intervals, begin, now)
+        done_steps += advance
+        context += rows * advance
+        while running and running[0][0] <= done_steps:
+            i = heapq.heappop(running)[1]
+            finish[i] = now
+            context -= prefill[i] + steps[i]
+        if cut:
+            break
+    for i in range(waiting):
+        progress[i] = steps[i] if finish[i] is not None else done_steps - joined_at[i]
+    return finish, progress, now
+
+
 @dataclass
 class Batch:
     """What one batch's shares and verdicts leave behind."""
@@ -131,30 +249,41 @@ class Batch:
     index: int
     generate_devices: int
     judge_devices: int
-    gate: float  # when version index - K exists: no share of this batch starts before
+    gate: float  # when the batch's requests go out (``dispatch``): no share of this batch starts before
     longest: int = 0
     starts: list[float] = field(default_factory=list)
     ends: list[float] = field(default_factory=list)
     generate_busy: list[float] = field(default_factory=list)
     judge_busy: list[float] = field(default_factory=list)
     staleness: Counter[int] = field(default_factory=Counter)
+    token_staleness: Counter[int] = field(default_factory=Counter)
+    cut: int = 0  # samples whose tokens span more than one version
     consumed: list[int] = field(default_factory=list)  # lengths of the samples trained on
     verdicts: list[float] = field(default_factory=list)
 
 
 class AsyncRun:
-    """The devices, paused responses and training steps of one asynchronous run (see the module)."""
+    """The devices, responses in flight and training steps of one asynchronous run (see the module)."""
 
-    def __init__(self, work: Workload, devices: int, max_staleness: int, partial_budget: int) -> None:
-        self.work, self.k, self.budget = work, max_staleness, partial_budget
+    def __init__(self, work: Workload, devices: int, max_staleness: int, partial: bool = False,
+                 dispatch: str = "step") -> None:
+        self.work, self.k, self.partial, self.dispatch = work, max_staleness, partial, dispatch
         self.costs = generation_costs(work)
         self.devices = [Device() for _ in range(devices)]
-        self.carried: dict[int, list[Response]] = {}  # device -> its paused responses
         self.trained: list[float] = []  # when each training step ends: version v + 1 exists from trained[v] on
+        self.train_start: list[float] = []  # when each training step starts (its batch is complete)
 
     def newest(self, at: float) -> int:
         """The newest policy version that exists at time ``at``."""
         return bisect.bisect_right(self.trained, at)
+
+    def gate(self, index: int) -> float:
+        """When batch ``index`` may start (see ``dispatch`` in the module)."""
+        if self.k == 0:  # the synchronous loop on roles of their own: after the step before and its sync
+            return self.trained[index - 1] if index else 0.0
+        if self.dispatch == "device":
+            return self.trained[index - self.k - 1] if index - self.k - 1 >= 0 else 0.0
+        return self.train_start[max(0, index - self.k)] if index else 0.0
 
     def begin(self, index: int, g: int, j: int) -> Batch:
         """Gives the devices their roles for batch ``index`` (a device that changes role swaps engines)."""
@@ -164,43 +293,69 @@ class AsyncRun:
                 record(device.swap, device.free, device.free + self.work.swap_s)
                 device.free += self.work.swap_s
             device.role = role
-        for i in [i for i in self.carried if i >= g]:  # a device that now judges hands its paused responses on
-            self.carried.setdefault(i % g, []).extend(self.carried.pop(i))
-        gate = self.trained[index - self.k - 1] if index - self.k - 1 >= 0 else 0.0
-        return Batch(index, g, j, gate, generate_busy=[0.0] * g, judge_busy=[0.0] * j)
+        return Batch(index, g, j, self.gate(index), generate_busy=[0.0] * g, judge_busy=[0.0] * j)
+
+    def load(self, device: Device, start: float) -> float:
+        """Loads the newest weights there are at ``start``, if the device's are older: from when they came
+        (or when the device's last share ended, if later: an update waits behind the share in flight);
+        returns when the device can generate."""
+        newest = self.newest(start)
+        if newest <= device.version:
+            return start
+        at = max(self.trained[newest - 1], device.free)
+        record(device.swap, at, at + self.work.swap_s)
+        device.version = newest
+        loaded = at + self.work.swap_s
+        if self.dispatch == "step" and not self.partial and loaded > start:
+            # the trainer's pool hands a worker its next request only when the controller calls the pool, and a
+            # queued weight load holds the worker: a request sent during the load waits for the controller's
+            # next call, at the end of its training step (and sync) if it trains then
+            return self.called(loaded)
+        return max(start, loaded)
+
+    def called(self, t: float) -> float:
+        """The first time from ``t`` on at which the controller calls the pool: not while it trains."""
+        i = bisect.bisect_right(self.train_start, t) - 1
+        return self.trained[i] if i >= 0 and t < self.trained[i] else t
 
     def share(self, batch: Batch, d: int, items: list[Response], earliest: float) -> list[tuple[Response, float]]:
         """Device ``d`` serves ``items`` for ``batch`` from ``earliest`` on; the finished ones and when."""
-        device, swap = self.devices[d], self.work.swap_s
-        start = max(device.free, earliest, batch.gate)
-        if self.newest(start) > device.version:  # load the newest weights first
-            device.version = self.newest(start)
-            record(device.swap, start, start + swap)
-            start += swap
-        segments = []
-        for r in items:
-            if r.version < 0:
-                r.version = device.version
-            pausable = self.budget > 0 and batch.index + 1 - r.version <= self.k
-            segments.append(min(r.length - r.done, self.budget) if pausable else r.length - r.done)
-        timeline: Intervals = []
-        finish, busy = serve(
-            [0.0] * len(items), segments, [self.work.prompt_tokens + r.done for r in items], self.costs, timeline
-        )
-        for a, e in timeline:
-            record(device.busy["generate"], start + a, start + e)
-        device.free = start + busy
-        batch.generate_busy[d] += busy
+        device, work = self.devices[d], self.work
+        start = t = self.load(device, max(device.free, earliest, batch.gate))
+        done: list[tuple[Response, float]] = []
+        pending = items
+        while pending:
+            arrival = self.trained[device.version] if self.partial and device.version < len(self.trained) else math.inf
+            if arrival <= t:  # partial rollouts: new weights cut the share in flight; load them, continue
+                record(device.swap, t, t + work.swap_s)
+                device.version = self.newest(t)
+                t += work.swap_s
+                continue
+            timeline: Intervals = []
+            finish, progress, took = serve_cut(
+                [r.length - r.done for r in pending], [work.prompt_tokens + r.done for r in pending], self.costs,
+                arrival - t, timeline,
+            )
+            for a, e in timeline:
+                record(device.busy["generate"], t + a, t + e)
+            batch.generate_busy[d] += took
+            left = []
+            for r, end, tokens in zip(pending, finish, progress, strict=True):
+                if tokens:
+                    if r.version < 0:
+                        r.version = device.version
+                    r.segments.append((device.version, tokens))
+                    r.done += tokens
+                    batch.longest = max(batch.longest, tokens)
+                if end is None:
+                    left.append(r)
+                else:
+                    done.append((r, t + end))
+            t += took
+            pending = left
+        device.free = t
         batch.starts.append(start)
-        batch.ends.append(device.free)
-        done = []
-        for r, seconds, segment in zip(items, finish, segments, strict=True):
-            batch.longest = max(batch.longest, segment)
-            r.done += segment
-            if r.done == r.length:
-                done.append((r, start + seconds))
-            else:
-                self.carried.setdefault(d, []).append(r)
+        batch.ends.append(t)
         return done
 
     def judge(self, batch: Batch, done: list[tuple[int, Response, float]]) -> list[float]:
@@ -215,6 +370,9 @@ class AsyncRun:
             batch.judge_busy[d] += busy[d]
         for _, r, _ in done:
             batch.staleness[batch.index - r.version] += 1
+            for version, tokens in r.segments:
+                batch.token_staleness[batch.index - version] += tokens
+            batch.cut += len({version for version, _ in r.segments}) > 1
             batch.consumed.append(r.length)
         batch.verdicts += verdicts
         return verdicts
@@ -224,7 +382,7 @@ class AsyncRun:
         g = batch.generate_devices
         first = [
             (d, r, t) for d in range(g)
-            for r, t in self.share(batch, d, self.carried.pop(d, []) + [Response(n) for n in rounds[0][d::g]], 0.0)
+            for r, t in self.share(batch, d, [Response(n) for n in rounds[0][d::g]], 0.0)
         ]
         verdicts = self.judge(batch, first)
         if len(rounds) > 1:  # each device re-samples once its own first-round samples have verdicts
@@ -246,22 +404,32 @@ def simulate_async(
     work: Workload,
     seed: int = 0,
     max_staleness: int = 1,
-    partial_budget: int = 0,
+    partial: bool = False,
+    dispatch: str = "step",
+    train_devices: int | None = None,
 ) -> list[StepResult]:
-    """Runs ``steps`` training steps on ``devices`` devices with staleness ``max_staleness`` >= 1 and,
-    when ``partial_budget`` > 0, partial rollouts of that many tokens per share (see the module)."""
+    """Runs ``steps`` training steps on ``devices`` devices with staleness ``max_staleness`` and,
+    with ``partial``, partial rollouts: a weight update cuts the responses in flight (see the module).
+    ``dispatch``: when a batch's requests go out (``step``: the trainer's; ``device``: each device on its
+    own); ``train_devices``: the training partition's size (default: sized from the first batch).
+    ``max_staleness`` 0 is the synchronous loop with roles of their own (the trainer with engine workers: a
+    batch starts when the step before has trained and synced); ``gcore simulate``'s K = 0 rows are
+    ``model.simulate``'s, whose devices take every role in turn."""
     if not isinstance(policy, DynamicPlacement):
         raise ConfigError("max_staleness >= 1 needs the dynamic placement (roles that do not swap)")
-    if max_staleness < 1:
-        raise ConfigError(f"max_staleness {max_staleness}: the asynchronous model needs >= 1 (0: model.simulate)")
-    if partial_budget < 0:
-        raise ConfigError(f"partial rollout budget {partial_budget}: expected tokens >= 1 (0: off)")
+    if max_staleness < 0 or (max_staleness == 0 and partial):
+        raise ConfigError(f"max_staleness {max_staleness}: expected >= 0 (partial rollouts: >= 1)")
+    if dispatch not in DISPATCH:
+        raise ConfigError(f"dispatch {dispatch!r}: valid choices: {', '.join(DISPATCH)}")
     if devices < 4 or steps < 1:
         raise ConfigError("the asynchronous model needs devices >= 4 (train, generate, judge) and steps >= 1")
     batches = draw_batches(work, devices, steps, seed)
-    train_devices = size_training(work, devices, batches[0])
+    if train_devices is None:
+        train_devices = size_training(work, devices, batches[0])
+    elif not 1 <= train_devices <= devices - 2:
+        raise ConfigError(f"train_devices {train_devices}: expected 1..{devices - 2} (generate, judge: one each)")
     policy.setup(devices - train_devices, "simulated")
-    run = AsyncRun(work, policy.total, max_staleness, partial_budget)
+    run = AsyncRun(work, policy.total, max_staleness, partial, dispatch)
     split = {0: (policy.generate_devices, policy.judge_devices)}
     logs = []
     for b, rounds in enumerate(batches):
@@ -269,7 +437,8 @@ def simulate_async(
         complete = run.rollout(batch, rounds)
         tokens = sum(length + work.prompt_tokens for length in batch.consumed)
         train_s = work.train_step_s + work.train_token_s * tokens / train_devices
-        run.trained.append(max(complete, run.trained[-1] if run.trained else 0.0) + train_s)
+        run.train_start.append(max(complete, run.trained[-1] if run.trained else 0.0))
+        run.trained.append(run.train_start[-1] + train_s)
         # the policy's telemetry for this batch, as the synchronous loop reports it; its decision applies
         # from the first batch that cannot have started yet
         rollout = complete - min(batch.starts)
@@ -306,6 +475,6 @@ def account(
             idle["generate" if i < batch.generate_devices else "judge"] += (e - a) - sum(worked.values()) - swapped
         results.append(StepResult(
             batch.index, e - a, batch.generate_devices, batch.judge_devices, idle, busy, stages,
-            dict(batch.staleness), batch.longest, train_devices,
+            dict(batch.staleness), batch.longest, train_devices, dict(batch.token_staleness), batch.cut,
         ))
     return results

@@ -204,3 +204,146 @@ def workload_yaml(costs: dict[str, float], source: str, workload: str = "tiny",
 
 def relative_error(predicted: float, measured: float) -> float:
     return abs(predicted - measured) / measured if measured > 0 else math.inf
+
+
+# -- the asynchronous model against the trainer's engine-worker runs (benchmarks/async_calibration.py) --------------
+
+ASYNC_METRICS = (
+    "time/step", "time/train", "time/prepare", "time/reward", "time/sync", "time/generate", "time/rollout",
+    "time/idle_generate", "async/rollout_wait_s", "async/partial_samples", "response_length/mean",
+    "response_length/max", "response/truncated_frac", "samples/total",
+)
+
+
+@dataclass
+class MeasuredRun:
+    """One measured ``gcore fit`` run with engine workers (``benchmarks/async_overlap.py --save``), per step.
+
+    ``label``: ``0``, ``1``, ``1p`` (K = 1 with partial rollouts), ``2``, ``2p``; ``metrics``: each of
+    ``ASYNC_METRICS`` per step (NaN where the run did not log it).
+    """
+
+    label: str
+    seed: int
+    workers: int
+    max_new_tokens: int
+    metrics: dict[str, list[float]]
+    warmup: int = 2
+    load: str = ""
+
+    @property
+    def k(self) -> int:
+        return int(self.label.rstrip("p"))
+
+    @property
+    def partial(self) -> bool:
+        return self.label.endswith("p")
+
+    def col(self, name: str) -> list[float]:
+        return [0.0 if math.isnan(x) else x for x in self.metrics[name]]
+
+    @property
+    def samples(self) -> int:
+        return round(self.metrics["samples/total"][-1])
+
+    def busy(self) -> list[float]:
+        """Each step's generation busy seconds per worker (the workers' busy time of its rollout)."""
+        return [
+            (self.workers * (r - w) - i) / self.workers
+            for r, w, i in zip(self.col("time/rollout"), self.col("time/reward"), self.col("time/idle_generate"),
+                               strict=True)
+        ]
+
+    def idle(self) -> float:
+        """The generation workers' idle share over the whole run (as benchmarks/async_overlap.py prints it)."""
+        return 1.0 - sum(self.busy()) / sum(self.col("time/step"))
+
+    def samples_per_s(self) -> float:
+        return sum(self.col("samples/total")[self.warmup:]) / sum(self.col("time/step")[self.warmup:])
+
+    def controller(self) -> list[float]:
+        """Each step's time on the controller alone: the step less its wait for generation."""
+        wait = self.col("async/rollout_wait_s") if self.k else self.col("time/generate")
+        return [s - x for s, x in zip(self.col("time/step"), wait, strict=True)]
+
+
+def lognormal_for(mean: float, truncated: float, cap: int) -> tuple[float, float]:
+    """The log-normal (median, sigma) whose lengths cut at ``cap`` have this mean and share at the cap."""
+    from statistics import NormalDist
+
+    unit = NormalDist()
+    truncated = min(max(truncated, 1e-3), 1 - 1e-3)
+    best = (math.inf, float(cap), 1.0)
+    for i in range(1, 400):
+        sigma = i / 100
+        mu = math.log(cap) - sigma * unit.inv_cdf(1 - truncated)
+        z = (math.log(cap) - mu) / sigma
+        cut_mean = math.exp(mu + sigma**2 / 2) * unit.cdf(z - sigma) + cap * (1 - unit.cdf(z))
+        best = min(best, (abs(cut_mean - mean), math.exp(mu), sigma))
+    return best[1], best[2]
+
+
+def fit_async(runs: list[MeasuredRun]) -> dict[str, float]:
+    """The asynchronous model's costs from measured runs (steps after each run's warm-up):
+
+    - ``decode_step_s``: a worker's generation busy seconds over its decode steps (the hf engine runs its
+      share as one fixed batch until the longest response ends: ``response_length/max`` steps);
+    - ``train_step_s``: the controller's own time per step (reward, prepare, train, sync: the step less
+      its wait for generation), the mean;
+    - ``swap_s``: a weight load, estimated by the sync's median (the workers' load time is not logged);
+    - ``median_tokens``, ``sigma``: the log-normal lengths whose cut at ``max_new_tokens`` gives the mean
+      length and the share of responses at the cap.
+    """
+    if not runs:
+        raise ConfigError("fit_async needs at least one measured run")
+    busy = [x for r in runs for x in r.busy()[r.warmup:]]
+    steps = [x for r in runs for x in r.col("response_length/max")[r.warmup:]]
+    controller = [x for r in runs for x in r.controller()[r.warmup:]]
+    syncs = sorted(x for r in runs for x in r.col("time/sync")[r.warmup:])
+    mean = sum(x for r in runs for x in r.col("response_length/mean")[r.warmup:]) / len(busy)
+    truncated = sum(x for r in runs for x in r.col("response/truncated_frac")[r.warmup:]) / len(busy)
+    median, sigma = lognormal_for(mean, truncated, runs[0].max_new_tokens)
+    return {
+        "decode_step_s": sum(busy) / sum(steps),
+        "train_step_s": sum(controller) / len(controller),
+        "swap_s": syncs[len(syncs) // 2],
+        "median_tokens": median,
+        "sigma": sigma,
+    }
+
+
+def async_workload(costs: dict[str, float], run: MeasuredRun) -> Workload:
+    """The simulator's workload for a measured run: ``run.workers`` generation devices, one training device and
+    one judge device that costs nothing (the rule-based reward runs on the controller, in ``train_step_s``)."""
+    devices = run.workers + 2
+    if run.samples % devices:
+        raise ConfigError(f"{run.samples} samples per step do not split over {devices} simulated devices")
+    return Workload(
+        samples_per_device=run.samples // devices, prompt_tokens=0, median_tokens=costs["median_tokens"],
+        sigma=costs["sigma"], max_tokens=run.max_new_tokens, length_drift=0.0, batching="static",
+        decode_step_s=costs["decode_step_s"], generate_token_s=0.0, judge_token_s=0.0, judge_generate_token_s=0.0,
+        judge_decode_step_s=0.0, judge_output_tokens=1, swap_s=costs["swap_s"], train_token_s=0.0,
+        train_step_s=costs["train_step_s"],
+    )
+
+
+def predict_async(costs: dict[str, float], run: MeasuredRun) -> dict[str, float]:
+    """The simulator's generation idle share, samples/s and median step for a measured run's K and partial
+    rollouts (the trainer's dispatch, a training device of its own, the run's seed and steps)."""
+    from gcore.placement import DynamicPlacement
+    from gcore.simulator.asynchronous import simulate_async
+
+    steps = len(run.metrics["time/step"])
+    results = simulate_async(
+        DynamicPlacement(hysteresis=1e9), run.workers + 2, steps, async_workload(costs, run), run.seed, run.k,
+        run.partial, "step", train_devices=1,
+    )
+    times = [r.step_s for r in results]
+    busy = sum(r.busy["generate"] for r in results)
+    timed = sorted(times[run.warmup:])
+    return {
+        "idle": 1.0 - busy / (run.workers * sum(times)),
+        "samples_per_s": run.samples * len(timed) / sum(timed),
+        "step": timed[len(timed) // 2],
+        "cut": float(sum(r.cut for r in results)),
+    }

@@ -7,7 +7,7 @@ from typing import NoReturn
 
 from gcore.errors import ConfigError
 from gcore.placement import DynamicPlacement
-from gcore.simulator.asynchronous import simulate_async
+from gcore.simulator.asynchronous import DISPATCH, simulate_async
 from gcore.simulator.model import StepResult, Workload, compare, load_workload, plot, summarize
 
 
@@ -22,12 +22,6 @@ def _staleness(text: str) -> int:
     return int(text)
 
 
-def _budget(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a token budget >= 1")
-    return int(text)
-
-
 def run_all(
     devices: int,
     steps: int,
@@ -37,15 +31,27 @@ def run_all(
     release_tail: bool = True,
     max_staleness: int = 0,
     partial_budget: int = 0,
+    partial: bool = False,
+    dispatch: str = "step",
 ) -> dict[str, list[StepResult]]:
-    """``model.compare``'s runs, plus ``dynamic K=..`` (and ``.. partial N``) when ``max_staleness`` >= 1."""
+    """``model.compare``'s runs, plus ``dynamic K=..`` (and ``.. partial``) when ``max_staleness`` >= 1.
+
+    ``partial``: also the row with partial rollouts (a weight update cuts the responses in flight, as in
+    the trainer). ``partial_budget`` is the removed token-budget model's option: anything but 0 is refused.
+    """
+    if partial_budget:
+        raise ConfigError(
+            f"partial rollouts with a token budget ({partial_budget}) are no longer modelled: responses are cut "
+            "when new weights arrive, as in the trainer (partial=True; gcore simulate --partial-rollouts)"
+        )
     runs = compare(devices, steps, work, dynamic_options, seed, release_tail)
     if max_staleness:
         name = f"dynamic K={max_staleness}"
-        runs[name] = simulate_async(DynamicPlacement(**dynamic_options), devices, steps, work, seed, max_staleness)
-        if partial_budget:
-            runs[f"{name} partial {partial_budget}"] = simulate_async(
-                DynamicPlacement(**dynamic_options), devices, steps, work, seed, max_staleness, partial_budget
+        runs[name] = simulate_async(DynamicPlacement(**dynamic_options), devices, steps, work, seed, max_staleness,
+                                    dispatch=dispatch)
+        if partial:
+            runs[f"{name} partial"] = simulate_async(
+                DynamicPlacement(**dynamic_options), devices, steps, work, seed, max_staleness, True, dispatch
             )
     return runs
 
@@ -66,23 +72,32 @@ def main(argv: list[str]) -> int:
              "samples at most K policy versions old (0: only the synchronous loop)",
     )
     parser.add_argument(
-        "--partial-rollouts", type=_budget, nargs="?", const=-1, default=0, metavar="TOKENS",
-        help="with --max-staleness: also run it with partial rollouts, a response pausing after TOKENS tokens "
-             "per step (default: the workload's median_tokens)",
+        "--partial-rollouts", action="store_true",
+        help="with --max-staleness: also run it with partial rollouts, as the trainer does them: when a "
+             "training step ends, its new weights cut every response in flight, which continues with them",
+    )
+    parser.add_argument(
+        "--dispatch", choices=DISPATCH, default="step",
+        help="when a batch's generation starts with --max-staleness: 'step' (the trainer: its requests go out "
+             "when the step K before it starts training) or 'device' (each device runs ahead on its own share)",
     )
     parser.add_argument("--plot", default="simulate.png", help="PNG path; {devices} is replaced per size")
+    for flag, value in zip(argv, [*argv[1:], ""], strict=True):  # the removed token budget: --partial-rollouts 400
+        budget = flag.split("=", 1)[1] if flag.startswith("--partial-rollouts=") else value
+        if flag.startswith("--partial-rollouts") and budget.isdigit():
+            parser.error(f"--partial-rollouts takes no value now ({budget!r}): responses are cut when new weights "
+                         "arrive, as in the trainer; the token budget model was removed")
     args = parser.parse_args(argv)
     if args.partial_rollouts and not args.max_staleness:
-        parser.error("--partial-rollouts needs --max-staleness >= 1 (a paused response ends with newer weights)")
+        parser.error("--partial-rollouts needs --max-staleness >= 1 (a cut response continues with newer weights)")
     work, dynamic_options = load_workload(args.config)
-    budget = round(work.median_tokens) if args.partial_rollouts == -1 else args.partial_rollouts
     for devices in args.devices:
         if not 2 <= devices <= 4096:
             raise ConfigError(f"--devices {devices}: expected 2..4096")
         if args.max_staleness and devices < 4:
             raise ConfigError(f"--devices {devices}: --max-staleness needs at least 4 (train, generate, judge)")
         runs = run_all(devices, args.steps, work, dynamic_options, args.seed, not args.no_release,
-                       args.max_staleness, budget)
+                       args.max_staleness, partial=args.partial_rollouts, dispatch=args.dispatch)
         base = summarize(runs["static"], devices)
         print(f"{devices} devices, {args.steps} steps")
         print(f"  {'policy':<24} {'step_s':>8} {'idle':>6} {'idle_gen':>8} {'idle_judge':>10} {'idle_train':>10} "

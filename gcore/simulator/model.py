@@ -112,6 +112,8 @@ class StepResult:
     staleness: dict[int, int] = field(default_factory=dict)  # versions behind -> samples trained on in this step
     longest_segment: int = 0  # most tokens one response generated between two weight loads, for this step
     train_devices: int = 0  # devices that train (0: all of them, in turn with the engines)
+    token_staleness: dict[int, int] = field(default_factory=dict)  # versions behind -> tokens trained on (async)
+    cut: int = 0  # samples trained on whose tokens span more than one version (partial rollouts)
 
 
 def response_lengths(work: Workload, step: int, count: int, rng: random.Random) -> list[int]:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from gcore.errors import ConfigError
 from gcore.placement import DynamicPlacement, StaticPlacement
-from gcore.simulator.asynchronous import simulate_async
+from gcore.simulator.asynchronous import serve_cut, simulate_async
+from gcore.simulator.calibration import ASYNC_METRICS, MeasuredRun, fit_async, predict_async
 from gcore.simulator.cli import run_all
-from gcore.simulator.model import Workload, compare, simulate, summarize
+from gcore.simulator.model import Workload, compare, generation_costs, serve, simulate, summarize
 
 
 def _work(**overrides) -> Workload:
@@ -35,41 +39,149 @@ def test_k0_is_the_synchronous_loop_unchanged():
 @pytest.mark.parametrize("sigma", [0.3, 0.9, 1.3])
 def test_k1_never_idles_more_than_k0(sigma):
     """Short, long and very long tails over 6 steps: overlapping generation with training does not
-    add idle time. (Over 3 steps it can: the pipeline fills in the first and drains in the last,
-    docs/simulator.md.)
-    (Partial rollouts can: a budget below most responses' length pauses nearly all of them, see
-    docs/simulator.md; with sigma 0.3 and a budget of 64 tokens, 0.64 of the median, they idle 5% more.)"""
+    add idle time when each device runs ahead on its own (``device`` dispatch), nor with the trainer's
+    dispatch and partial rollouts. (Over 3 steps it can: the pipeline fills in the first and drains in the
+    last, docs/simulator.md. With the trainer's dispatch and no partial rollouts it can too: a weight load
+    holds a device's next request until the controller's training step ends.)"""
     work = _work(sigma=sigma)
-    runs = run_all(16, 6, work, {}, release_tail=False, max_staleness=1)
-    idle = {name: summarize(results, 16)["idle_device_hours"] for name, results in runs.items()}
-    assert idle["dynamic K=1"] <= idle["dynamic"]
+    for dispatch, row in (("device", "dynamic K=1"), ("step", "dynamic K=1 partial")):
+        runs = run_all(16, 6, work, {}, release_tail=False, max_staleness=1, partial=True, dispatch=dispatch)
+        idle = {name: summarize(results, 16)["idle_device_hours"] for name, results in runs.items()}
+        assert idle[row] <= idle["dynamic"], dispatch
 
 
-@pytest.mark.parametrize(("k", "budget"), [(1, 0), (1, 48), (2, 0), (2, 48), (3, 48)])
-def test_staleness_never_exceeds_k_and_reaches_it(k, budget):
-    results = simulate_async(DynamicPlacement(), 16, 8, _work(), seed=2, max_staleness=k, partial_budget=budget)
+@pytest.mark.parametrize("dispatch", ["step", "device"])
+@pytest.mark.parametrize(("k", "partial"), [(1, False), (1, True), (2, False), (2, True)])
+def test_staleness_never_exceeds_k_and_reaches_it(k, partial, dispatch):
+    work = _work()
+    results = simulate_async(DynamicPlacement(), 16, 8, work, seed=2, max_staleness=k, partial=partial,
+                             dispatch=dispatch)
     seen = {age for r in results for age, count in r.staleness.items() if count}
     assert max(seen) <= k
     assert k in seen  # the bound is used, so the test could fail
     assert min(seen) >= 0
+    # per token: never older than the sample's first token, and every trained token is counted once
+    assert all(0 <= age <= k for r in results for age in r.token_staleness)
+    for r in results:
+        assert max(r.token_staleness) <= max(r.staleness)
+        assert sum(r.token_staleness.values()) >= sum(r.staleness.values())  # every sample has a token
+    assert (sum(r.cut for r in results) > 0) == partial
 
 
-def test_partial_rollouts_bound_each_steps_tail_by_the_budget():
-    """With K as large as the run every response may pause, so no response generates more than the budget
-    between two weight loads; without partial rollouts the longest responses run to the end in one go."""
-    work = _work(sigma=1.2)
-    plain = simulate_async(DynamicPlacement(), 16, 6, work, max_staleness=6)
-    assert max(r.longest_segment for r in plain) > 100
-    paused = simulate_async(DynamicPlacement(), 16, 6, work, max_staleness=6, partial_budget=100)
-    assert max(r.longest_segment for r in paused) <= 100
-    assert sum(sum(r.staleness.values()) for r in paused) > 0
-    # the generation phase of a step is then no longer than serving every share at the budget
-    assert max(r.stages["generate"] for r in paused) < max(r.stages["generate"] for r in plain)
+def test_partial_rollouts_cut_exactly_when_the_weights_arrive():
+    """4 devices (1 trains, 2 generate, 1 judges), 2 responses of 10 tokens per generation device at 1 s a
+    decode step, a 1 s verdict, training 2.5 s, a weight load 0.5 s, K=1 with the trainer's dispatch.
+    Batch 0: generated 0-10, judged by 11, trained 11-13.5. Batch 1 goes out when step 0 starts training
+    (11) with version 0; version 1 arrives at 13.5, in the decode step 13-14: the responses stop at 14
+    after 3 tokens, load 14-14.5, and do their other 7 tokens with version 1 by 21.5; judged 22.5, trained
+    22.5-25. Batch 2 goes out at 22.5 with version 1; version 2 arrives at 25 in the step 24.5-25.5: cut at
+    25.5 after 3 tokens, load to 26, done at 33, judged 34, trained 34-36.5. No token budget: without the
+    update nothing is cut (step 0), and the cut is at the arrival, not after a number of tokens."""
+    work = Workload(
+        samples_per_device=1, prompt_tokens=0, median_tokens=10, sigma=0.0, max_tokens=100, length_drift=0.0,
+        decode_step_s=1.0, generate_token_s=0.0, judge_token_s=0.0, judge_generate_token_s=0.0,
+        judge_output_tokens=1, judge_decode_step_s=1.0, swap_s=0.5, train_token_s=0.0, train_step_s=2.5,
+    )
+    results = simulate_async(DynamicPlacement(hysteresis=1e9), 4, 3, work, max_staleness=1, partial=True,
+                             train_devices=1)
+    assert [(r.train_devices, r.generate_devices, r.judge_devices) for r in results] == [(1, 2, 1)] * 3
+    assert [r.step_s for r in results] == [13.5, 11.5, 11.5]
+    assert [r.cut for r in results] == [0, 4, 4]
+    assert [r.staleness for r in results] == [{0: 4}, {1: 4}, {1: 4}]
+    assert [r.token_staleness for r in results] == [{0: 40}, {1: 12, 0: 28}, {1: 12, 0: 28}]
+    assert [r.longest_segment for r in results] == [10, 7, 7]
+    # step 1 (13.5-25): each generation device decodes 13.5-14, 14.5-21.5 and (batch 2) 22.5-25, loads 14-14.5
+    assert results[1].busy["generate"] == pytest.approx(2 * 10.0) and results[1].idle["swap"] == pytest.approx(1.0)
+    # the same run without partial rollouts cuts nothing: every response is one segment of 10 tokens
+    plain = simulate_async(DynamicPlacement(hysteresis=1e9), 4, 3, work, max_staleness=1, train_devices=1)
+    assert [r.cut for r in plain] == [0, 0, 0] and [r.longest_segment for r in plain] == [10, 10, 10]
+
+
+def test_a_weight_load_holds_the_next_request_until_training_ends():
+    """The trainer's pool gives a worker its next request only when the controller calls it: with a 2 s weight
+    load that is still running when batch 2 goes out (at 22, when step 1 starts training), batch 2 starts when
+    step 1 has trained (24.5), not when the load ends (23); each device runs ahead (``device``) it starts at 23."""
+    work = Workload(
+        samples_per_device=1, prompt_tokens=0, median_tokens=10, sigma=0.0, max_tokens=100, length_drift=0.0,
+        decode_step_s=1.0, generate_token_s=0.0, judge_token_s=0.0, judge_generate_token_s=0.0,
+        judge_output_tokens=1, judge_decode_step_s=1.0, swap_s=2.0, train_token_s=0.0, train_step_s=2.5,
+    )
+    # batch 0: 0-10, judged 11, trained 11-13.5; batch 1 out at 11: 11-21, judged 22, trained 22-24.5; the
+    # device loads version 1 from 21 (behind its share) to 23; batch 2 out at 22 (step 1 starts training)
+    trainer = simulate_async(DynamicPlacement(hysteresis=1e9), 4, 3, work, max_staleness=1, train_devices=1)
+    assert [r.step_s for r in trainer] == [13.5, 11.0, 13.5]  # batch 2: 24.5-34.5, judged 35.5, trained to 38
+    ahead = simulate_async(DynamicPlacement(hysteresis=1e9), 4, 3, work, max_staleness=1, train_devices=1,
+                           dispatch="device")
+    assert ahead[2].step_s < trainer[2].step_s
+
+
+def test_serve_cut_is_serve_without_a_deadline_and_stops_at_a_step_boundary():
+    rng = random.Random(3)
+    steps, prefill = [rng.randint(1, 200) for _ in range(11)], [rng.randint(0, 40) for _ in range(11)]
+    for batching in ("continuous", "static"):
+        costs = generation_costs(_work(max_batch=4, batching=batching, prefill_token_s=1e-4))
+        finish, busy = serve([0.0] * 11, steps, prefill, costs)
+        cut_finish, progress, end = serve_cut(steps, prefill, costs)
+        assert (cut_finish, progress, end) == (finish, steps, busy)
+        deadline = busy / 3
+        cut_finish, progress, end = serve_cut(steps, prefill, costs, deadline)
+        assert deadline <= end < busy and 0 < sum(progress) < sum(steps)
+        assert all(p <= n for p, n in zip(progress, steps, strict=True))
+        # finished requests did every step; the others stopped within one decode step of the deadline
+        assert all((f is not None) == (p == n) for f, p, n in zip(cut_finish, progress, steps, strict=True))
+        one_step = costs.step_s + costs.token_s * 4 + costs.context_token_s * (4 * (200 + 40) + 4)
+        assert end - deadline <= one_step
+
+
+def test_async_fit_recovers_known_costs():
+    """Synthetic runs made from known costs: the fit gives them back (no timing)."""
+    decode, controller, load = 0.004, 0.5, 0.006
+    median, sigma = 40.0, 0.8
+    from statistics import NormalDist
+
+    unit, cap = NormalDist(), 64
+    z = (math.log(cap) - math.log(median)) / sigma
+    mean = median * math.exp(sigma**2 / 2) * unit.cdf(z - sigma) + cap * (1 - unit.cdf(z))
+    truncated = 1 - unit.cdf(z)
+    runs = []
+    for label, gen_steps in (("0", [64.0, 60.0, 64.0, 50.0]), ("1", [64.0, 64.0, 62.0, 64.0])):
+        busy = [decode * n for n in gen_steps]
+        step = [controller + b for b in busy]
+        metrics = {name: [math.nan] * 4 for name in ASYNC_METRICS}
+        metrics.update({
+            "time/step": step, "time/generate": busy, "time/rollout": busy, "time/reward": [0.0] * 4,
+            "time/idle_generate": [0.0] * 4, "async/rollout_wait_s": busy, "time/sync": [load] * 4,
+            "response_length/max": gen_steps, "response_length/mean": [mean] * 4,
+            "response/truncated_frac": [truncated] * 4, "samples/total": [128.0] * 4,
+        })
+        runs.append(MeasuredRun(label, 7, 2, cap, metrics, warmup=0))
+    costs = fit_async(runs)
+    assert costs["decode_step_s"] == pytest.approx(decode)
+    assert costs["train_step_s"] == pytest.approx(controller)
+    assert costs["swap_s"] == pytest.approx(load)
+    assert costs["median_tokens"] == pytest.approx(median, rel=0.05)
+    assert costs["sigma"] == pytest.approx(sigma, abs=0.02)
+    predicted = predict_async(costs, runs[0])  # K = 0, generation never overlaps the controller
+    assert 0 < predicted["idle"] < 1 and predicted["cut"] == 0
+
+
+def test_the_shipped_async_measurements_check_runs():
+    """examples/simulate/async_tiny_measurements.json: every run predicts, within its own label's K bound."""
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "simulate", "async_tiny_measurements.json")
+    with open(path) as f:
+        runs = [MeasuredRun(**r) for r in json.load(f)["runs"]]
+    assert {r.label for r in runs} == {"0", "1", "1p", "2", "2p"}
+    costs = fit_async([r for r in runs if r.label in ("0", "1")])
+    for r in runs[:5]:
+        assert 0.0 < predict_async(costs, r)["idle"] < 1.0
 
 
 def test_async_busy_and_idle_account_for_every_device_second():
-    for budget in (0, 64):
-        results = simulate_async(DynamicPlacement(), 16, 5, _work(), max_staleness=1, partial_budget=budget)
+    for partial in (False, True):
+        results = simulate_async(DynamicPlacement(), 16, 5, _work(), max_staleness=1, partial=partial)
         for r in results:
             assert sum(r.busy.values()) + sum(r.idle.values()) == pytest.approx(16 * r.step_s)
             assert all(v >= -1e-9 for v in r.idle.values()), r.idle  # no device is booked twice
@@ -80,7 +192,7 @@ def test_generation_of_the_next_step_overlaps_training():
     """Equal lengths, no judge cost to speak of: with K=1 the generation devices start the next batch
     while the current one trains, so a step takes less than generation plus training."""
     work = _work(sigma=0.0, resample_fraction=0.0, judge_output_tokens=1, train_token_s=0.002)
-    sync = simulate_async(DynamicPlacement(), 16, 4, work, max_staleness=1)
+    sync = simulate_async(DynamicPlacement(), 16, 4, work, max_staleness=1, dispatch="device")
     last = sync[-1]
     assert last.step_s < last.stages["generate"] + last.stages["train"]
     assert last.staleness == {1: sum(last.staleness.values())}  # every sample from the weights one step back
@@ -91,8 +203,9 @@ def test_generation_of_the_next_step_overlaps_training():
     [
         (["--max-staleness", "-1"], "--max-staleness: '-1': expected an integer >= 0"),
         (["--max-staleness", "one"], "--max-staleness: 'one': expected an integer >= 0"),
-        (["--max-staleness", "1", "--partial-rollouts", "0"], "--partial-rollouts: '0': expected a token budget >= 1"),
-        (["--partial-rollouts", "64"], "--partial-rollouts needs --max-staleness >= 1"),
+        (["--max-staleness", "1", "--partial-rollouts", "64"], "--partial-rollouts takes no value now ('64')"),
+        (["--partial-rollouts"], "--partial-rollouts needs --max-staleness >= 1"),
+        (["--max-staleness", "1", "--dispatch", "any"], "--dispatch: invalid choice: 'any'"),
     ],
 )
 def test_bad_async_flags_give_one_line(args, message, capsys):
@@ -120,7 +233,7 @@ def test_async_timeline_by_hand():
         decode_step_s=1.0, generate_token_s=0.0, judge_token_s=0.0, judge_generate_token_s=0.0,
         judge_output_tokens=1, judge_decode_step_s=1.0, swap_s=0.5, train_token_s=0.0, train_step_s=2.0,
     )
-    results = simulate_async(DynamicPlacement(hysteresis=1e9), 4, 3, work, max_staleness=1)
+    results = simulate_async(DynamicPlacement(hysteresis=1e9), 4, 3, work, max_staleness=1, dispatch="device")
     assert [(r.train_devices, r.generate_devices, r.judge_devices) for r in results] == [(1, 2, 1)] * 3
     assert [r.step_s for r in results] == [13.0, 10.0, 10.5]
     assert [r.staleness for r in results] == [{0: 4}, {1: 4}, {1: 4}]
