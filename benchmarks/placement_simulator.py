@@ -5,7 +5,8 @@
 
 Prints, per cluster size and policy: mean step time, idle fraction per role, device-hours and idle
 device-hours for all steps, and the ratios against static (with --max-staleness K, also dynamic
-placement trained asynchronously, and with --partial-rollouts N with partial rollouts); then the
+placement trained asynchronously, and with --partial-rollouts with partial rollouts cut at each weight
+sync, --dispatch as in `gcore simulate`); then the
 best fixed judge partition (found by trying every split on the first steps) against the split the
 policy converged to; then a sensitivity table (one workload field changed at a time) of
 dynamic/static ratios.
@@ -21,6 +22,7 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gcore.placement.dynamic import DynamicPlacement
+from gcore.simulator.asynchronous import DISPATCH
 from gcore.simulator.cli import run_all
 from gcore.simulator.model import compare, load_workload, plot, simulate, summarize
 
@@ -92,12 +94,13 @@ def main() -> int:
     parser.add_argument("--split-steps", type=int, default=5, help="steps per trial when searching the best split")
     parser.add_argument("--plot", default="sim.png")
     parser.add_argument("--max-staleness", type=int, default=0, help="also dynamic trained with staleness K (>= 1)")
-    parser.add_argument("--partial-rollouts", type=int, default=0, help="and with partial rollouts of this budget")
+    parser.add_argument("--partial-rollouts", action="store_true", help="and with partial rollouts (cut at each sync)")
+    parser.add_argument("--dispatch", choices=DISPATCH, default="step", help="as gcore simulate's --dispatch")
     args = parser.parse_args()
     work, options = load_workload(args.config)
     for devices in args.devices:
         runs = run_all(devices, args.steps, work, options, max_staleness=args.max_staleness,
-                       partial_budget=args.partial_rollouts)
+                       partial=args.partial_rollouts, dispatch=args.dispatch)
         print(f"\n{devices} devices, {args.steps} steps ({args.config})\n")
         table(runs, devices)
         path = args.plot.replace(".png", f"_{devices}.png")

@@ -30,20 +30,14 @@ def run_all(
     seed: int = 0,
     release_tail: bool = True,
     max_staleness: int = 0,
-    partial_budget: int = 0,
     partial: bool = False,
     dispatch: str = "step",
 ) -> dict[str, list[StepResult]]:
     """``model.compare``'s runs, plus ``dynamic K=..`` (and ``.. partial``) when ``max_staleness`` >= 1.
 
     ``partial``: also the row with partial rollouts (a weight update cuts the responses in flight, as in
-    the trainer). ``partial_budget`` is the removed token-budget model's option: anything but 0 is refused.
+    the trainer); ``dispatch``: when a batch's requests go out (``asynchronous.simulate_async``).
     """
-    if partial_budget:
-        raise ConfigError(
-            f"partial rollouts with a token budget ({partial_budget}) are no longer modelled: responses are cut "
-            "when new weights arrive, as in the trainer (partial=True; gcore simulate --partial-rollouts)"
-        )
     runs = compare(devices, steps, work, dynamic_options, seed, release_tail)
     if max_staleness:
         name = f"dynamic K={max_staleness}"

@@ -28,7 +28,7 @@ def test_k0_is_the_synchronous_loop_unchanged():
     the first step of a small run keeps the values it had before the simulator moved (recorded from
     gcore/placement/simulator.py at main 73e42b2; the whole 50-step tables were compared bit-equal too)."""
     work = _work()
-    runs = run_all(16, 3, work, {}, seed=1, max_staleness=0, partial_budget=0)
+    runs = run_all(16, 3, work, {}, seed=1, max_staleness=0)
     again = compare(16, 3, work, {}, seed=1)
     assert list(runs) == ["static", "dynamic", "dynamic+release"]
     assert runs == again
