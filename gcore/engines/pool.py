@@ -468,6 +468,7 @@ class WorkerPool:
         self.partial_rollouts = False
         self._syncs: list[Job] = []  # the last queued sync's requests
         self._side: dict[int, Job] = {}  # worker -> the weight sync sent to it during its generation
+        self._queued: dict[int, Job] = {}  # worker -> the request sent behind the weight sync it is loading
         self.busy: dict[str, float] = {}
         self.retried = 0
         self.respawned = 0
@@ -732,16 +733,30 @@ class WorkerPool:
         return job
 
     # -- dispatcher --------------------------------------------------------------------------
+    def _takes(self, i: int) -> bool:
+        """Whether worker ``i`` may be sent a request now: it is idle, or it loads a weight sync and has nothing
+        queued behind it. A worker serves its requests in order, so a request sent behind a sync starts as soon as
+        the weights are loaded, not at the controller's next call to the pool (which, with ``queue_syncs``, may be
+        a whole training step later: the worker would idle through it)."""
+        if not (self._ready[i] and self.alive(i)):
+            return False
+        running = self._busy_with[i]
+        return running is None or (running.kind == "sync" and i not in self._queued)
+
     def _dispatch(self) -> None:
         for job in list(self._pending):
-            free = [i for i in job.workers if self._ready[i] and self._busy_with[i] is None and self.alive(i)]
+            free = [i for i in job.workers if self._takes(i)]
             if not free:
                 continue
-            # a retry goes to another worker first; each controller sharing the pool starts its search at its own
-            # place in it, so that their first requests do not all queue at worker 0
-            i = min(free, key=lambda w: (w in job.failed_on, (w - self._first) % self.size))
+            # an idle worker first, and a retry to another worker; each controller sharing the pool starts its search
+            # at its own place in it, so that their first requests do not all queue at worker 0
+            i = min(free, key=lambda w: (w in job.failed_on, self._busy_with[w] is not None,
+                                         (w - self._first) % self.size))
             job.worker, job.sent, job.attempts = i, time.monotonic(), job.attempts + 1
-            self._busy_with[i] = job
+            if self._busy_with[i] is None:
+                self._busy_with[i] = job
+            else:  # behind the sync it loads; its job timeout counts from when it starts (``_handle``)
+                self._queued[i] = job
             self._pending.remove(job)
             conn = self._conns[i]
             assert conn is not None  # alive
@@ -804,8 +819,10 @@ class WorkerPool:
             return  # a late answer to a request that was already sent elsewhere
         if self._side.get(i) is job:  # a partial rollout's weight sync: the generation goes on
             del self._side[i]
-        else:
-            self._busy_with[i] = None
+        else:  # the request queued behind it, if any, is running now
+            self._busy_with[i] = queued = self._queued.pop(i, None)
+            if queued is not None:
+                queued.sent = time.monotonic()
         if kind == "result":
             job.result, job.busy_s = cast("tuple[object, float]", payload)
             job.done = job.ok = True
@@ -826,6 +843,10 @@ class WorkerPool:
             self._retry(side, i, f"engine worker {i} failed during a partial rollout ({why})")
         if job is not None:
             self._retry(job, i, f"engine worker {i} failed on a {job.kind} request ({why})")
+        queued = self._queued.pop(i, None)
+        if queued is not None:
+            self._retry(queued, i, f"engine worker {i} failed before a {queued.kind} request queued behind a weight "
+                                   f"sync started ({why})")
 
     def _retry(self, job: Job, worker: int, error: str) -> None:
         job.errors.append(error)

@@ -236,6 +236,41 @@ def test_a_queued_weight_update_reaches_the_worker_after_the_generation_sent_bef
         pool.close()
 
 
+@pytest.mark.integration
+@pytest.mark.slow  # starts an engine worker process
+def test_a_request_sent_while_the_worker_loads_a_sync_starts_without_waiting_for_the_controller(tmp_path):
+    """At K >= 1 the controller submits the next rollout while the workers load the weight sync, then trains without
+    calling the pool. The request goes to the worker behind the sync at once (not held until the controller's next
+    call): its result arrives while the controller only reads the worker's pipe, and samples with the new weights."""
+    from gcore.engines.hf import HFEngine
+    from gcore.engines.pool import POLICY, RoleSpec, WorkerPool
+    from gcore.model import ModelSource, char_tokenizer, materialize
+
+    path = materialize(ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64), char_tokenizer(),
+                       seed=0, workdir=str(tmp_path / "policy"))
+    greedy, prompts = SamplingParams(n=1, max_new_tokens=8, temperature=0.0), [[5, 6, 7], [8, 9]]
+    new = HFEngine()
+    new.setup(ModelSource(path), torch.device("cpu"))
+    weights = [(name, t + 0.5 * torch.randn_like(t)) for name, t in new.model.state_dict().items()]
+    new.update_weights(weights)
+    pool = WorkerPool(1, {POLICY: RoleSpec(HFEngine(), ModelSource(path))}, [POLICY])
+    try:
+        pool.queue_syncs = True
+        pool.collect_generate(pool.submit_generate(POLICY, prompts, greedy, [0]))
+        pool.sync_weights(weights)  # the worker is idle: the sync goes out at once
+        (after,) = pool.submit_generate(POLICY, prompts, greedy, [0])
+        conn = pool._conns[0]
+        assert conn is not None
+        for _ in range(2):  # the sync's reply, then the request's, with no call to the pool in between
+            assert conn.poll(120), "the request waited for the controller's next call to the pool"
+            pool._handle(conn.recv())
+        assert after.done and after.ok
+        assert [g[0].token_ids for g in pool.collect_generate([after])] == \
+            [o[0].token_ids for o in new.generate(prompts, greedy)]
+    finally:
+        pool.close()
+
+
 class Events:
     """What happened, in order, in the controller's thread and the thread that judges rollouts started ahead;
     ``wait_for`` holds one thread until the other has reached a point (never longer than ``timeout_s``: a
