@@ -432,3 +432,28 @@ def test_an_image_prompt_response_never_holds_an_image_placeholder(vllm_vlm):
     # stopped before max_new_tokens without an end-of-sequence token: a placeholder was sampled there
     assert any(g.finished and len(g.token_ids) < 24 and tokenizer.eos_token_id not in g.token_ids
                for g in generations)
+
+
+@pytest.mark.integration
+def test_image_prompts_in_vllms_own_process_sample_the_trainers_logprobs_before_and_after_a_sync(vllm_vlm):
+    """``--engine.separate_process true``: the image prompts' tensors travel to vLLM's engine-core process with their
+    requests, the weights (vision encoder included) as broadcast buckets; parity before and after a sync."""
+    from gcore.engines.vllm import VLLMEngine
+
+    config, tokenizer, path, _, prompts = vllm_vlm
+    engine = VLLMEngine(enforce_eager=True, max_model_len=256, separate_process=True, sync_timeout_s=120)
+    engine.setup(config.source(path), torch.device("cpu"))
+    try:
+        backend = TorchBackend(micro_batch_size=4)
+        backend.setup(Fabric(accelerator="cpu", devices=1), config.source(path), GRPO(kl_coef=0.0), embedded=True)
+        params = SamplingParams(n=3, max_new_tokens=8, temperature=1.0, stop_token_ids=(tokenizer.eos_token_id,))
+        assert float(_gap(backend, _image_batch(engine, tokenizer, prompts, params)).max()) < PARITY
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for parameter in backend.hf_model.parameters():
+                parameter.add_(0.01 * torch.randn(parameter.shape, generator=generator))
+        assert float(_gap(backend, _image_batch(engine, tokenizer, prompts, params)).max()) > 10 * PARITY
+        assert engine.update_weights(backend.named_weights()) > 0
+        assert float(_gap(backend, _image_batch(engine, tokenizer, prompts, params)).max()) < PARITY
+    finally:
+        engine.shutdown()
