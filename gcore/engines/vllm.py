@@ -18,11 +18,22 @@ Partial rollouts (``interrupt`` set by the worker): in the in-process mode ``gen
 once it says True, aborts the unfinished requests and returns each completion's tokens so far (``finished``
 False). The separate-process mode does not support it (``supports_interrupt`` is False). After every weight sync
 the prefix cache is reset: its blocks hold keys and values of the old weights.
+
+Image prompts (an image-text-to-text checkpoint, docs/multimodal.md): a prompt with images goes to vLLM as a processed
+multimodal input (``vllm.inputs.engine.mm_input``): its token ids as they are (the image placeholders already expanded),
+its ``Prompt.visual`` tensors (``pixel_values``, ``image_grid_thw``) as the model's keyword arguments, laid out by the
+model's own vLLM processor (``_get_mm_fields_config``), each image's placeholder run and a hash of its tensors. vLLM's
+processor is not run on the prompt, nor its on-device normalisation (``mm_device_do_normalize`` off): the vision
+encoder sees the trainer's pixel values, bit for bit. After every weight sync the encoder cache (vision embeddings,
+keyed by those hashes) is reset too. An image prompt goes through the engine's ``add_request`` (``LLM.generate`` would
+render it again and drop its images).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -32,8 +43,8 @@ import torch
 
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError, GcoreError
-from gcore.model import ModelSource
-from gcore.types import Generation, SamplingParams
+from gcore.model import ModelSource, image_text_to_text
+from gcore.types import Generation, SamplingParams, VisualInputs
 
 if TYPE_CHECKING:
     from gcore.engines.vllm_sync import BroadcastSender
@@ -53,6 +64,10 @@ def _import_vllm():  # noqa: ANN202
 
 class VLLMEngine(Engine):
     """Generation with vLLM.
+
+    Image prompts: ``generate`` takes each prompt's images (``visual``); an image or video placeholder token is a stop
+    token, which ends the response there and is dropped from it (it would ask the model for an image it was not
+    given), so that the log-probabilities stay those of the whole vocabulary, the trainer's.
 
     With ``interrupt`` set (partial rollouts) and the engine core in this process, it stops between engine steps
     when ``interrupt`` says so and returns the tokens so far (unfinished); with ``separate_process`` it does not
@@ -90,8 +105,6 @@ class VLLMEngine(Engine):
         sync_backend: str = "auto",
         seed: int = 0,
     ) -> None:
-        import importlib.util
-
         if importlib.util.find_spec("vllm") is None:
             _import_vllm()  # raises the "install the extra" error before any work starts
         if sleep_level not in (1, 2):
@@ -115,6 +128,13 @@ class VLLMEngine(Engine):
         self.device = torch.device("cpu")
         self.asleep = False
         self.last_sync_seconds = 0.0
+        self.vision = False  # an image-text-to-text checkpoint
+        self.image_id = -1  # its image placeholder token
+        self.media_ids: tuple[int, ...] = ()  # its image and video placeholder tokens
+        self.mm_processor: Any = None  # vLLM's multimodal processor of the model (its field layout)
+
+    #: ``generate`` takes ``visual`` (image prompts), for an image-text-to-text checkpoint
+    supports_images = True
 
     @property
     def supports_interrupt(self) -> bool:
@@ -142,6 +162,16 @@ class VLLMEngine(Engine):
             logprobs_mode="processed_logprobs",  # after temperature: what the trainer recomputes
             max_model_len=self.max_model_len,
         )
+        self.vision = image_text_to_text(source.path, source.trust_remote_code)
+        if self.vision and importlib.util.find_spec("torchvision") is None:
+            raise ConfigError(f"{source.path}: vLLM's image-text-to-text models import torchvision (transformers' "
+                              "image processors); install it beside vLLM (on a CPU-only torch with gcore's "
+                              "scripts/torchvision-cpu-shim: docs/engines.md)")
+        if self.vision:
+            # the prompts' pixel values come normalised by gcore's processor: vLLM must not normalise them again on
+            # the device (its default for Qwen2-VL: raw uint8 pixels from its own processor)
+            kwargs.update(runner="generate", mm_device_do_normalize=False,
+                          **_architecture_override(source.path, source.trust_remote_code))
         if device.type == "cuda":
             kwargs.update(gpu_memory_utilization=self.gpu_memory_utilization, enable_sleep_mode=True)
         if self.separate_process:
@@ -153,6 +183,18 @@ class VLLMEngine(Engine):
             self.llm = vllm.LLM(**kwargs)
         except Exception as err:
             raise GcoreError(f"vLLM could not load {source.path}: {type(err).__name__}: {err}") from err
+        if self.vision:
+            from vllm.multimodal import MULTIMODAL_REGISTRY
+
+            model_config = self.llm.llm_engine.model_config
+            self.mm_processor = MULTIMODAL_REGISTRY.create_processor(model_config)
+            hf_config = model_config.hf_config
+            image_id = getattr(hf_config, "image_token_id", getattr(hf_config, "image_token_index", None))
+            if not isinstance(image_id, int):
+                raise ConfigError(f"{source.path}: its config names no image token (image_token_id)")
+            video_id = getattr(hf_config, "video_token_id", None)
+            self.image_id = image_id
+            self.media_ids = (image_id, video_id) if isinstance(video_id, int) else (image_id,)
         if self.separate_process:
             from gcore.engines.vllm_sync import BroadcastSender
 
@@ -160,11 +202,21 @@ class VLLMEngine(Engine):
                                           int(self.sync_bucket_mb * 2**20), self.sync_backend)
             self.sender.connect()
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 visual: Sequence[VisualInputs | None] | None = None) -> list[list[Generation]]:
+        """``params.n`` generations per prompt; ``visual``: each prompt's images (``Prompt.visual``), if any."""
         if self.llm is None:
             raise RuntimeError("VLLMEngine.generate called before setup")
         vllm = _import_vllm()
         from vllm.inputs import TokensPrompt
+
+        images = list(visual) if visual is not None else [None] * len(prompts)
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(images)} visual inputs")
+        if any(v is not None for v in images) and not self.vision:
+            raise ConfigError("image prompts need an image-text-to-text checkpoint; vLLM loaded a text model")
+        stop_token_ids = list(params.stop_token_ids)
+        stop_token_ids += [t for t in self.media_ids if t not in stop_token_ids]
 
         sampling = vllm.SamplingParams(
             n=params.n,
@@ -173,14 +225,51 @@ class VLLMEngine(Engine):
             top_k=params.top_k if params.top_k > 0 else -1,
             max_tokens=params.max_new_tokens,
             logprobs=0,  # the sampled token's log-probability only
-            stop_token_ids=list(params.stop_token_ids),
+            stop_token_ids=stop_token_ids,
             detokenize=False,
         )
-        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        requests = [TokensPrompt(prompt_token_ids=list(p)) if v is None else self._image_prompt(list(p), v)
+                    for p, v in zip(prompts, images, strict=True)]
         if self.interrupt is not None and self.supports_interrupt:
-            return self._generate_interruptible(requests, sampling, self.interrupt)
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
-        return [[to_generation(c) for c in out.outputs] for out in outputs]
+            generations = self._generate_interruptible(requests, sampling, self.interrupt)
+        elif any(v is not None for v in images):
+            # ``LLM.generate`` renders its prompts again (a processed input's images would be dropped there): the
+            # engine's own ``add_request`` takes them as they are
+            generations = self._generate_interruptible(requests, sampling, lambda: False)
+        else:
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+            generations = [[to_generation(c) for c in out.outputs] for out in outputs]
+        if self.media_ids:
+            generations = [[_without_media_stop(g, self.media_ids, params.stop_token_ids) for g in row]
+                           for row in generations]
+        return generations
+
+    def _image_prompt(self, token_ids: list[int], visual: VisualInputs) -> Any:  # noqa: ANN401 - vLLM's MultiModalInput
+        """A prompt with images as vLLM's processed multimodal input: the token ids (placeholders expanded), the
+        visual tensors split into one item per image by the model's field layout, each image's placeholder run (the
+        runs of the image token, in order) and a hash of each image's tensors (vLLM's encoder and prefix caches)."""
+        from transformers import BatchFeature
+        from vllm.inputs.engine import mm_input
+        from vllm.multimodal.inputs import MultiModalKwargsItems, PlaceholderRange
+
+        tensors = BatchFeature(dict(visual.tensors))
+        fields = self.mm_processor._get_mm_fields_config(tensors, {})
+        items = MultiModalKwargsItems.from_hf_inputs(tensors, fields)
+        images = items.get("image", [])
+        runs = placeholder_runs(token_ids, self.image_id)
+        if len(runs) != len(images):
+            raise GcoreError(f"a prompt has {len(runs)} runs of image placeholder tokens but {len(images)} images")
+        hashes = []
+        for item in images:
+            digest = hashlib.sha256()
+            for key, tensor in sorted(item.get_data().items()):
+                digest.update(key.encode())
+                digest.update(str((tuple(tensor.shape), tensor.dtype)).encode())
+                digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            hashes.append(digest.hexdigest())
+        return mm_input(prompt_token_ids=token_ids, mm_kwargs=items, mm_hashes={"image": hashes},
+                        mm_placeholders={"image": [PlaceholderRange(offset=start, length=length)
+                                                   for start, length in runs]})
 
     def _generate_interruptible(self, requests: list, sampling: Any,  # noqa: ANN401 - vllm.SamplingParams
                                 interrupt: Callable[[], bool]) -> list[list[Generation]]:
@@ -199,7 +288,12 @@ class VLLMEngine(Engine):
         logprobs: list[list[list[float]]] = [[[] for _ in range(n)] for _ in requests]
         finished = [[False] * n for _ in requests]
         render = getattr(self.llm, "_preprocess_cmpl", None)  # what LLM.generate does; else add_request renders
-        inputs = render(requests) if render is not None else requests
+        # a processed multimodal input (an image prompt) goes in as it is: rendering it again would drop its images
+        text = [i for i, request in enumerate(requests) if "type" not in request]
+        inputs = list(requests)
+        if render is not None and text:
+            for i, rendered in zip(text, render([requests[i] for i in text]), strict=True):
+                inputs[i] = rendered
         added: list[str] = []
         try:
             for request_id, request in zip(ids, inputs, strict=True):
@@ -256,9 +350,12 @@ class VLLMEngine(Engine):
 
     def _forget_old_kv(self) -> None:
         """Drop the prefix cache after a weight sync: its blocks hold keys and values of the old weights, which a
-        prompt that shares a full block with an earlier one (a repeated prompt, a continued response) would reuse."""
+        prompt that shares a full block with an earlier one (a repeated prompt, a continued response) would reuse;
+        and, for image prompts, the encoder cache: the old vision encoder's embeddings of images seen before."""
         if not self.llm.reset_prefix_cache():
             raise GcoreError("vLLM could not reset its prefix cache after a weight sync (requests were running)")
+        if self.vision:
+            self.llm.llm_engine.reset_encoder_cache()
 
     def sleep(self) -> None:
         if self.llm is not None and self.device.type == "cuda" and not self.asleep:
@@ -277,6 +374,39 @@ class VLLMEngine(Engine):
         if self.llm is not None and self.separate_process:
             self.llm.llm_engine.engine_core.shutdown()  # the child process
         self.llm = None
+
+
+def _architecture_override(path: str, trust_remote_code: bool) -> dict[str, Any]:
+    """vLLM picks its model class from ``config.json``'s ``architectures``; a config without them (the embedded tiny
+    VLM's) would load as an embedding model: name transformers' image-text-to-text class of its model type."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if getattr(config, "architectures", None):
+        return {}
+    name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(config.model_type)
+    return {"hf_overrides": {"architectures": [name]}} if name else {}
+
+
+def placeholder_runs(token_ids: Sequence[int], image_id: int) -> list[tuple[int, int]]:
+    """(start, length) of each maximal run of the image placeholder token in ``token_ids``, in order."""
+    runs: list[tuple[int, int]] = []
+    for i, token in enumerate(token_ids):
+        if token == image_id:
+            if runs and sum(runs[-1]) == i:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((i, 1))
+    return runs
+
+
+def _without_media_stop(generation: Generation, media_ids: Sequence[int], stop_ids: Sequence[int]) -> Generation:
+    """A response that vLLM stopped at an image or video placeholder ends before it: the placeholder and its
+    log-probability are dropped (it would ask the model for an image it was not given); it counts as finished."""
+    if generation.token_ids and generation.token_ids[-1] in media_ids and generation.token_ids[-1] not in stop_ids:
+        return Generation(generation.token_ids[:-1], generation.logprobs[:-1], True)
+    return generation
 
 
 def sampled(completion) -> tuple[list[int], list[float]]:  # noqa: ANN001 - vllm.CompletionOutput

@@ -328,3 +328,132 @@ def test_fit_on_vllm_with_partial_rollouts_cuts_responses_and_stays_within_the_s
         assert 0.0 <= float(row["async/token_staleness_mean"]) <= 1.0
     assert any(float(r["async/partial_samples"]) > 0 for r in rows[1:]), [r["async/partial_samples"] for r in rows]
     assert all(float(r["grad_norm"]) > 0 for r in rows)
+
+
+# -- image prompts (docs/multimodal.md): the embedded tiny VLM, its images as the trainer's pixel values ---------------
+
+COLOURS = [(220, 40, 40), (40, 70, 220), (40, 180, 60)]
+
+
+@pytest.fixture(scope="module")
+def vllm_vlm(tmp_path_factory):
+    """The embedded tiny VLM (2 layers; 128 wide: vLLM's CPU attention takes no 16-wide heads), a vLLM engine on it,
+    its processor and prompts of different lengths, one with two images of other sizes, two with the same tokens and
+    other images (as tests/engines/test_hf_images.py)."""
+    from PIL import Image
+
+    from gcore.engines.vllm import VLLMEngine
+    from gcore.model import load_tokenizer
+    from gcore.types import Prompt
+    from gcore.vision import encode, load_processor
+
+    if torch.cuda.is_available():
+        pytest.skip("vLLM's CPU backend is not installed on GPU machines")
+    config = ModelConfig(num_hidden_layers=2)
+    tokenizer = load_tokenizer(config, vision=True)
+    path = materialize(config, tokenizer, seed=0, workdir=str(tmp_path_factory.mktemp("vlm")), vision=True)
+    processor = load_processor(path, trust_remote_code=False)
+    prompts = []
+    for i, (text, sizes) in enumerate([("c=", [(56, 56)]), ("what colour=", [(56, 56)]),
+                                       ("two=", [(28, 56), (84, 56)]), ("c=", [(56, 56)])]):
+        images = [Image.new("RGB", size, COLOURS[(i + k) % 3 if i < 3 else 1]) for k, size in enumerate(sizes)]
+        token_ids, visual = encode(processor, text, images, f"row {i}")
+        prompts.append(Prompt(i, text, token_ids, "r", f"row {i}", {}, None, visual))
+    engine = VLLMEngine(enforce_eager=True, max_model_len=256)
+    engine.setup(config.source(path), torch.device("cpu"))
+    return config, tokenizer, path, engine, prompts
+
+
+def _image_batch(engine, tokenizer, prompts, params):
+    from gcore.engines.base import generate_prompts
+    from gcore.types import Sample, collate
+
+    outputs = generate_prompts(engine, prompts, params)
+    samples = [Sample(prompt, group, g.token_ids, g.logprobs, tokenizer.decode(g.token_ids), g.finished)
+               for group, (prompt, generations) in enumerate(zip(prompts, outputs, strict=True)) for g in generations]
+    return collate(samples, tokenizer.pad_token_id, params.temperature)
+
+
+def _gap(backend, batch):
+    return ((backend.compute_logprobs(batch, "policy") - batch.engine_logprobs) * batch.response_mask).abs()
+
+
+def test_image_prompts_sample_the_trainers_logprobs_before_and_after_a_weight_sync(vllm_vlm):
+    """vLLM's sampled log-probabilities on image prompts are the trainer's (its pixel values, its M-RoPE positions),
+    the images matter (two prompts' images swapped: other log-probabilities), and after a training step that moves
+    the vision encoder too, a weight sync brings vLLM back to the trainer (the vision embeddings of images it saw
+    before are recomputed, not taken from its encoder cache)."""
+    from gcore.testing import set_up
+
+    config, tokenizer, path, engine, prompts = vllm_vlm
+    assert engine.supports_images and engine.vision
+    assert len({len(p.token_ids) for p in prompts}) == 3 and prompts[0].token_ids == prompts[3].token_ids
+    backend = TorchBackend(lr=1e-2, micro_batch_size=4)
+    backend.setup(Fabric(accelerator="cpu", devices=1), config.source(path), GRPO(kl_coef=0.0), embedded=True)
+    params = SamplingParams(n=3, max_new_tokens=12, temperature=0.9, stop_token_ids=(tokenizer.eos_token_id,))
+    batch = _image_batch(engine, tokenizer, prompts, params)
+    assert float(_gap(backend, batch).max()) < PARITY
+    # prompts 0 and 3 (rows 0-2 and 9-11) have the same tokens; with each other's images the same responses get
+    # other log-probabilities
+    assert batch.visual is not None
+    swapped = batch.visual
+    batch.visual = swapped[9:] + swapped[3:9] + swapped[:3]
+    moved = _gap(backend, batch)
+    assert float(moved[:3].max()) > 1e-3 and float(moved[3:9].max()) < PARITY
+    batch.visual = swapped
+
+    batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
+    batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
+    visual_before = {n: p.detach().clone() for n, p in backend.hf_model.named_parameters() if ".visual." in f".{n}"}
+    backend.train(batch, set_up(GRPO(kl_coef=0.0), params.max_new_tokens))
+    after = dict(backend.hf_model.named_parameters())
+    assert visual_before and any(not torch.equal(after[n], t) for n, t in visual_before.items())
+    stale = _image_batch(engine, tokenizer, prompts, params)
+    assert float(_gap(backend, stale).max()) > 10 * PARITY  # the engine does not see the update until the sync
+
+    sent = dict(backend.named_weights())
+    assert any(".visual." in f".{name}" for name in sent)  # the vision encoder travels too
+    assert engine.update_weights(sent.items()) > 0
+    synced = _image_batch(engine, tokenizer, prompts, params)
+    assert float(_gap(backend, synced).max()) < PARITY
+
+
+def test_an_image_prompt_response_never_holds_an_image_placeholder(vllm_vlm):
+    """A sampled image or video placeholder ends the response before it (it would ask the model for an image it was
+    not given): no response holds one, and the tiny random model does sample them (their stops happen)."""
+    _, tokenizer, _, engine, prompts = vllm_vlm
+    image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert image_token in engine.media_ids
+    params = SamplingParams(n=8, max_new_tokens=24, temperature=1.0, stop_token_ids=(tokenizer.eos_token_id,))
+    outputs = engine.generate([p.token_ids for p in prompts], params, visual=[p.visual for p in prompts])
+    generations = [g for row in outputs for g in row]
+    assert all(not set(g.token_ids) & set(engine.media_ids) for g in generations)
+    assert all(len(g.logprobs) == len(g.token_ids) for g in generations)
+    # stopped before max_new_tokens without an end-of-sequence token: a placeholder was sampled there
+    assert any(g.finished and len(g.token_ids) < 24 and tokenizer.eos_token_id not in g.token_ids
+               for g in generations)
+
+
+@pytest.mark.integration
+def test_image_prompts_in_vllms_own_process_sample_the_trainers_logprobs_before_and_after_a_sync(vllm_vlm):
+    """``--engine.separate_process true``: the image prompts' tensors travel to vLLM's engine-core process with their
+    requests, the weights (vision encoder included) as broadcast buckets; parity before and after a sync."""
+    from gcore.engines.vllm import VLLMEngine
+
+    config, tokenizer, path, _, prompts = vllm_vlm
+    engine = VLLMEngine(enforce_eager=True, max_model_len=256, separate_process=True, sync_timeout_s=120)
+    engine.setup(config.source(path), torch.device("cpu"))
+    try:
+        backend = TorchBackend(micro_batch_size=4)
+        backend.setup(Fabric(accelerator="cpu", devices=1), config.source(path), GRPO(kl_coef=0.0), embedded=True)
+        params = SamplingParams(n=3, max_new_tokens=8, temperature=1.0, stop_token_ids=(tokenizer.eos_token_id,))
+        assert float(_gap(backend, _image_batch(engine, tokenizer, prompts, params)).max()) < PARITY
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for parameter in backend.hf_model.parameters():
+                parameter.add_(0.01 * torch.randn(parameter.shape, generator=generator))
+        assert float(_gap(backend, _image_batch(engine, tokenizer, prompts, params)).max()) > 10 * PARITY
+        assert engine.update_weights(backend.named_weights()) > 0
+        assert float(_gap(backend, _image_batch(engine, tokenizer, prompts, params)).max()) < PARITY
+    finally:
+        engine.shutdown()
