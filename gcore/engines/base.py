@@ -78,7 +78,8 @@ def generate_prompts(engine: Engine, prompts: Sequence[Prompt], params: Sampling
     if all(p.visual is None for p in prompts):
         return engine.generate(token_ids, params)
     if not getattr(engine, "supports_images", False):
-        raise ConfigError(f"the {type(engine).__name__} engine does not generate from image prompts; use --engine hf")
+        raise ConfigError(f"the {type(engine).__name__} engine does not generate from image prompts; "
+                          "use --engine hf or vllm")
     return engine.generate(token_ids, params, visual=[p.visual for p in prompts])  # type: ignore[call-arg]
 
 

@@ -78,7 +78,7 @@ def test_the_tiny_vlm_learns_shape_colour_from_its_images_and_not_from_blank_one
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"engine": "vllm"}, r"--data.task shape_colour: image prompts need --engine hf"),
+    ({"engine": "sglang"}, r"--data.task shape_colour: image prompts need --engine hf"),
     ({"placement": "tokens_only"}, r"--placement _TokensOnly does not hand its engines the prompts' images"),
     ({"backend": {"sequence_parallel_size": 2}}, r"--backend.sequence_parallel_size 2 does not take image prompts"),
     ({"backend": {"packing": True}}, r"--backend.packing true does not take image prompts"),
@@ -90,10 +90,10 @@ def test_what_does_not_take_image_prompts_yet_refuses_in_one_line(options, messa
     from gcore import StaticPlacement, TorchBackend
 
     kwargs: dict = {"data": DataConfig(task="shape_colour"), "algorithm": GRPO()}
-    if options.get("engine") == "vllm":
-        from gcore.engines.vllm import VLLMEngine
+    if options.get("engine") == "sglang":
+        from gcore.engines.sglang import SGLangEngine
 
-        kwargs["engine"] = VLLMEngine.__new__(VLLMEngine)  # never set up: the check reads its class
+        kwargs["engine"] = SGLangEngine.__new__(SGLangEngine)  # never set up: the check reads its class
     if options.get("placement") == "tokens_only":
         class _TokensOnly(StaticPlacement):
             supports_images = False  # a policy that hands its engines token ids only
