@@ -14,10 +14,9 @@ the trainer's controllers hold their own prompts). When it may start batch ``b``
   ``b - K`` starts, i.e. once batch ``b - K`` is complete on every device and training step
   ``b - K - 1`` has ended (batches ``1..K`` when step 0 starts). A device that finished its share
   early waits for the slowest one. Without partial rollouts a weight update is a request of its own
-  on the device, and the trainer's pool hands a device its next request only when the controller
-  calls the pool, which it does not while it trains: a request sent while the device still loads
-  weights starts when that training step ends (measured: at K = 1 the generation then hardly
-  overlaps training, docs/simulator.md).
+  on the device, queued behind its share; a request sent while the device loads weights goes to it
+  behind the load and starts when the load ends (the trainer's pool sends it at once; before it did,
+  the request waited for the controller's next call to the pool, a whole training step at K = 1).
 - ``device`` (AReaL/slime-like, the model before issue 34): a device starts batch ``b`` as soon as it is
   free and policy version ``b - K`` exists, without waiting for the other devices.
 
@@ -305,18 +304,8 @@ class AsyncRun:
         at = max(self.trained[newest - 1], device.free)
         record(device.swap, at, at + self.work.swap_s)
         device.version = newest
-        loaded = at + self.work.swap_s
-        if self.dispatch == "step" and not self.partial and loaded > start:
-            # the trainer's pool hands a worker its next request only when the controller calls the pool, and a
-            # queued weight load holds the worker: a request sent during the load waits for the controller's
-            # next call, at the end of its training step (and sync) if it trains then
-            return self.called(loaded)
-        return max(start, loaded)
-
-    def called(self, t: float) -> float:
-        """The first time from ``t`` on at which the controller calls the pool: not while it trains."""
-        i = bisect.bisect_right(self.train_start, t) - 1
-        return self.trained[i] if i >= 0 and t < self.trained[i] else t
+        # a request sent while the device loads goes to it behind the load (the trainer's pool sends it at once)
+        return max(start, at + self.work.swap_s)
 
     def share(self, batch: Batch, d: int, items: list[Response], earliest: float) -> list[tuple[Response, float]]:
         """Device ``d`` serves ``items`` for ``batch`` from ``earliest`` on; the finished ones and when."""
