@@ -2,6 +2,8 @@
 
     gcore import $GGUF /tmp/smollm2-hf          # SmolLM2-135M-Instruct (docs/real_models.md)
     python benchmarks/placement_shift.py --policy /tmp/smollm2-hf --judge /tmp/smollm2-hf --steps 8 --rounds 1
+    python benchmarks/placement_shift.py --policy /tmp/smollm2-hf --judge /tmp/smollm2-hf -- --trainer.max_staleness 1
+    python benchmarks/placement_shift.py --policy /tmp/smollm2-hf --judge /tmp/smollm2-hf --device_quota 0.33
 
 The workload: the ``mixed`` task (``--data.task mixed``, not shuffled), whose prompts are compare
 questions scored by the ``math`` rule and open-ended prompts scored by a generative judge
@@ -31,6 +33,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,6 +45,68 @@ def routed_reward(judge: str, template: str = JUDGE_TEMPLATE) -> str:
                     "init_args": {"path": judge, "template": template, "batch_size": 64}}
     return json.dumps({"class_path": "gcore.rewards.routed.RoutedReward", "init_args": {"routes": {
         "math": {"class_path": "gcore.rewards.math.MathReward"}, "judge": judge_reward}}})
+
+
+class DeviceQuota:
+    """Holds every process of a run (each controller and each engine worker) to ``cpus`` CPUs of its own with a
+    cgroup-v1 CPU quota, so that each behaves as a device of fixed speed: an idle worker's share is lost, as an
+    idle GPU's is, instead of going to the busy processes (on a shared CPU a wrong split otherwise costs only
+    scheduling). Needs root and the cgroup-v1 ``cpu`` controller at /sys/fs/cgroup/cpu."""
+
+    ROOT = Path("/sys/fs/cgroup/cpu")
+
+    def __init__(self, cpus: float) -> None:
+        self.cpus, self.groups, self.placed = cpus, [], 0
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def __enter__(self) -> DeviceQuota:
+        if not (self.ROOT / "cgroup.procs").exists():
+            raise SystemExit(f"--device_quota needs the cgroup-v1 cpu controller at {self.ROOT}")
+        return self
+
+    def watch(self, pid: int) -> None:
+        """Place ``pid`` and each process it starts (now and later) in a cgroup of its own."""
+        import psutil
+
+        def loop() -> None:
+            seen: set[int] = set()
+            while not self.stop.is_set():
+                try:
+                    root = psutil.Process(pid)
+                    family = [root, *root.children(recursive=True)]
+                except psutil.NoSuchProcess:
+                    return
+                for process in family:
+                    if process.pid in seen or "resource_tracker" in " ".join(process.cmdline() or []):
+                        continue
+                    seen.add(process.pid)
+                    group = self.ROOT / f"gcore-device-{pid}-{process.pid}"
+                    group.mkdir(exist_ok=True)
+                    (group / "cpu.cfs_period_us").write_text("100000")
+                    (group / "cpu.cfs_quota_us").write_text(str(int(self.cpus * 100000)))
+                    try:
+                        (group / "cgroup.procs").write_text(str(process.pid))
+                        self.placed += 1
+                    except OSError:  # it ended meanwhile
+                        pass
+                    self.groups.append(group)
+                self.stop.wait(0.2)
+
+        self.thread = threading.Thread(target=loop, daemon=True)
+        self.thread.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()
+        for group in self.groups:
+            for _ in range(50):  # the last processes may take a moment to leave
+                try:
+                    group.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
 
 
 def fit(name: str, placement: list[str], args: argparse.Namespace, out: Path) -> list[dict[str, float]]:
@@ -57,9 +122,17 @@ def fit(name: str, placement: list[str], args: argparse.Namespace, out: Path) ->
                "--data.prompts_per_step", str(args.prompts), "--sampling.n", str(args.n),
                "--sampling.max_new_tokens", str(args.max_new_tokens), "--reward", routed_reward(args.judge),
                "--placement", "dynamic", "--placement.workers", str(args.workers),
-               "--placement.min_fraction", str(1 / args.workers), *placement]
+               "--placement.min_fraction", str(1 / args.workers), *placement, *args.fit_args]
     started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if args.device_quota:
+        with DeviceQuota(args.device_quota) as quota:
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            quota.watch(process.pid)
+            stdout, stderr = process.communicate()
+        done = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+        print(f"  {name}: {quota.placed} processes held to {args.device_quota:g} CPU each", flush=True)
+    else:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
     print(f"  {name}: {time.perf_counter() - started:.0f} s", flush=True)
@@ -100,6 +173,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chat_template", type=int, default=1, help="1: prompts in the policy's chat template")
     parser.add_argument("--out", default="/tmp/gcore-placement-shift")
+    parser.add_argument("--device_quota", type=float, default=0.0,
+                        help="hold each controller and each worker to this many CPUs of its own (a cgroup CPU quota): "
+                             "processes that behave as devices (0: off, they share the cores)")
+    parser.add_argument("fit_args", nargs="*", help="after --: options passed on to every gcore fit run")
     args = parser.parse_args()
     out = Path(args.out)
     firsts = {f"static {args.workers - j}/{j}": j for j in range(1, args.workers)}
@@ -108,7 +185,8 @@ def main() -> None:
     configs = {"dynamic": ["--placement.judge_fraction", str(1 / args.workers)], **splits}
     firsts["dynamic"] = 1
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; "
-          f"{args.controllers} controllers, {args.workers} workers, {args.steps} steps, share {args.share}")
+          f"{args.controllers} controllers, {args.workers} workers, {args.steps} steps, share {args.share}; "
+          f"gcore fit {' '.join(args.fit_args)}")
     results: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     splits_seen: dict[str, list[int]] = {}
     for round_ in range(args.rounds):

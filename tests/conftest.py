@@ -72,6 +72,26 @@ def varied_reward(folder) -> list[str]:
     return ["--reward", "python", "--reward.function", f"{path}:score"]
 
 
+#: the colours of image_prompts' images
+COLOURS = [(220, 40, 40), (40, 70, 220), (40, 180, 60)]
+
+
+def image_prompts(processor) -> list:
+    """Image prompts of different lengths (an engine left-pads them), one with two images of other sizes."""
+    from PIL import Image
+
+    from gcore.types import Prompt
+    from gcore.vision import encode
+
+    prompts = []
+    for i, (text, sizes) in enumerate([("c=", [(56, 56)]), ("what colour=", [(56, 56)]),
+                                       ("two=", [(28, 56), (84, 56)]), ("c=", [(56, 56)])]):
+        images = [Image.new("RGB", size, COLOURS[(i + k) % 3 if i < 3 else 1]) for k, size in enumerate(sizes)]
+        token_ids, visual = encode(processor, text, images, f"row {i}")
+        prompts.append(Prompt(i, text, token_ids, "r", f"row {i}", {}, None, visual))
+    return prompts
+
+
 @pytest.fixture(autouse=True)
 def _fresh_launch_environment(monkeypatch):
     """Each launch picks its own free port and ranks instead of reusing those a previous launch (or the

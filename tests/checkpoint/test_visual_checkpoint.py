@@ -3,6 +3,7 @@
 
 import os
 
+import pytest
 import torch
 
 from gcore import Trainer, TrainerConfig
@@ -34,3 +35,27 @@ def test_a_visual_run_resumes_and_exports_an_image_text_to_text_checkpoint(tmp_p
     final = AutoModelForImageTextToText.from_pretrained(resumed.final_model_dir).state_dict()
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[name], final[name]) for name in final)
+
+
+def test_the_exported_folder_loads_with_autoprocessor_and_gives_the_training_inputs(tmp_path):
+    """Where torchvision is installed (transformers 5 needs it for Qwen2-VL's processor: the vLLM CI venv, with
+    gcore's CPU shim), ``AutoProcessor`` loads the run's ``final/`` folder and turns an image prompt into the same
+    token ids and pixel values as gcore's ``ImageTokenProcessor``, which the run trained on."""
+    pytest.importorskip("torchvision", reason="transformers 5 builds Qwen2-VL's AutoProcessor with torchvision only")
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    from gcore.vision import ImageTokenProcessor, encode
+
+    final = _fit(tmp_path, 1).final_model_dir
+    assert final is not None
+    auto = AutoProcessor.from_pretrained(final)
+    assert type(auto).__name__ == "Qwen2VLProcessor"
+    ours = ImageTokenProcessor(AutoImageProcessor.from_pretrained(final), AutoTokenizer.from_pretrained(final))
+    images = [Image.new("RGB", (56, 56), (220, 40, 40)), Image.new("RGB", (84, 56), (40, 70, 220))]
+    ids, visual = encode(auto, "two=", images, "row 0")
+    want_ids, want = encode(ours, "two=", images, "row 0")
+    assert ids == want_ids
+    assert visual.tensors.keys() >= {"pixel_values", "image_grid_thw"}
+    for key in ("pixel_values", "image_grid_thw"):
+        assert torch.equal(visual.tensors[key], want.tensors[key]), key

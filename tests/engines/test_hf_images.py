@@ -3,6 +3,7 @@ with are the trainer's, recomputed over prompt and response with the same visual
 
 import pytest
 import torch
+from conftest import COLOURS, image_prompts
 from lightning.fabric import Fabric
 from PIL import Image
 
@@ -10,8 +11,6 @@ from gcore import GRPO, PPO, HFEngine, ModelConfig, SamplingParams, TorchBackend
 from gcore.model import load_tokenizer, materialize
 from gcore.types import Prompt, Sample, collate
 from gcore.vision import encode, load_processor
-
-COLOURS = [(220, 40, 40), (40, 70, 220), (40, 180, 60)]
 
 
 @pytest.fixture(scope="module")
@@ -24,17 +23,6 @@ def vlm(tmp_path_factory):
     return config, tokenizer, path, engine, load_processor(path, trust_remote_code=False)
 
 
-def _prompts(processor):
-    """Prompts of different lengths (so that the engine left-pads them), one with two images of other sizes."""
-    prompts = []
-    for i, (text, sizes) in enumerate([("c=", [(56, 56)]), ("what colour=", [(56, 56)]),
-                                       ("two=", [(28, 56), (84, 56)]), ("c=", [(56, 56)])]):
-        images = [Image.new("RGB", size, COLOURS[(i + k) % 3 if i < 3 else 1]) for k, size in enumerate(sizes)]
-        token_ids, visual = encode(processor, text, images, f"row {i}")
-        prompts.append(Prompt(i, text, token_ids, "r", f"row {i}", {}, None, visual))
-    return prompts
-
-
 def _samples(engine, tokenizer, prompts, params):
     from gcore.engines.base import generate_prompts
 
@@ -45,7 +33,7 @@ def _samples(engine, tokenizer, prompts, params):
 
 def test_engine_logprobs_match_the_trainers_on_image_prompts(vlm):
     config, tokenizer, path, engine, processor = vlm
-    prompts = _prompts(processor)
+    prompts = image_prompts(processor)
     assert len({len(p.token_ids) for p in prompts}) == 3  # left padding in the engine, right padding in the trainer
     assert prompts[0].token_ids == prompts[3].token_ids  # the same tokens, other images: not one prefill
     backend = TorchBackend(micro_batch_size=3)
@@ -69,7 +57,7 @@ def test_a_response_never_holds_an_image_placeholder(vlm):
     image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert image_token in engine.media_ids
     torch.manual_seed(0)
-    samples = _samples(engine, tokenizer, _prompts(processor), SamplingParams(n=8, max_new_tokens=24))
+    samples = _samples(engine, tokenizer, image_prompts(processor), SamplingParams(n=8, max_new_tokens=24))
     assert all(image_token not in s.response_ids for s in samples)
 
 
@@ -86,7 +74,7 @@ def test_ppo_trains_policy_and_critic_on_image_prompts_with_a_frozen_vision_enco
     before = {name: p.detach().clone() for name, p in backend.hf_model.named_parameters()}
     torch.manual_seed(0)
     params = SamplingParams(n=2, max_new_tokens=12)
-    batch = collate(_samples(engine, tokenizer, _prompts(processor), params), tokenizer.pad_token_id, 1.0)
+    batch = collate(_samples(engine, tokenizer, image_prompts(processor), params), tokenizer.pad_token_id, 1.0)
     batch.rewards = torch.arange(len(batch), dtype=torch.float) % 2
     batch.values = backend.compute_values(batch)
     batch.old_logprobs = backend.compute_logprobs(batch, "policy")
@@ -127,7 +115,7 @@ def test_lora_adapts_the_language_part_and_the_engine_follows_the_sync(vlm):
     assert adapted and all(".lora_" in name and "language_model" in name for name in adapted)
     params = SamplingParams(n=2, max_new_tokens=12, stop_token_ids=(tokenizer.eos_token_id,))
     torch.manual_seed(0)
-    batch = collate(_samples(engine, tokenizer, _prompts(processor), params), tokenizer.pad_token_id, 1.0)
+    batch = collate(_samples(engine, tokenizer, image_prompts(processor), params), tokenizer.pad_token_id, 1.0)
     batch.rewards = torch.arange(len(batch), dtype=torch.float) % 2
     batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
     backend.train(batch, algorithm)
@@ -135,7 +123,7 @@ def test_lora_adapts_the_language_part_and_the_engine_follows_the_sync(vlm):
     assert float(stale) > 1e-4  # the step moved the policy
     engine.update_weights(backend.named_weights())
     torch.manual_seed(1)
-    batch = collate(_samples(engine, tokenizer, _prompts(processor), params), tokenizer.pad_token_id, 1.0)
+    batch = collate(_samples(engine, tokenizer, image_prompts(processor), params), tokenizer.pad_token_id, 1.0)
     gap = ((backend.compute_logprobs(batch, "policy") - batch.engine_logprobs) * batch.response_mask).abs().max()
     assert float(gap) < 1e-4
 
@@ -226,6 +214,6 @@ def test_a_qwen2_5_vl_checkpoint_samples_the_trainers_logprobs(tmp_path, vlm):
     backend.setup(Fabric(accelerator="cpu", devices=1), ModelSource(path), GRPO(kl_coef=0.0), embedded=False)
     params = SamplingParams(n=3, max_new_tokens=10, stop_token_ids=(tokenizer.eos_token_id,))
     torch.manual_seed(0)
-    batch = collate(_samples(engine, tokenizer, _prompts(processor), params), tokenizer.pad_token_id, 1.0)
+    batch = collate(_samples(engine, tokenizer, image_prompts(processor), params), tokenizer.pad_token_id, 1.0)
     gap = ((backend.compute_logprobs(batch, "policy") - batch.engine_logprobs) * batch.response_mask).abs().max()
     assert float(gap) < 1e-4

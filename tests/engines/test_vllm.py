@@ -8,6 +8,7 @@ import torch
 from conftest import (
     engine_logprob_gap,
     greedy_with_updates,
+    image_prompts,
     injected_updates,
     interrupted_runs,
     stale_after_train_step,
@@ -332,33 +333,22 @@ def test_fit_on_vllm_with_partial_rollouts_cuts_responses_and_stays_within_the_s
 
 # -- image prompts (docs/multimodal.md): the embedded tiny VLM, its images as the trainer's pixel values ---------------
 
-COLOURS = [(220, 40, 40), (40, 70, 220), (40, 180, 60)]
-
 
 @pytest.fixture(scope="module")
 def vllm_vlm(tmp_path_factory):
     """The embedded tiny VLM (2 layers; 128 wide: vLLM's CPU attention takes no 16-wide heads), a vLLM engine on it,
     its processor and prompts of different lengths, one with two images of other sizes, two with the same tokens and
     other images (as tests/engines/test_hf_images.py)."""
-    from PIL import Image
-
     from gcore.engines.vllm import VLLMEngine
     from gcore.model import load_tokenizer
-    from gcore.types import Prompt
-    from gcore.vision import encode, load_processor
+    from gcore.vision import load_processor
 
     if torch.cuda.is_available():
         pytest.skip("vLLM's CPU backend is not installed on GPU machines")
     config = ModelConfig(num_hidden_layers=2)
     tokenizer = load_tokenizer(config, vision=True)
     path = materialize(config, tokenizer, seed=0, workdir=str(tmp_path_factory.mktemp("vlm")), vision=True)
-    processor = load_processor(path, trust_remote_code=False)
-    prompts = []
-    for i, (text, sizes) in enumerate([("c=", [(56, 56)]), ("what colour=", [(56, 56)]),
-                                       ("two=", [(28, 56), (84, 56)]), ("c=", [(56, 56)])]):
-        images = [Image.new("RGB", size, COLOURS[(i + k) % 3 if i < 3 else 1]) for k, size in enumerate(sizes)]
-        token_ids, visual = encode(processor, text, images, f"row {i}")
-        prompts.append(Prompt(i, text, token_ids, "r", f"row {i}", {}, None, visual))
+    prompts = image_prompts(load_processor(path, trust_remote_code=False))
     engine = VLLMEngine(enforce_eager=True, max_model_len=256)
     engine.setup(config.source(path), torch.device("cpu"))
     return config, tokenizer, path, engine, prompts
