@@ -330,7 +330,8 @@ class Trainer:
         what = f"--data.image_key {d.image_key}" if d.image_key is not None else f"--data.task {d.task}"
         if not getattr(self.engine, "supports_images", False):
             raise ConfigError(f"{what}: image prompts need --engine hf or vllm; {type(self.engine).__name__} is given "
-                              "token ids only in gcore (SGLang runs in a venv of its own, not wired for images yet)")
+                              "token ids only in gcore (SGLang: its image inputs are not wired, and its CPU build was "
+                              "not tried with an image-text-to-text model)")
         if not self.placement.supports_images:
             raise ConfigError(f"{what}: --placement {type(self.placement).__name__} does not hand its engines the "
                               "prompts' images (supports_images); use --placement static or dynamic")
