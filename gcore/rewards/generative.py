@@ -6,7 +6,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
 
@@ -14,7 +14,7 @@ from gcore.engines.base import Engine
 from gcore.errors import ConfigError, RewardError
 from gcore.model import ModelSource
 from gcore.rewards.base import Judge, RewardModel
-from gcore.types import Sample, SamplingParams
+from gcore.types import Sample, SamplingParams, VisualInputs, concat_visual
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -64,6 +64,32 @@ def verdict_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], li
     return yes, no
 
 
+def visual_next_token_logprobs(model: torch.nn.Module, pad_id: int, prompts: Sequence[Sequence[int]],
+                               visual: Sequence[VisualInputs | None], candidates: Sequence[int]) -> list[list[float]]:
+    """``Engine.next_token_logprobs`` with images: one forward of the image-text-to-text ``model`` over the
+    left-padded prompts with their visual inputs (``concat_visual``) and, for a Qwen2-VL-style model, the M-RoPE
+    positions the trainer uses (``gcore.vision.multimodal_positions``); the float32 log-softmax of each row's last
+    position at ``candidates``."""
+    from gcore.vision import multimodal_positions
+
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, p in enumerate(prompts):
+        input_ids[row, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        attention_mask[row, width - len(p) :] = 1
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    inputs = {k: v.to(device) for k, v in concat_visual(visual).items()}
+    rope = multimodal_positions(model, input_ids, attention_mask, inputs)
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0) if rope is None else rope[0]
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False,
+                       **inputs).logits[:, -1]
+    picked = torch.tensor(list(candidates), dtype=torch.long, device=device)
+    return torch.log_softmax(logits.float(), dim=-1)[:, picked].tolist()
+
+
 def _gives_logprobs(engine: Engine) -> bool:
     """Whether ``engine``'s class implements ``next_token_logprobs`` (the base one raises)."""
     return type(engine).next_token_logprobs is not Engine.next_token_logprobs
@@ -92,6 +118,12 @@ class GenerativeReward(RewardModel):
             ``None`` fails the step instead.
         retries: attempts again on a judge call that raises before the step fails.
         timeout_s: a judge call slower than this counts as failed (checked after it returns).
+        images: when the judge is an image-text-to-text checkpoint and a sample's prompt has images, the judge
+            sees them: its prompt is the images then the filled template in one user message, through the
+            judge's processor and chat template (docs/multimodal.md, "Rewards"). The images reach the judge as
+            the prompt's processed tensors (``Prompt.visual``), so the judge must process images as the policy
+            does (its processor must give tensors of the same shapes; refused in one line otherwise).
+            ``false``, a text-only judge, or ``chat_template false``: the judge reads the text only.
     """
 
     def __init__(
@@ -108,6 +140,7 @@ class GenerativeReward(RewardModel):
         retries: int = 1,
         timeout_s: float = 0.0,
         trust_remote_code: bool = False,
+        images: bool = True,
     ) -> None:
         if verdict not in VERDICTS:
             raise ConfigError(f"--reward.verdict {verdict!r}: valid choices: {', '.join(VERDICTS)}")
@@ -124,7 +157,9 @@ class GenerativeReward(RewardModel):
         self.params = SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=0.0)
         self.batch_size, self.unparsable_score = batch_size, unparsable_score
         self.retries, self.timeout_s, self.trust_remote_code = retries, timeout_s, trust_remote_code
+        self.images = images
         self.tokenizer: Any = None  # a transformers tokenizer once set up
+        self.processor: Any = None  # the judge's processor, for an image-text-to-text judge (``images``)
         self.yes_ids: list[int] = []
         self.no_ids: list[int] = []
         self.last_unparsable = 0
@@ -147,6 +182,14 @@ class GenerativeReward(RewardModel):
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
         if self.verdict == "probability":
             self.yes_ids, self.no_ids = verdict_token_ids(self.tokenizer)
+        self.processor = None
+        if self.images and self.chat_template:
+            from gcore.model import image_text_to_text
+
+            if image_text_to_text(self.path, self.trust_remote_code):
+                from gcore.vision import load_processor
+
+                self.processor = load_processor(self.path, self.trust_remote_code)
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.engine.setup(self.source, device)
 
@@ -160,13 +203,64 @@ class GenerativeReward(RewardModel):
 
     def judge_prompt(self, sample: Sample) -> str:
         """The text the judge reads: the filled template, in the judge's chat template when it has one
-        (and ``chat_template``)."""
-        text = self.template.format(prompt=sample.prompt.text, response=sample.response_text,
-                                    answer=sample.prompt.answer or "")
+        (and ``chat_template``). Without the images a VLM judge sees (``judge_inputs``)."""
+        text = self._filled(sample)
         if self.chat_template and getattr(self.tokenizer, "chat_template", None):
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                       add_generation_prompt=True)
         return text
+
+    def _filled(self, sample: Sample) -> str:
+        return self.template.format(prompt=sample.prompt.text, response=sample.response_text,
+                                    answer=sample.prompt.answer or "")
+
+    def judge_inputs(self, sample: Sample) -> tuple[list[int], VisualInputs | None]:
+        """The judge's prompt token ids and the images it sees with them: for an image-text-to-text judge and a
+        sample whose prompt has images, one user message of the images then the filled template through the
+        judge's processor and chat template, with the prompt's visual inputs; else ``judge_prompt``'s tokens."""
+        visual = sample.prompt.visual
+        if self.processor is None or visual is None:
+            return self._encode(self.judge_prompt(sample)), None
+        from PIL import Image
+
+        from gcore.vision import encode
+
+        where = sample.prompt.source or str(sample.prompt.index)
+        grid = visual.tensors.get("image_grid_thw")
+        if grid is None:  # e.g. Llava style, pixel_values [images, channels, height, width]: the processed sizes
+            pixels = visual.tensors.get("pixel_values")
+            if pixels is None or pixels.dim() != 4:
+                self._refuse(where, "its visual inputs give no image sizes", visual)
+            stand_ins = [Image.new("RGB", (int(pixels.shape[3]), int(pixels.shape[2])))] * int(pixels.shape[0])
+            token_ids, own = encode(self.processor, self._filled(sample), stand_ins, where)
+        else:  # Qwen2-VL style: each image is prod(grid) / merge_size**2 placeholder tokens, as its processor places
+            merge = getattr(getattr(self.processor, "image_processor", None), "merge_size", None)
+            token = getattr(self.processor, "image_token", None)
+            if merge is None or token is None:
+                self._refuse(where, "its processor places images otherwise (no merge_size or image_token)", visual)
+            # the judge's processor on one stand-in image: the keys and patch width it makes
+            _, own = encode(self.processor, "", [Image.new("RGB", (56, 56))], where)
+            message = [{"role": "user", "content": [*({"type": "image"} for _ in range(len(grid))),
+                                                    {"type": "text", "text": self._filled(sample)}]}]
+            templated = self.processor.apply_chat_template(message, add_generation_prompt=True, tokenize=False)
+            counts = iter([int(g.prod()) // int(merge) ** 2 for g in grid])
+            pieces = templated.split(token)
+            if len(pieces) != len(grid) + 1:
+                self._refuse(where, f"its chat template gave {len(pieces) - 1} image placeholders", visual)
+            expanded = pieces[0] + "".join(token * next(counts) + piece for piece in pieces[1:])
+            tokenizer = getattr(self.processor, "tokenizer", self.tokenizer)
+            token_ids = list(tokenizer(expanded, add_special_tokens=False)["input_ids"])
+        mine = {k: tuple(v.shape[1:]) for k, v in own.tensors.items()}
+        theirs = {k: tuple(v.shape[1:]) for k, v in visual.tensors.items()}
+        if mine != theirs:
+            self._refuse(where, f"judge tensors {mine}, the prompt's {theirs} (per image or patch)", visual)
+        return token_ids, visual
+
+    def _refuse(self, where: str, why: str, visual: VisualInputs) -> NoReturn:
+        raise ConfigError(f"--reward.path {self.path}: the judge processes images otherwise than the policy ({where}: "
+                          f"{why}; the prompt has {', '.join(visual.tensors)}); a VLM judge sees the prompt's "
+                          "processed images, so use a judge with the policy's image processor, or "
+                          "--reward.images false to judge the text only")
 
     def _encode(self, text: str) -> list[int]:
         # a chat template writes its own special tokens; a plain prompt gets the tokenizer's usual ones
@@ -200,17 +294,41 @@ class GenerativeReward(RewardModel):
             f"{type(last).__name__}: {last}; no reward was given to them"
         )
 
-    def _judge(self, prompts: list[list[int]]) -> list[str]:
-        """The judge's generated verdicts (``yes_no``, ``score``)."""
-        outs = self._call("verdicts", lambda: self.engine.generate(prompts, self.params), len(prompts))
+    def _judge(self, prompts: list[list[int]], visual: list[VisualInputs | None]) -> list[str]:
+        """The judge's generated verdicts (``yes_no``, ``score``), with the images where there are any."""
+        if any(v is not None for v in visual):
+            if not getattr(self.engine, "supports_images", False):
+                raise ConfigError(f"--reward.images: the {type(self.engine).__name__} judge engine does not take "
+                                  "images; use the hf engine, or --reward.images false")
+            def call() -> list[Any]:
+                return self.engine.generate(prompts, self.params, visual=visual)  # type: ignore[call-arg]
+        else:
+            def call() -> list[Any]:
+                return self.engine.generate(prompts, self.params)
+        outs = self._call("verdicts", call, len(prompts))
         self.last_judge_tokens += sum(len(o[0].token_ids) for o in outs)
         return [self.tokenizer.decode(o[0].token_ids, skip_special_tokens=True) for o in outs]
 
-    def _probabilities(self, prompts: list[list[int]]) -> list[float]:
-        """P(yes) / (P(yes) + P(no)) of each prompt's next token (``probability``)."""
+    def _probabilities(self, prompts: list[list[int]], visual: list[VisualInputs | None]) -> list[float]:
+        """P(yes) / (P(yes) + P(no)) of each prompt's next token (``probability``), with the images where there
+        are any."""
         candidates = self.yes_ids + self.no_ids
-        rows = self._call("log-probability rows", lambda: self.engine.next_token_logprobs(prompts, candidates),
-                          len(prompts))
+        if any(v is not None for v in visual):
+            from gcore.engines.hf import HFEngine
+
+            engine = self.engine
+            if not isinstance(engine, HFEngine) or engine.model is None:
+                raise ConfigError(f"--reward.verdict probability with images needs the judge in this process's hf "
+                                  f"engine, not the {type(engine).__name__} engine (judge workers do not take "
+                                  "images for it yet); use --reward.verdict yes_no, or --reward.images false")
+            model = engine.model
+
+            def call() -> list[Any]:
+                return visual_next_token_logprobs(model, engine.pad_id, prompts, visual, candidates)
+        else:
+            def call() -> list[Any]:
+                return self.engine.next_token_logprobs(prompts, candidates)
+        rows = self._call("log-probability rows", call, len(prompts))
         logp = torch.tensor(rows, dtype=torch.float64).reshape(len(prompts), len(candidates))
         yes = torch.logsumexp(logp[:, : len(self.yes_ids)], dim=-1)
         no = torch.logsumexp(logp[:, len(self.yes_ids) :], dim=-1)
@@ -224,11 +342,12 @@ class GenerativeReward(RewardModel):
         scores: list[float] = []
         for start in range(0, len(samples), self.batch_size):
             chunk = samples[start : start + self.batch_size]
-            prompts = [self._encode(self.judge_prompt(s)) for s in chunk]
+            inputs = [self.judge_inputs(s) for s in chunk]
+            prompts, visual = [ids for ids, _ in inputs], [v for _, v in inputs]
             if self.verdict == "probability":
-                scores.extend(self._probabilities(prompts))
+                scores.extend(self._probabilities(prompts, visual))
                 continue
-            for sample, text in zip(chunk, self._judge(prompts), strict=False):
+            for sample, text in zip(chunk, self._judge(prompts, visual), strict=False):
                 value = parse_verdict(text, self.verdict, self.max_score)
                 if value is None:
                     self.last_unparsable += 1
