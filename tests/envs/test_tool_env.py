@@ -75,7 +75,10 @@ def test_python_tool_runs_sandboxed_code():
     turn = _env(tools=["python"]).step({}, _call("python", code="print(sum(range(10)))"))
     assert "<tool_response>\n45\n" in turn.observation and turn.metrics["tool_errors"] == 0
     looping = _env(tools=["python"]).step({}, _call("python", code="while True: pass"))
-    assert looping.metrics["tool_errors"] == 1 and "limit" in looping.observation
+    # ended by its CPU-time limit (5 s of CPU), or, on a machine too busy to give it those within the tool's 10 s of
+    # wall-clock time, by that (a fresh clone's suite beside other work got the second): an error either way
+    assert looping.metrics["tool_errors"] == 1
+    assert "CPU limit" in looping.observation or "did not finish within" in looping.observation, looping.observation
 
 
 def test_own_tools_and_bad_tool_specs(tmp_path):
