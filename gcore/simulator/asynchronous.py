@@ -66,6 +66,7 @@ from gcore.simulator.model import (
     judge_each,
     record,
     response_lengths,
+    retire,
     rollout_static,
     serve,
 )
@@ -229,11 +230,7 @@ def serve_cut(
         now += took
         record(intervals, begin, now)
         done_steps += advance
-        context += rows * advance
-        while running and running[0][0] <= done_steps:
-            i = heapq.heappop(running)[1]
-            finish[i] = now
-            context -= prefill[i] + steps[i]
+        context += rows * advance - retire(running, done_steps, now, finish, prefill, steps)
         if cut:
             break
     for i in range(waiting):

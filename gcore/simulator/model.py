@@ -207,12 +207,20 @@ def serve(
         record(intervals, begin, now)
         busy += took
         done_steps += advance
-        context += rows * advance
-        while running and running[0][0] <= done_steps:
-            i = heapq.heappop(running)[1]
-            finish[i] = now
-            context -= prefill[i] + steps[i]
+        context += rows * advance - retire(running, done_steps, now, finish, prefill, steps)
     return finish, busy
+
+
+def retire(running: list[tuple[int, int]], done_steps: int, now: float, finish: list, prefill: list[int],
+           steps: list[int]) -> int:
+    """Takes the requests that have ended by decode step ``done_steps`` out of ``running`` (a heap of (the step
+    count at which it ends, request)), with ``now`` as their finish time; returns the context tokens they free."""
+    freed = 0
+    while running and running[0][0] <= done_steps:
+        i = heapq.heappop(running)[1]
+        finish[i] = now
+        freed += prefill[i] + steps[i]
+    return freed
 
 
 def generation_costs(work: Workload) -> DeviceCosts:
