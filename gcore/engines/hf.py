@@ -167,9 +167,13 @@ class HFEngine(Engine):
         return [generations[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
     @torch.inference_mode()
-    def next_token_logprobs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int]) -> list[list[float]]:
+    def next_token_logprobs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int],
+                            visual: Sequence[VisualInputs | None] | None = None) -> list[list[float]]:
         """One forward over the left-padded prompts (chunks of ``max_batch_size``); the float32 log-softmax
-        of the last position's logits at ``candidates``."""
+        of the last position's logits at ``candidates``. ``visual``: each prompt's images (image prompts), which the
+        forward takes as ``generate``'s prefill does (with, for a Qwen2-VL-style model, its 3D positions)."""
+        from gcore.vision import multimodal_positions
+
         model = self.model
         if model is None:
             raise RuntimeError("HFEngine.next_token_logprobs called before setup")
@@ -184,8 +188,13 @@ class HFEngine(Engine):
             input_ids, attention_mask = self._left_pad([list(p) for p in prompts[start : start + chunk]])
             input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
             position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as each prompt alone
+            images = list(visual[start : start + chunk]) if visual is not None else []
+            inputs = {k: v.to(self.device) for k, v in concat_visual(images).items()}
+            rope = multimodal_positions(model, input_ids, attention_mask, inputs) if inputs else None
+            if rope is not None:
+                position_ids = rope[0]
             logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           use_cache=False, logits_to_keep=1).logits[:, -1]
+                           use_cache=False, logits_to_keep=1, **inputs).logits[:, -1]
             rows.extend(torch.log_softmax(logits.float(), dim=-1)[:, picked].tolist())
         return rows
 

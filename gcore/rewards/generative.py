@@ -14,7 +14,7 @@ from gcore.engines.base import Engine
 from gcore.errors import ConfigError, RewardError
 from gcore.model import ModelSource
 from gcore.rewards.base import Judge, RewardModel
-from gcore.types import Sample, SamplingParams, VisualInputs, concat_visual
+from gcore.types import Sample, SamplingParams, VisualInputs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -62,32 +62,6 @@ def verdict_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], li
         raise ConfigError("--reward.verdict probability: the judge's tokenizer gives no distinct first token "
                           "for yes and no; valid choices: " + ", ".join(VERDICTS))
     return yes, no
-
-
-def visual_next_token_logprobs(model: torch.nn.Module, pad_id: int, prompts: Sequence[Sequence[int]],
-                               visual: Sequence[VisualInputs | None], candidates: Sequence[int]) -> list[list[float]]:
-    """``Engine.next_token_logprobs`` with images: one forward of the image-text-to-text ``model`` over the
-    left-padded prompts with their visual inputs (``concat_visual``) and, for a Qwen2-VL-style model, the M-RoPE
-    positions the trainer uses (``gcore.vision.multimodal_positions``); the float32 log-softmax of each row's last
-    position at ``candidates``."""
-    from gcore.vision import multimodal_positions
-
-    device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, p in enumerate(prompts):
-        input_ids[row, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-        attention_mask[row, width - len(p) :] = 1
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    inputs = {k: v.to(device) for k, v in concat_visual(visual).items()}
-    rope = multimodal_positions(model, input_ids, attention_mask, inputs)
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0) if rope is None else rope[0]
-    with torch.no_grad():
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False,
-                       **inputs).logits[:, -1]
-    picked = torch.tensor(list(candidates), dtype=torch.long, device=device)
-    return torch.log_softmax(logits.float(), dim=-1)[:, picked].tolist()
 
 
 def _gives_logprobs(engine: Engine) -> bool:
@@ -321,10 +295,8 @@ class GenerativeReward(RewardModel):
                 raise ConfigError(f"--reward.verdict probability with images needs the judge in this process's hf "
                                   f"engine, not the {type(engine).__name__} engine (judge workers do not take "
                                   "images for it yet); use --reward.verdict yes_no, or --reward.images false")
-            model = engine.model
-
             def call() -> list[Any]:
-                return visual_next_token_logprobs(model, engine.pad_id, prompts, visual, candidates)
+                return engine.next_token_logprobs(prompts, candidates, visual=visual)
         else:
             def call() -> list[Any]:
                 return self.engine.next_token_logprobs(prompts, candidates)
