@@ -159,10 +159,6 @@ def serve_cut(
     cap = costs.max_batch or n or 1
     now = 0.0
 
-    def running_cost(advance: int, rows: int, context: int, read: int = 0) -> float:
-        took = costs.prefill_token_s * read + advance * (costs.step_s + costs.token_s * rows)
-        return took + costs.context_token_s * (advance * context + rows * advance * (advance + 1) / 2)
-
     def steps_to(limit: int, cost: Callable[[int], float], left: float) -> int:
         """The fewest steps (1..limit) whose cost reaches ``left`` seconds: the step in flight at the deadline ends."""
         lo, hi = 1, limit
@@ -180,13 +176,13 @@ def serve_cut(
                 break
             chunk = list(range(start, min(n, start + cap)))
             length, rows, read = max(steps[i] for i in chunk), len(chunk), sum(prefill[i] for i in chunk)
-            took = costs.prefill_token_s * read + length * (costs.step_s + costs.token_s * rows)
-            took += costs.context_token_s * (length * read + rows * length * (length + 1) / 2)
+
+            def chunk_cost(a: int, rows: int = rows, read: int = read) -> float:
+                return costs.decode_s(a, rows, read, read)
+
+            took = chunk_cost(length)
             cut = now + took > deadline
             if cut:
-                def chunk_cost(a: int, rows: int = rows, read: int = read) -> float:
-                    return running_cost(a, rows, read, read)
-
                 length = steps_to(length, chunk_cost, deadline - now)
                 took = chunk_cost(length)
             begin = now
@@ -217,13 +213,13 @@ def serve_cut(
         context += joined
         rows = len(running)
         advance = running[0][0] - done_steps
-        took = advance * (costs.step_s + costs.token_s * rows)
-        took += costs.context_token_s * (advance * context + rows * advance * (advance + 1) / 2)
+
+        def batch_cost(a: int, rows: int = rows, context: int = context) -> float:
+            return costs.decode_s(a, rows, context)
+
+        took = batch_cost(advance)
         cut = now + took > deadline
         if cut:
-            def batch_cost(a: int, rows: int = rows, context: int = context) -> float:
-                return running_cost(a, rows, context)
-
             advance = steps_to(advance, batch_cost, deadline - now)
             took = batch_cost(advance)
         begin = now

@@ -134,6 +134,12 @@ class DeviceCosts:
     batching: str = "continuous"
     context_token_s: float = 0.0
 
+    def decode_s(self, steps: int, rows: int, context: int, read: int = 0) -> float:
+        """Seconds for ``rows`` sequences holding ``context`` tokens to take ``steps`` decode steps together (each
+        row's context grows by one token a step), after a prefill of ``read`` tokens."""
+        took = self.prefill_token_s * read + steps * (self.step_s + self.token_s * rows)
+        return took + self.context_token_s * (steps * context + rows * steps * (steps + 1) / 2)
+
 
 def record(intervals: list[tuple[float, float]] | None, start: float, end: float) -> None:
     """Appends the busy interval ``[start, end]``, merged with the last one when they touch."""
@@ -168,9 +174,7 @@ def serve(
         for start in range(0, len(order), cap):
             chunk = order[start : start + cap]
             length, rows, read = max(steps[i] for i in chunk), len(chunk), sum(prefill[i] for i in chunk)
-            took = costs.prefill_token_s * read + length * (costs.step_s + costs.token_s * rows)
-            # every row steps until the longest ends; row contexts grow by one token a step
-            took += costs.context_token_s * (length * read + rows * length * (length + 1) / 2)
+            took = costs.decode_s(length, rows, read, read)  # every row steps until the longest ends
             begin = max(now, max(arrivals[i] for i in chunk))
             now = begin + took
             record(intervals, begin, now)
@@ -200,8 +204,7 @@ def serve(
         advance = running[0][0] - done_steps
         if waiting < len(order) and rows < cap:  # the next arrival joins at a step boundary
             advance = min(advance, max(1, math.ceil((arrivals[order[waiting]] - now) / step) if step > 0 else 1))
-        took = advance * (costs.step_s + costs.token_s * rows)
-        took += costs.context_token_s * (advance * context + rows * advance * (advance + 1) / 2)
+        took = costs.decode_s(advance, rows, context)
         begin = now
         now += took
         record(intervals, begin, now)
