@@ -92,6 +92,17 @@ def image_prompts(processor) -> list:
     return prompts
 
 
+def image_samples(engine, tokenizer, prompts, params) -> list:
+    """``generate_prompts`` on image prompts, each generation a ``Sample`` of its prompt (the group is the prompt's
+    place in ``prompts``)."""
+    from gcore.engines.base import generate_prompts
+    from gcore.types import Sample
+
+    outputs = generate_prompts(engine, prompts, params)
+    return [Sample(prompt, group, g.token_ids, g.logprobs, tokenizer.decode(g.token_ids), g.finished)
+            for group, (prompt, generations) in enumerate(zip(prompts, outputs, strict=True)) for g in generations]
+
+
 @pytest.fixture(autouse=True)
 def _fresh_launch_environment(monkeypatch):
     """Each launch picks its own free port and ranks instead of reusing those a previous launch (or the

@@ -3,13 +3,13 @@ with are the trainer's, recomputed over prompt and response with the same visual
 
 import pytest
 import torch
-from conftest import COLOURS, image_prompts
+from conftest import COLOURS, image_prompts, image_samples
 from lightning.fabric import Fabric
 from PIL import Image
 
 from gcore import GRPO, PPO, HFEngine, ModelConfig, SamplingParams, TorchBackend
 from gcore.model import load_tokenizer, materialize
-from gcore.types import Prompt, Sample, collate
+from gcore.types import Prompt, collate
 from gcore.vision import encode, load_processor
 
 
@@ -23,14 +23,6 @@ def vlm(tmp_path_factory):
     return config, tokenizer, path, engine, load_processor(path, trust_remote_code=False)
 
 
-def _samples(engine, tokenizer, prompts, params):
-    from gcore.engines.base import generate_prompts
-
-    outputs = generate_prompts(engine, prompts, params)
-    return [Sample(prompt, group, g.token_ids, g.logprobs, tokenizer.decode(g.token_ids), g.finished)
-            for group, (prompt, generations) in enumerate(zip(prompts, outputs, strict=True)) for g in generations]
-
-
 def test_engine_logprobs_match_the_trainers_on_image_prompts(vlm):
     config, tokenizer, path, engine, processor = vlm
     prompts = image_prompts(processor)
@@ -40,7 +32,7 @@ def test_engine_logprobs_match_the_trainers_on_image_prompts(vlm):
     backend.setup(Fabric(accelerator="cpu", devices=1), config.source(path), GRPO(kl_coef=0.0), embedded=True)
     params = SamplingParams(n=3, max_new_tokens=12, temperature=0.9, stop_token_ids=(tokenizer.eos_token_id,))
     torch.manual_seed(0)
-    batch = collate(_samples(engine, tokenizer, prompts, params), tokenizer.pad_token_id, params.temperature)
+    batch = collate(image_samples(engine, tokenizer, prompts, params), tokenizer.pad_token_id, params.temperature)
     recomputed = backend.compute_logprobs(batch, "policy")
     gap = float(((recomputed - batch.engine_logprobs) * batch.response_mask).abs().max())
     assert gap < 1e-4, gap
@@ -57,7 +49,7 @@ def test_a_response_never_holds_an_image_placeholder(vlm):
     image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert image_token in engine.media_ids
     torch.manual_seed(0)
-    samples = _samples(engine, tokenizer, image_prompts(processor), SamplingParams(n=8, max_new_tokens=24))
+    samples = image_samples(engine, tokenizer, image_prompts(processor), SamplingParams(n=8, max_new_tokens=24))
     assert all(image_token not in s.response_ids for s in samples)
 
 
@@ -74,7 +66,7 @@ def test_ppo_trains_policy_and_critic_on_image_prompts_with_a_frozen_vision_enco
     before = {name: p.detach().clone() for name, p in backend.hf_model.named_parameters()}
     torch.manual_seed(0)
     params = SamplingParams(n=2, max_new_tokens=12)
-    batch = collate(_samples(engine, tokenizer, image_prompts(processor), params), tokenizer.pad_token_id, 1.0)
+    batch = collate(image_samples(engine, tokenizer, image_prompts(processor), params), tokenizer.pad_token_id, 1.0)
     batch.rewards = torch.arange(len(batch), dtype=torch.float) % 2
     batch.values = backend.compute_values(batch)
     batch.old_logprobs = backend.compute_logprobs(batch, "policy")
@@ -115,7 +107,7 @@ def test_lora_adapts_the_language_part_and_the_engine_follows_the_sync(vlm):
     assert adapted and all(".lora_" in name and "language_model" in name for name in adapted)
     params = SamplingParams(n=2, max_new_tokens=12, stop_token_ids=(tokenizer.eos_token_id,))
     torch.manual_seed(0)
-    batch = collate(_samples(engine, tokenizer, image_prompts(processor), params), tokenizer.pad_token_id, 1.0)
+    batch = collate(image_samples(engine, tokenizer, image_prompts(processor), params), tokenizer.pad_token_id, 1.0)
     batch.rewards = torch.arange(len(batch), dtype=torch.float) % 2
     batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
     backend.train(batch, algorithm)
@@ -123,7 +115,7 @@ def test_lora_adapts_the_language_part_and_the_engine_follows_the_sync(vlm):
     assert float(stale) > 1e-4  # the step moved the policy
     engine.update_weights(backend.named_weights())
     torch.manual_seed(1)
-    batch = collate(_samples(engine, tokenizer, image_prompts(processor), params), tokenizer.pad_token_id, 1.0)
+    batch = collate(image_samples(engine, tokenizer, image_prompts(processor), params), tokenizer.pad_token_id, 1.0)
     gap = ((backend.compute_logprobs(batch, "policy") - batch.engine_logprobs) * batch.response_mask).abs().max()
     assert float(gap) < 1e-4
 
@@ -180,7 +172,7 @@ def test_a_llava_style_checkpoint_with_1d_positions_samples_the_trainers_logprob
     tokenizer = processor.tokenizer
     params = SamplingParams(n=3, max_new_tokens=10, stop_token_ids=(tokenizer.eos_token_id,))
     torch.manual_seed(0)
-    batch = collate(_samples(engine, tokenizer, prompts, params), tokenizer.pad_token_id, 1.0)
+    batch = collate(image_samples(engine, tokenizer, prompts, params), tokenizer.pad_token_id, 1.0)
     gap = ((backend.compute_logprobs(batch, "policy") - batch.engine_logprobs) * batch.response_mask).abs().max()
     assert float(gap) < 1e-4
 
@@ -214,6 +206,6 @@ def test_a_qwen2_5_vl_checkpoint_samples_the_trainers_logprobs(tmp_path, vlm):
     backend.setup(Fabric(accelerator="cpu", devices=1), ModelSource(path), GRPO(kl_coef=0.0), embedded=False)
     params = SamplingParams(n=3, max_new_tokens=10, stop_token_ids=(tokenizer.eos_token_id,))
     torch.manual_seed(0)
-    batch = collate(_samples(engine, tokenizer, image_prompts(processor), params), tokenizer.pad_token_id, 1.0)
+    batch = collate(image_samples(engine, tokenizer, image_prompts(processor), params), tokenizer.pad_token_id, 1.0)
     gap = ((backend.compute_logprobs(batch, "policy") - batch.engine_logprobs) * batch.response_mask).abs().max()
     assert float(gap) < 1e-4

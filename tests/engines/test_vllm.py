@@ -9,6 +9,7 @@ from conftest import (
     engine_logprob_gap,
     greedy_with_updates,
     image_prompts,
+    image_samples,
     injected_updates,
     interrupted_runs,
     stale_after_train_step,
@@ -356,13 +357,9 @@ def vllm_vlm(tmp_path_factory):
 
 
 def _image_batch(engine, tokenizer, prompts, params):
-    from gcore.engines.base import generate_prompts
-    from gcore.types import Sample, collate
+    from gcore.types import collate
 
-    outputs = generate_prompts(engine, prompts, params)
-    samples = [Sample(prompt, group, g.token_ids, g.logprobs, tokenizer.decode(g.token_ids), g.finished)
-               for group, (prompt, generations) in enumerate(zip(prompts, outputs, strict=True)) for g in generations]
-    return collate(samples, tokenizer.pad_token_id, params.temperature)
+    return collate(image_samples(engine, tokenizer, prompts, params), tokenizer.pad_token_id, params.temperature)
 
 
 def _gap(backend, batch):
