@@ -134,6 +134,7 @@ class GenerativeReward(RewardModel):
         self.images = images
         self.tokenizer: Any = None  # a transformers tokenizer once set up
         self.processor: Any = None  # the judge's processor, for an image-text-to-text judge (``images``)
+        self._stand_in: VisualInputs | None = None  # its inputs for one 56-pixel image: the keys and patch width
         self.yes_ids: list[int] = []
         self.no_ids: list[int] = []
         self.last_unparsable = 0
@@ -156,7 +157,7 @@ class GenerativeReward(RewardModel):
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
         if self.verdict == "probability":
             self.yes_ids, self.no_ids = verdict_token_ids(self.tokenizer)
-        self.processor = None
+        self.processor, self._stand_in = None, None
         if self.images and self.chat_template:
             from gcore.model import image_text_to_text
 
@@ -212,8 +213,9 @@ class GenerativeReward(RewardModel):
             token = getattr(self.processor, "image_token", None)
             if merge is None or token is None:
                 self._refuse(where, "its processor places images otherwise (no merge_size or image_token)", visual)
-            # the judge's processor on one stand-in image: the keys and patch width it makes
-            _, own = encode(self.processor, "", [Image.new("RGB", (56, 56))], where)
+            if self._stand_in is None:  # the judge's processor on one stand-in image, once: the keys and patch width
+                self._stand_in = encode(self.processor, "", [Image.new("RGB", (56, 56))], where)[1]
+            own = self._stand_in
             message = [{"role": "user", "content": [*({"type": "image"} for _ in range(len(grid))),
                                                     {"type": "text", "text": self._filled(sample)}]}]
             templated = self.processor.apply_chat_template(message, add_generation_prompt=True, tokenize=False)
