@@ -159,16 +159,20 @@ def serve_cut(
     cap = costs.max_batch or n or 1
     now = 0.0
 
-    def steps_to(limit: int, cost: Callable[[int], float], left: float) -> int:
-        """The fewest steps (1..limit) whose cost reaches ``left`` seconds: the step in flight at the deadline ends."""
+    def run_until(limit: int, cost: Callable[[int], float]) -> tuple[int, float, bool]:
+        """``limit`` decode steps from ``now`` and their seconds, or, when they would run past ``deadline``, the
+        fewest steps that reach it (the step in flight at the deadline ends) and True: the run is cut."""
+        took = cost(limit)
+        if not now + took > deadline:
+            return limit, took, False
         lo, hi = 1, limit
         while lo < hi:
             mid = (lo + hi) // 2
-            if cost(mid) >= left:
+            if cost(mid) >= deadline - now:
                 hi = mid
             else:
                 lo = mid + 1
-        return lo
+        return lo, cost(lo), True
 
     if costs.batching == "static":
         for start in range(0, n, cap):
@@ -180,11 +184,7 @@ def serve_cut(
             def chunk_cost(a: int, rows: int = rows, read: int = read) -> float:
                 return costs.decode_s(a, rows, read, read)
 
-            took = chunk_cost(length)
-            cut = now + took > deadline
-            if cut:
-                length = steps_to(length, chunk_cost, deadline - now)
-                took = chunk_cost(length)
+            length, took, cut = run_until(length, chunk_cost)
             begin = now
             now = begin + took
             record(intervals, begin, now)
@@ -217,11 +217,7 @@ def serve_cut(
         def batch_cost(a: int, rows: int = rows, context: int = context) -> float:
             return costs.decode_s(a, rows, context)
 
-        took = batch_cost(advance)
-        cut = now + took > deadline
-        if cut:
-            advance = steps_to(advance, batch_cost, deadline - now)
-            took = batch_cost(advance)
+        advance, took, cut = run_until(advance, batch_cost)
         begin = now
         now += took
         record(intervals, begin, now)
