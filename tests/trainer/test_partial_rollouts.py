@@ -4,6 +4,7 @@ and every unfinished response continues from its tokens with the new weights (do
 from __future__ import annotations
 
 import csv
+import math
 import subprocess
 import sys
 
@@ -103,13 +104,15 @@ def test_partial_rollouts_need_max_staleness_and_an_engine_that_stops_between_to
 def test_fit_with_partial_rollouts_trains_within_the_staleness_bound(tmp_path, placement):
     """Three steps with K = 1 and partial rollouts on two engine workers, static or dynamic: each token's version
     is logged through ``async/token_staleness_mean`` (between 0 and 1), no sample is trained more than one version
-    old, and every step trains (a reward that varies within the groups: with the task's reward, 4 groups of 2 tiny-model
-    samples all scored the same on some step, and that step had no gradient). How many samples an update cuts is a
+    old, and every step trains: its update is finite and not skipped, and its gradient is not zero. A step whose groups
+    all score the same has no gradient, so the reward varies within groups and each group has 4 samples (with the
+    task's reward and 2 samples, all 4 groups tied on some step; with this reward a group of 2 ties about 1 time in 4,
+    all four groups about 1 step in 250; with 4 samples, 1 in 125 per group). How many samples an update cuts is a
     matter of timing (``async/partial_samples``)."""
     cmd = [sys.executable, "-m", "gcore", "fit", "--trainer.default_root_dir", str(tmp_path), *FAST,
            "--trainer.save_final", "false", "--trainer.max_steps", "3", "--trainer.max_staleness", "1",
            "--trainer.partial_rollouts", "true", "--placement", placement, "--placement.workers", "2",
-           "--sampling.max_new_tokens", "48", *varied_reward(tmp_path)]
+           "--sampling.max_new_tokens", "48", "--sampling.n", "4", *varied_reward(tmp_path)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     (metrics,) = tmp_path.glob("gcore/version_*/metrics.csv")
@@ -119,4 +122,9 @@ def test_fit_with_partial_rollouts_trains_within_the_staleness_bound(tmp_path, p
         assert float(row["async/staleness_max"]) <= 1.0
         assert 0.0 <= float(row["async/token_staleness_mean"]) <= 1.0
         assert float(row["async/partial_samples"]) >= 0.0
-    assert all(float(r["grad_norm"]) > 0 for r in rows)
+    trained = [{k: r[k] for k in ("step", "grad_norm", "skipped_updates", "samples/total", "samples/trained",
+                                  "trained_rows_frac", "async/partial_samples", "reward/std")} for r in rows]
+    for row in trained:
+        assert row["skipped_updates"] == "0.0" and math.isfinite(float(row["grad_norm"])), trained
+        assert row["samples/trained"] == row["samples/total"] == "16.0", trained
+        assert float(row["grad_norm"]) > 0, trained
