@@ -452,8 +452,9 @@ class DynamicPlacement(PlacementPolicy):
             moved = max(-limit, min(limit, target - self.judge_devices))
             busy = (generate_busy, judge_busy)
             now = self.predicted_rollout(self.judge_devices, busy, floors)
-            # move only when the prediction improves: noise in the measurements never undoes a split
-            if moved and self.predicted_rollout(self.judge_devices + moved, busy, floors) >= now:
+            # move only when the prediction improves by a margin: noise in the measurements never undoes a split, and
+            # a rule-based reward (well under 1% of generation) never takes a generation worker
+            if moved and self.predicted_rollout(self.judge_devices + moved, busy, floors) > now * (1 - MIN_GAIN):
                 moved = 0
             self.judge_devices += moved
         if self.pool is not None and self.pool.peers is not None:
@@ -465,6 +466,11 @@ class DynamicPlacement(PlacementPolicy):
             "placement/idle_generate_s": idle_generate,
             "placement/idle_judge_s": idle_judge,
         }
+
+
+#: the least share of the predicted rollout a move must save: below it, the prediction's own noise (a latency floor
+#: measured on a busy machine, say) could decide the split
+MIN_GAIN = 0.01
 
 
 def _picklable(reward: RewardModel | None) -> bool:

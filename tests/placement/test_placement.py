@@ -124,6 +124,22 @@ def test_rule_reward_moves_between_the_controller_and_a_worker_from_recorded_sta
     assert split == [0, 1, 1, 0] and moves == [0, 1, 0, -1]
 
 
+def test_a_rule_reward_never_takes_a_generation_worker_for_a_saving_within_the_noise():
+    """On a busy machine the generation's latency floor can be measured at its whole busy time: the prediction then
+    says a generation worker costs nothing to give away, and saves the 1 ms the reward took in the controller. A move
+    must save at least ``MIN_GAIN`` of the rollout, so the split stays (the mission command's split, under load,
+    had moved to 1 generating / 1 scoring)."""
+    from gcore.placement.dynamic import MIN_GAIN
+    from gcore.rewards.rule import TargetCharReward
+
+    policy = DynamicPlacement(workers=2)
+    policy.setup(1, "cpu", TargetCharReward())
+    noisy = {"generate": 1.0, "generate_floor": 1.2, "reward": 0.001, "rollout": 1.001}
+    assert policy.update(Telemetry(0, [noisy]))["placement/moved"] == 0 and policy.judge_devices == 0
+    dear = {**noisy, "reward": 2 * MIN_GAIN, "rollout": 1 + 2 * MIN_GAIN}  # a saving above the margin: it moves
+    assert policy.update(Telemetry(1, [dear]))["placement/moved"] == 1 and policy.judge_devices == 1
+
+
 def test_dynamic_sizes_its_workers_from_the_usable_cores(monkeypatch):
     from gcore.placement import dynamic
     from gcore.rewards.generative import GenerativeReward
