@@ -61,6 +61,8 @@ class StepRecord:
     #: their group would have been trained more than ``max_staleness`` versions old (``async/regenerated_stale``)
     regenerated_stale: int = 0
     synced_bytes: int = 0  # the weights SYNC sent to the rollout engine
+    #: the rollout that starts next: its judged prompts over this step's (``Telemetry.judge_scale``)
+    judge_scale: float = 1.0
     #: multi-turn episodes' counts (``EpisodeStats.counts``: episodes, turns, steps, errors, truncated, an
     #: environment's own ``Turn.metrics``), logged as ``env/<name>`` summed over every rank
     env_counts: dict[str, float] = field(default_factory=dict)
@@ -140,12 +142,13 @@ class Controller:
             self.placement.allow_overlap(partial=self.partial_rollouts)
 
     def step(self, step: int, prompts: list[Prompt], on_stage: Callable[[str], None] | None = None,
-             upcoming: Sequence[list[Prompt]] = ()) -> StepRecord:
+             upcoming: Sequence[list[Prompt]] = (), judge_scale: float = 1.0) -> StepRecord:
         """One training step on ``prompts``; returns its record (``record.metrics``: the logged
         metrics). ``upcoming``: the prompts of the next steps; with ``max_staleness`` K >= 1 the
         rollouts of the next K of them are started before this step trains, and collected by the
-        steps they belong to."""
-        record = StepRecord(step, prompts, StageTimer(on_stage))
+        steps they belong to. ``judge_scale``: the rollout that starts next has that many times this
+        step's judged prompts (for the placement's decision; ``Telemetry.judge_scale``)."""
+        record = StepRecord(step, prompts, StageTimer(on_stage), judge_scale=judge_scale)
         if self.policy_version is None:
             self.policy_version = step
         self.collect(record)
@@ -345,7 +348,7 @@ class Controller:
             gathered = local.unsqueeze(0)
         rss, gathered = gathered[:, -1], gathered[:, :-1]
         per_rank = [dict(zip(names, row.tolist(), strict=True)) for row in gathered]
-        updates = self.placement.update(Telemetry(record.step, per_rank))
+        updates = self.placement.update(Telemetry(record.step, per_rank, record.judge_scale))
         metrics = record.metrics
         metrics.update({f"time/{name}": float(gathered[:, i].max()) for i, name in enumerate(names)})
         # busy time: the stages a controller runs alone (the step time also holds the waits in collectives)

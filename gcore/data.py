@@ -393,6 +393,14 @@ class PromptSampler:
             self.position += take
         return chosen
 
+    def peek_global(self) -> list[int]:
+        """What ``next_global`` will return, without drawing it."""
+        epoch, position, order = self.epoch, self.position, self._order
+        try:
+            return self.next_global()
+        finally:
+            self.epoch, self.position, self._order = epoch, position, order
+
     def shard(self, indices: list[int]) -> list[int]:
         """This rank's part of a step's indices."""
         if self.balancer is None or self.world_size == 1:

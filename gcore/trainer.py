@@ -636,12 +636,22 @@ class Trainer:
             return FitResult(run.run_dir, final_dir, history, evaluations)
         return FitResult(None, None, history, evaluations)
 
+    def _judge_scale(self, run: _Run, batch: list[int]) -> float:
+        """The judged prompts (``RewardModel.judged``) of the rollout that starts after this step, the next
+        global batch not yet drawn, over those of this step's global batch ``batch``: the same on every
+        controller. 1 without a judge, or when this step judges nothing (no cost to scale)."""
+        if not self.reward.judges():
+            return 1.0
+        judged_now = sum(map(self.reward.judged, run.take(batch)))
+        judged_next = sum(map(self.reward.judged, run.take(run.sampler.peek_global())))
+        return judged_next / judged_now if judged_now else 1.0
+
     def _step(self, run: _Run, step: int, bar: tqdm) -> dict[str, float]:
         """One training step on this controller's share of the step's prompts; returns its logged metrics."""
         while len(run.ahead) <= self.config.max_staleness and step + len(run.ahead) < self.config.max_steps:
             batch = run.sampler.next_global()
             run.ahead.append((batch, run.sampler.shard(batch), run.sampler.last_imbalance))
-        (_, shard, imbalance), upcoming = run.ahead.pop(0), [run.take(s) for _, s, _ in run.ahead]
+        (batch, shard, imbalance), upcoming = run.ahead.pop(0), [run.take(s) for _, s, _ in run.ahead]
         prompts = run.take(shard) if not run.central or run.fabric.global_rank == 0 else []
 
         def on_stage(stage: str) -> None:
@@ -649,7 +659,8 @@ class Trainer:
             if run.governor is not None:
                 run.governor.update()
 
-        record = run.controller.step(step, prompts, upcoming=upcoming, on_stage=on_stage)
+        record = run.controller.step(step, prompts, upcoming=upcoming, on_stage=on_stage,
+                                     judge_scale=self._judge_scale(run, batch))
         metrics = record.metrics
         metrics["step"] = float(step)
         if run.governor is not None:  # the count the step's last stage ran with, and what it was chosen from

@@ -19,10 +19,14 @@ from gcore.types import Generation, Sample
 
 @dataclass
 class Telemetry:
-    """Per-stage busy seconds of one step, gathered from every controller (rank -> stage -> s)."""
+    """Per-stage busy seconds of one step, gathered from every controller (rank -> stage -> s), and how much
+    judging the next rollout has against this step's: ``judge_scale``, the judged prompts of the rollout that
+    starts next over this step's (``RewardModel.judged``, counted over the global batches, so the same on every
+    controller; 1 when unknown), so that a split can follow a shift in the work at the step it happens."""
 
     step: int
     stage_seconds: list[dict[str, float]] = field(default_factory=list)
+    judge_scale: float = 1.0
 
     def busiest(self, stage: str) -> float:
         return max((s.get(stage, 0.0) for s in self.stage_seconds), default=0.0)

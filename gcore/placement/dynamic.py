@@ -322,9 +322,9 @@ class DynamicPlacement(PlacementPolicy):
         samples = job.episodes(self.policy_engine.generate)
         assert job.env_stats is not None  # set by episodes
         reward = self.reward_pool if scorers and self.reward_pool is not None else None  # None: in the controller
-        scored = time.perf_counter()
+        scored = time.process_time()
         job.score(samples, reward)
-        in_controller = time.perf_counter() - scored
+        in_controller = time.process_time() - scored
         self._rollout_telemetry(timer, scorers, in_controller, time.perf_counter() - started)
         timer.add("env", job.env_stats.env_wait_s)
         return samples
@@ -344,14 +344,16 @@ class DynamicPlacement(PlacementPolicy):
                     generations = cast("list[list[Generation]]", request.result)
                     by_chunk[start] = job.samples(generations, start)
                     finished += by_chunk[start]
-            scored = time.perf_counter()
+            scored = time.process_time()
             job.score(finished, reward)  # on the reward partition, while generation goes on
-            in_controller += time.perf_counter() - scored
+            in_controller += time.process_time() - scored
         self._rollout_telemetry(timer, scorers, in_controller, time.perf_counter() - started)
         return [sample for start in sorted(by_chunk) for sample in by_chunk[start]]
 
     def _rollout_telemetry(self, timer: StageTimer, scorers: list[int], in_controller: float, wall: float) -> None:
-        """The rollout's busy seconds per device of each partition (what ``update`` balances) and idle."""
+        """The rollout's busy seconds per device of each partition (what ``update`` balances) and idle.
+        ``in_controller``: the CPU seconds the controller spent scoring (no reward workers): the work a worker
+        would take over; its wall time would add the waits for a core that a busy machine makes."""
         assert self.pool is not None  # set by launch
         pool = self.pool
         busy_generate = pool.busy.get(POLICY, 0.0)
@@ -433,8 +435,11 @@ class DynamicPlacement(PlacementPolicy):
         phase's wall time), ``generate_floor`` (the longest response's decode time at batch 1) and
         ``reward_floor`` (one verdict's latency); the slowest rank's value of each, except the busy
         seconds on a pool that several controllers share: there each controller measured its own
-        requests, and their sum is the pool's (per machine). A shared pool restarts its lost workers
-        here: every controller passes ``update`` once per step (it may run several rollouts).
+        requests, and their sum is the pool's (per machine). The split is for the rollout that starts
+        next: the judge's busy seconds are scaled by ``telemetry.judge_scale`` (that rollout's judged
+        prompts over this step's), so that when the prompts' mix shifts the split moves with it, not a
+        step later. A shared pool restarts its lost workers here: every controller passes ``update``
+        once per step (it may run several rollouts).
         """
         if self.total == 0:
             raise RuntimeError("DynamicPlacement.update called before setup")
@@ -445,12 +450,16 @@ class DynamicPlacement(PlacementPolicy):
         # waiting for a multi-turn environment's observations idles the generators whatever the split
         idle_generate = max(rollout - telemetry.busiest("env") - generate_busy, 0.0)
         idle_judge = rollout - judge_busy
+        # the split is for the next rollout: its judging is this step's scaled by its share of judged prompts
+        judge_next = judge_busy * telemetry.judge_scale
+        rollout_next = max(rollout, judge_next)
+        idle_generate_next = max(rollout_next - telemetry.busiest("env") - generate_busy, 0.0)
         moved = 0
-        if rollout > 0 and abs(idle_generate - idle_judge) > self.hysteresis * rollout:
-            target = self.target_judge_devices(generate_busy, judge_busy, *floors)
+        if rollout_next > 0 and abs(idle_generate_next - (rollout_next - judge_next)) > self.hysteresis * rollout_next:
+            target = self.target_judge_devices(generate_busy, judge_next, *floors)
             limit = max(1, int(self.max_move_fraction * self.total))
             moved = max(-limit, min(limit, target - self.judge_devices))
-            busy = (generate_busy, judge_busy)
+            busy = (generate_busy, judge_next)
             now = self.predicted_rollout(self.judge_devices, busy, floors)
             # move only when the prediction improves by a margin: noise in the measurements never undoes a split, and
             # a rule-based reward (well under 1% of generation) never takes a generation worker

@@ -16,7 +16,7 @@ from typing import Any, Literal, cast
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError, RewardError
 from gcore.model import ModelSource
-from gcore.types import Sample
+from gcore.types import Prompt, Sample
 from gcore.user_code import describe, ending_as
 
 #: the default ``--reward.timeout`` of the rule-based rewards, in seconds per sample
@@ -225,6 +225,12 @@ class RewardModel(ABC):
         """The generative judges this reward asks (none by default; a reward made of other rewards
         returns theirs)."""
         return []
+
+    def judged(self, prompt: Prompt) -> bool:
+        """Whether a sample of ``prompt`` is scored by a generative judge: a placement predicts the next
+        rollout's judging from it. Default: whether this reward has a judge (a reward that routes prompts
+        answers per prompt)."""
+        return bool(self.judges())
 
     def score_part(self, part: RewardModel, samples: Sequence[Sample]) -> list[float]:
         """For a reward made of other rewards: ``part.score(samples)``, checked to give one score per sample,

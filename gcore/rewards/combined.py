@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from gcore.errors import ConfigError
 from gcore.rewards.base import Judge, RewardModel
-from gcore.types import Sample
+from gcore.types import Prompt, Sample
 
 
 class CombinedReward(RewardModel):
@@ -31,6 +31,9 @@ class CombinedReward(RewardModel):
 
     def judges(self) -> list[Judge]:
         return [judge for reward in self.rewards for judge in reward.judges()]
+
+    def judged(self, prompt: Prompt) -> bool:
+        return any(reward.judged(prompt) for reward in self.rewards)
 
     def score(self, samples: Sequence[Sample]) -> list[float]:
         totals = [0.0] * len(samples)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from gcore.errors import ConfigError, RewardError
 from gcore.rewards.base import Judge, RewardModel
-from gcore.types import Sample
+from gcore.types import Prompt, Sample
 
 
 class RoutedReward(RewardModel):
@@ -43,15 +43,21 @@ class RoutedReward(RewardModel):
     def judges(self) -> list[Judge]:
         return [judge for reward in self._rewards() for judge in reward.judges()]
 
-    def route(self, sample: Sample) -> str:
-        """The route name of ``sample``: its prompt's ``metadata[key]``, else ``default``."""
-        metadata = sample.prompt.metadata
+    def judged(self, prompt: Prompt) -> bool:
+        try:
+            return self.routes[self.route(prompt)].judged(prompt)
+        except RewardError:  # no route: said in one line when its samples are scored
+            return False
+
+    def route(self, prompt: Prompt) -> str:
+        """The route name of ``prompt``'s samples: its ``metadata[key]``, else ``default``."""
+        metadata = prompt.metadata
         value = metadata.get(self.key)
         if isinstance(value, str) and value in self.routes:
             return value
         if self.default is not None:
             return self.default
-        where = sample.prompt.source or sample.prompt.index
+        where = prompt.source or prompt.index
         if self.key not in metadata:
             raise RewardError(f"prompt {where}: no metadata {self.key!r} to route by (--reward.key); add the column "
                               "to --data.metadata_keys or set --reward.default")
@@ -60,7 +66,7 @@ class RoutedReward(RewardModel):
 
     def score(self, samples: Sequence[Sample]) -> list[float]:
         self.last_errors, self.last_error = 0, None
-        names = [self.route(sample) for sample in samples]
+        names = [self.route(sample.prompt) for sample in samples]
         groups: dict[int, list[int]] = {}  # id of a reward -> the positions of its samples
         for position, name in enumerate(names):
             groups.setdefault(id(self.routes[name]), []).append(position)

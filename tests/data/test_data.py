@@ -40,6 +40,17 @@ def test_sampler_deals_each_prompt_once_per_epoch_across_ranks():
     assert fresh.next_global() == samplers[0].next_global()
 
 
+def test_peeking_at_the_next_batch_does_not_draw_it():
+    """``peek_global`` (what a placement predicts the next rollout from) is the next ``next_global``, across an
+    epoch's end, and leaves the stream where it was."""
+    sampler = PromptSampler(10, per_step=4, rank=0, world_size=1, seed=3, shuffle=True)
+    reference = PromptSampler(10, per_step=4, rank=0, world_size=1, seed=3, shuffle=True)
+    for _ in range(4):  # the third batch spans two epochs
+        peeked = sampler.peek_global()
+        assert sampler.peek_global() == peeked == sampler.next_global() == reference.next_global()
+    assert sampler.state_dict() == reference.state_dict()
+
+
 def test_sampler_state_moves_to_another_rank_count_and_checks_the_dataset():
     two = [PromptSampler(10, per_step=4, rank=r, world_size=2, seed=3, shuffle=True) for r in range(2)]
     for _ in range(3):  # into the second epoch

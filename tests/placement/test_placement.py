@@ -140,6 +140,24 @@ def test_a_rule_reward_never_takes_a_generation_worker_for_a_saving_within_the_n
     assert policy.update(Telemetry(1, [dear]))["placement/moved"] == 1 and policy.judge_devices == 1
 
 
+def test_the_split_is_for_the_next_rollout_s_share_of_judged_prompts():
+    """The judge's measured busy seconds are scaled by the next rollout's judged prompts over this step's
+    (``Telemetry.judge_scale``): from the same measurements, a mix that doubles its judging moves a device to the
+    judge at once, one that keeps it does not, and one that halves it moves it back."""
+    measured = [{"generate": 10.0, "reward": 8.0, "rollout": 10.0}]
+
+    def decide(scale: float) -> float:
+        policy = DynamicPlacement(workers=4, judge_fraction=0.25, min_fraction=0.25)
+        policy.setup(1, "simulated")
+        return policy.update(Telemetry(0, measured, judge_scale=scale))["placement/moved"]
+
+    assert (decide(1.0), decide(2.0), decide(0.1)) == (0.0, 1.0, 0.0)  # 1 of 4 judging is the floor
+    policy = DynamicPlacement(workers=4, judge_fraction=0.5, min_fraction=0.25)
+    policy.setup(1, "simulated")
+    assert policy.update(Telemetry(0, [{"generate": 10.0, "reward": 10.0, "rollout": 10.0}], judge_scale=0.3))[
+        "placement/moved"] == -1.0
+
+
 def test_dynamic_sizes_its_workers_from_the_usable_cores(monkeypatch):
     from gcore.placement import dynamic
     from gcore.rewards.generative import GenerativeReward

@@ -92,6 +92,21 @@ def test_judges_are_the_routes_judges(tmp_path):
     assert judge.engine is elsewhere
 
 
+def test_a_prompt_is_judged_when_its_route_has_a_judge(tmp_path):
+    """``judged``: what a placement predicts the next rollout's judging from (its routes, a prompt without one
+    counting as not judged: its samples' scoring says so in one line)."""
+    from gcore.rewards.combined import CombinedReward
+
+    judge = GenerativeReward(str(tmp_path / "judge"))
+    routed = RoutedReward({"math": MathReward(), "open": judge})
+    prompts = [sample("", route, index=i).prompt for i, route in enumerate(["math", "open", None, "poetry"])]
+    assert [routed.judged(p) for p in prompts] == [False, True, False, False]
+    assert [RoutedReward({"math": MathReward(), "open": judge}, default="open").judged(p) for p in prompts] == [
+        False, True, True, True]
+    assert [judge.judged(p) for p in prompts] == [True] * 4 and not MathReward().judged(prompts[1])
+    assert [CombinedReward([MathReward(), routed]).judged(p) for p in prompts] == [False, True, False, False]
+
+
 class CountingEngine(HFEngine):
     """A real HF engine that counts its ``generate`` calls."""
 
