@@ -262,9 +262,10 @@ def _serve(runtime: _WorkerRuntime, kind: JobKind, args: tuple, pending: Callabl
         if partial:
             return runtime.generate_partial(role, prompts, params, seed, visual, pending, take_sync)
         return runtime.generate(role, prompts, params, seed, visual)
-    if kind == "logprobs":
-        role, prompts, candidates = args
-        return runtime.next_token_logprobs(role, prompts, candidates)
+    if kind == "logprobs":  # (role, prompts, candidates[, each prompt's visual inputs or None])
+        role, prompts, candidates, *extra = args
+        (visual,) = (*extra, None)[:1]
+        return runtime.next_token_logprobs(role, prompts, candidates, visual)
     if kind == "score":
         return runtime.score(*args)
     if kind == "role":
@@ -388,9 +389,14 @@ class _WorkerRuntime:
         finally:
             engine.interrupt = None
 
-    def next_token_logprobs(self, role: Role, prompts: list[list[int]], candidates: list[int]) -> list[list[float]]:
+    def next_token_logprobs(self, role: Role, prompts: list[list[int]], candidates: list[int],
+                            visual: list[VisualInputs | None] | None = None) -> list[list[float]]:
+        """The ``role`` engine's next-token log-probabilities of ``candidates``; ``visual``: each prompt's images
+        (a VLM judge's ``probability`` verdict on image prompts), passed only when given, as ``generate`` does."""
         self._take(role)
-        return self._engine(role).next_token_logprobs(prompts, candidates)
+        if visual is None:
+            return self._engine(role).next_token_logprobs(prompts, candidates)
+        return self._engine(role).next_token_logprobs(prompts, candidates, visual=visual)  # type: ignore[call-arg]
 
     def score(self, role: Role, samples: list[Sample]) -> tuple[list[float], int]:
         """The reward of each sample, and how many failed (``Scorer.last_errors``)."""
@@ -642,16 +648,17 @@ class WorkerPool:
                      visual: Sequence[VisualInputs | None] | None = None) -> list[Job]:
         """``prompts`` split into one ``kind`` request per worker, each ``(role, its prompts, option)``; a
         ``generate`` request also carries its seed (``seed + i`` for request ``i``, or ``None``) and its prompts'
-        ``visual`` inputs (or ``None``). Returns at once (``collect`` waits)."""
+        ``visual`` inputs (or ``None``); a ``logprobs`` request its prompts' ``visual`` inputs where there are
+        any (text prompts keep the three-item request). Returns at once (``collect`` waits)."""
         if not prompts:
             return []
         chunk = math.ceil(len(prompts) / len(workers))
 
         def extra(i: int, start: int) -> tuple:
-            if kind != "generate":
-                return ()
-            return (None if seed is None else seed + i, None if visual is None else list(visual[start : start + chunk]),
-                    self.partial_rollouts and role == POLICY)
+            images = None if visual is None else list(visual[start : start + chunk])
+            if kind == "logprobs":
+                return () if images is None else (images,)
+            return (None if seed is None else seed + i, images, self.partial_rollouts and role == POLICY)
 
         return [self.submit(kind, (role, [list(p) for p in prompts[s : s + chunk]], option, *extra(i, s)), workers,
                             role) for i, s in enumerate(range(0, len(prompts), chunk))]
@@ -920,9 +927,12 @@ class PoolEngine(Engine):
                  visual: Sequence[VisualInputs | None] | None = None) -> list[list[Generation]]:
         return self.pool.generate(self.role, prompts, params, self.workers, visual)
 
-    def next_token_logprobs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int]) -> list[list[float]]:
-        """Split over the role's workers like ``generate``; the results in the order of ``prompts``."""
-        jobs = self.pool.submit_split("logprobs", self.role, prompts, list(candidates), self.workers)
+    def next_token_logprobs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int],
+                            visual: Sequence[VisualInputs | None] | None = None) -> list[list[float]]:
+        """Split over the role's workers like ``generate``; the results in the order of ``prompts``. ``visual``: each
+        prompt's images, which go with its request to the workers' engines (an engine there whose
+        ``next_token_logprobs`` takes none fails the request: ``GenerativeReward`` refuses that before)."""
+        jobs = self.pool.submit_split("logprobs", self.role, prompts, list(candidates), self.workers, visual=visual)
         return cast("list[list[float]]", self.pool.collect(jobs))
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:

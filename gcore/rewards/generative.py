@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 import time
@@ -69,6 +70,15 @@ def _gives_logprobs(engine: Engine) -> bool:
     return type(engine).next_token_logprobs is not Engine.next_token_logprobs
 
 
+def _takes_images(engine: Engine, verdict: str) -> bool:
+    """Whether ``engine`` judges image prompts with ``verdict``: ``probability`` reads its ``next_token_logprobs``,
+    which must take each prompt's images (a ``visual`` keyword: the hf engine's does); ``yes_no`` and ``score``
+    generate, which takes them where the engine ``supports_images`` (hf, vllm)."""
+    if verdict == "probability":
+        return "visual" in inspect.signature(type(engine).next_token_logprobs).parameters
+    return bool(getattr(engine, "supports_images", False))
+
+
 class GenerativeReward(RewardModel):
     """Asks a judge LLM about each sample and turns its verdict into a reward.
 
@@ -125,6 +135,9 @@ class GenerativeReward(RewardModel):
         from gcore.engines.hf import HFEngine
 
         self.path, self.engine = path, engine or HFEngine()
+        #: the engine as configured: it runs the judge here, or copies of it run it in engine workers
+        #: (``_use_engine``), so it says what the judge can take (``_check_images``)
+        self.configured: Engine = self.engine
         self.template, self.verdict, self.max_score = template, verdict, max_score
         self.chat_template = chat_template
         self._check_engine(self.engine)
@@ -270,12 +283,20 @@ class GenerativeReward(RewardModel):
             f"{type(last).__name__}: {last}; no reward was given to them"
         )
 
+    def _check_images(self) -> None:
+        """One line where the judge's engine cannot take the prompts' images for this verdict: checked on the
+        configured engine, since a pool engine only forwards them to copies of it in the engine workers."""
+        if not _takes_images(self.configured, self.verdict):
+            engines = "hf" if self.verdict == "probability" else "hf or vllm"
+            raise ConfigError(f"--reward.images: the {type(self.configured).__name__} judge engine takes no images "
+                              f"for --reward.verdict {self.verdict}; use --reward.engine {engines}, or "
+                              "--reward.images false")
+
     def _judge(self, prompts: list[list[int]], visual: list[VisualInputs | None]) -> list[str]:
         """The judge's generated verdicts (``yes_no``, ``score``), with the images where there are any."""
         if any(v is not None for v in visual):
-            if not getattr(self.engine, "supports_images", False):
-                raise ConfigError(f"--reward.images: the {type(self.engine).__name__} judge engine does not take "
-                                  "images; use the hf engine, or --reward.images false")
+            self._check_images()
+
             def call() -> list[Any]:
                 return self.engine.generate(prompts, self.params, visual=visual)  # type: ignore[call-arg]
         else:
@@ -290,15 +311,10 @@ class GenerativeReward(RewardModel):
         are any."""
         candidates = self.yes_ids + self.no_ids
         if any(v is not None for v in visual):
-            from gcore.engines.hf import HFEngine
+            self._check_images()
 
-            engine = self.engine
-            if not isinstance(engine, HFEngine) or engine.model is None:
-                raise ConfigError(f"--reward.verdict probability with images needs the judge in this process's hf "
-                                  f"engine, not the {type(engine).__name__} engine (judge workers do not take "
-                                  "images for it yet); use --reward.verdict yes_no, or --reward.images false")
-            def call() -> list[Any]:
-                return engine.next_token_logprobs(prompts, candidates, visual=visual)
+            def call() -> list[Any]:  # in this process's hf engine, or its copies in engine workers (PoolEngine)
+                return self.engine.next_token_logprobs(prompts, candidates, visual=visual)  # type: ignore[call-arg]
         else:
             def call() -> list[Any]:
                 return self.engine.next_token_logprobs(prompts, candidates)

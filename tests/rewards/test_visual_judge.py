@@ -4,14 +4,17 @@ The judge is the embedded tiny VLM with random weights: these tests show the plu
 judge's forward, batched as one by one, refusals), not the quality of its judging.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
+from conftest import image_prompts, image_samples
 from PIL import Image
 
 from gcore.errors import ConfigError
 from gcore.model import ModelConfig, char_tokenizer, load_tokenizer, materialize
 from gcore.rewards.generative import GenerativeReward
-from gcore.types import Prompt, Sample, VisualInputs
+from gcore.types import Prompt, Sample, SamplingParams, VisualInputs
 from gcore.vision import encode
 
 COLOURS = [(220, 40, 40), (40, 70, 220), (40, 180, 60)]
@@ -142,14 +145,83 @@ def test_images_processed_otherwise_than_the_judge_would_are_refused_in_one_line
         judge.score([bad])
 
 
-def test_the_probability_verdict_with_images_refuses_an_engine_without_them(vlm_dir):
-    """Judge engine workers (a pool engine) take no images for the probability verdict yet: one line."""
+def test_an_engine_that_takes_no_images_for_the_verdict_is_refused_in_one_line(vlm_dir):
+    """The check reads the configured judge engine, also when copies of it run in engine workers (a pool engine
+    forwards the images to them): one whose ``next_token_logprobs`` takes no images is refused, not sent."""
+    from gcore.engines.hf import HFEngine
     from gcore.engines.pool import PoolEngine
 
-    reward = GenerativeReward(vlm_dir)
+    class TextLogprobs(HFEngine):  # an engine whose next-token log-probabilities take token ids only
+        def next_token_logprobs(self, prompts, candidates):
+            return super().next_token_logprobs(prompts, candidates)
+
+    reward = GenerativeReward(vlm_dir, engine=TextLogprobs())
     reward.setup("cpu")
-    reward._use_engine(PoolEngine(None, "judge", []))  # type: ignore[arg-type]
     red = image_sample(reward.processor, [Image.new("RGB", (56, 56), COLOURS[0])])
-    with pytest.raises(ConfigError, match="judge workers do not take images") as err:
+    assert 0 < reward.score([text_sample()])[0] < 1  # text prompts are judged as before
+    reward._use_engine(PoolEngine(None, "judge", []))  # type: ignore[arg-type]  # never reached: refused first
+    with pytest.raises(ConfigError, match="the TextLogprobs judge engine takes no images for --reward.verdict "
+                                          "probability; use --reward.engine hf") as err:
         reward.score([red])
     assert "\n" not in str(err.value)
+
+
+def blanked(sample: Sample) -> Sample:
+    """``sample`` with its prompt's images blank (zero pixel values: a mid-grey image), the tokens unchanged."""
+    visual = sample.prompt.visual
+    assert visual is not None
+    tensors = {**visual.tensors, "pixel_values": torch.zeros_like(visual.tensors["pixel_values"])}
+    return replace(sample, prompt=replace(sample.prompt, visual=VisualInputs(tensors)))
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_probability_verdict_with_images_in_judge_workers_equals_the_in_process_one(judge):
+    """Two judge engine workers (dynamic placement's judge partition): each request carries its prompts' images,
+    and the verdicts equal those of this process's hf engine on the same prompts and images within 1e-5; blank
+    images give other verdicts, so the images reached the workers' forward."""
+    from gcore.engines.hf import HFEngine
+    from gcore.engines.pool import JUDGE, PoolEngine, RoleSpec, WorkerPool
+
+    torch.manual_seed(0)
+    samples = image_samples(judge.engine, judge.tokenizer, image_prompts(judge.processor),
+                            SamplingParams(n=2, max_new_tokens=4))
+    inputs = [judge.judge_inputs(s) for s in samples]
+    ids, visual = [i for i, _ in inputs], [v for _, v in inputs]
+    candidates = judge.yes_ids + judge.no_ids
+    pool = WorkerPool(2, {JUDGE: RoleSpec(HFEngine(), judge.source)}, [JUDGE, JUDGE], threads=1)
+    try:
+        workers = PoolEngine(pool, JUDGE, [0, 1])
+        rows = workers.next_token_logprobs(ids, candidates, visual=visual)
+        jobs = pool.submit_split("logprobs", JUDGE, ids, candidates, [0, 1], visual=visual)
+        assert len(jobs) == 2 and pool.collect(jobs) == rows  # one request a worker, each with its rows' images
+        reward = GenerativeReward(judge.path, template=judge.template)
+        reward.judges()[0].use(workers)
+        reward.setup("cpu")
+        scores, blank = reward.score(samples), reward.score([blanked(s) for s in samples])
+    finally:
+        pool.close()
+    expected = judge.engine.next_token_logprobs(ids, candidates, visual=visual)
+    assert torch.allclose(torch.tensor(rows), torch.tensor(expected), atol=1e-5, rtol=0)
+    assert scores == pytest.approx(judge.score(samples), abs=1e-5) and reward.last_errors == 0
+    assert max(abs(a - b) for a, b in zip(scores, blank, strict=True)) > 1e-4, (scores, blank)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_fit_cli_dynamic_placement_with_a_vlm_judge_on_the_visual_task(vlm_dir, gcore_cli, tmp_path):
+    """``gcore fit --data.task shape_colour --placement dynamic`` with the tiny VLM as the judge: its worker reads
+    the probability verdict with the prompts' images, which never fails to parse (no reward errors). A random
+    judge: this shows that the run works end to end, not that the judge judges well."""
+    import csv
+
+    result = gcore_cli("--data.task", "shape_colour", "--placement", "dynamic", "--placement.workers", "2",
+                       "--reward", "generative", "--reward.path", vlm_dir, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 engine worker processes, 1 generating and 1 judging at once" in result.stdout
+    rows = list(csv.DictReader(next((tmp_path / "runs").rglob("metrics.csv")).open()))
+    rows = [r for r in rows if r.get("reward/errors")]
+    assert len(rows) == 2  # FAST: 2 steps
+    for r in rows:
+        assert float(r["reward/errors"]) == 0 and float(r["samples/total"]) == 8
+        assert 0 < float(r["reward/mean"]) < 1 and float(r["placement/judge_devices"]) == 1
