@@ -264,7 +264,7 @@ def _serve(runtime: _WorkerRuntime, kind: JobKind, args: tuple, pending: Callabl
         return runtime.generate(role, prompts, params, seed, visual)
     if kind == "logprobs":  # (role, prompts, candidates[, each prompt's visual inputs or None])
         role, prompts, candidates, *extra = args
-        (visual,) = (*extra, None)[:1]
+        visual = extra[0] if extra else None
         return runtime.next_token_logprobs(role, prompts, candidates, visual)
     if kind == "score":
         return runtime.score(*args)
