@@ -461,8 +461,7 @@ class DynamicPlacement(PlacementPolicy):
             moved = max(-limit, min(limit, target - self.judge_devices))
             busy = (generate_busy, judge_next)
             now = self.predicted_rollout(self.judge_devices, busy, floors)
-            # move only when the prediction improves by a margin: noise in the measurements never undoes a split, and
-            # a rule-based reward (well under 1% of generation) never takes a generation worker
+            # move only when the prediction improves by a margin: noise in the measurements never undoes a split
             if moved and self.predicted_rollout(self.judge_devices + moved, busy, floors) > now * (1 - MIN_GAIN):
                 moved = 0
             self.judge_devices += moved
@@ -477,8 +476,9 @@ class DynamicPlacement(PlacementPolicy):
         }
 
 
-#: the least share of the predicted rollout a move must save: below it, the prediction's own noise (a latency floor
-#: measured on a busy machine, say) could decide the split
+#: the least share of the predicted rollout a move must save: below it, the measurements' own noise could decide the
+#: split (a generation latency floor measured near its whole busy time makes a generation worker look free to give
+#: away for any saving at all)
 MIN_GAIN = 0.01
 
 

@@ -125,10 +125,9 @@ def test_rule_reward_moves_between_the_controller_and_a_worker_from_recorded_sta
 
 
 def test_a_rule_reward_never_takes_a_generation_worker_for_a_saving_within_the_noise():
-    """On a busy machine the generation's latency floor can be measured at its whole busy time: the prediction then
-    says a generation worker costs nothing to give away, and saves the 1 ms the reward took in the controller. A move
-    must save at least ``MIN_GAIN`` of the rollout, so the split stays (the mission command's split, under load,
-    had moved to 1 generating / 1 scoring)."""
+    """With a generation latency floor measured at (or above) its whole busy time, the prediction says a generation
+    worker costs nothing to give away, and saves the 1 ms the reward took in the controller. A move must save at
+    least ``MIN_GAIN`` of the rollout, so the split stays; a saving above it moves."""
     from gcore.placement.dynamic import MIN_GAIN
     from gcore.rewards.rule import TargetCharReward
 
