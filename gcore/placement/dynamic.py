@@ -173,7 +173,8 @@ class DynamicPlacement(PlacementPolicy):
         where = (f"in {self.judge_devices} reward worker(s)" if self.judge_devices else
                  "in the controller as each group finishes")
         moves = ("it moves workers between generation and reward scoring from the measured stage times every step; "
-                 "a rule-based reward usually scores in well under 1% of generation's time, and then nothing moves "
+                 "a rule-based reward usually costs a few percent of generation's CPU time or less, and then nothing "
+                 "moves "
                  "(a generative judge, --reward generative, is the work it moves to)"
                  if self.max_reward_devices else "the reward cannot be sent to a worker process, so it stays there "
                  "and nothing moves")
