@@ -636,11 +636,12 @@ class Trainer:
             return FitResult(run.run_dir, final_dir, history, evaluations)
         return FitResult(None, None, history, evaluations)
 
-    def _judge_scale(self, run: _Run, batch: list[int]) -> float:
+    def _judge_scale(self, run: _Run, step: int, batch: list[int]) -> float:
         """The judged prompts (``RewardModel.judged``) of the rollout that starts after this step, the next
         global batch not yet drawn, over those of this step's global batch ``batch``: the same on every
-        controller. 1 without a judge, or when this step judges nothing (no cost to scale)."""
-        if not self.reward.judges():
+        controller. 1 without a judge, when this step judges nothing (no cost to scale), or when no rollout
+        starts after this step in this run."""
+        if not self.reward.judges() or step + self.config.max_staleness + 1 >= self.config.max_steps:
             return 1.0
         judged_now = sum(map(self.reward.judged, run.take(batch)))
         judged_next = sum(map(self.reward.judged, run.take(run.sampler.peek_global())))
@@ -660,7 +661,7 @@ class Trainer:
                 run.governor.update()
 
         record = run.controller.step(step, prompts, upcoming=upcoming, on_stage=on_stage,
-                                     judge_scale=self._judge_scale(run, batch))
+                                     judge_scale=self._judge_scale(run, step, batch))
         metrics = record.metrics
         metrics["step"] = float(step)
         if run.governor is not None:  # the count the step's last stage ran with, and what it was chosen from
