@@ -449,12 +449,13 @@ class DynamicPlacement(PlacementPolicy):
         floors = (telemetry.busiest("generate_floor"), telemetry.busiest("reward_floor"))
         rollout = max(telemetry.busiest("rollout"), generate_busy, judge_busy)
         # waiting for a multi-turn environment's observations idles the generators whatever the split
-        idle_generate = max(rollout - telemetry.busiest("env") - generate_busy, 0.0)
+        env = telemetry.busiest("env")
+        idle_generate = max(rollout - env - generate_busy, 0.0)
         idle_judge = rollout - judge_busy
         # the split is for the next rollout: its judging is this step's scaled by its share of judged prompts
         judge_next = judge_busy * telemetry.judge_scale
         rollout_next = max(rollout, judge_next)
-        idle_generate_next = max(rollout_next - telemetry.busiest("env") - generate_busy, 0.0)
+        idle_generate_next = max(rollout_next - env - generate_busy, 0.0)
         moved = 0
         if rollout_next > 0 and abs(idle_generate_next - (rollout_next - judge_next)) > self.hysteresis * rollout_next:
             target = self.target_judge_devices(generate_busy, judge_next, *floors)

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import image_prompts, image_samples
+from conftest import COLOURS, image_prompts, image_samples
 from PIL import Image
 
 from gcore.errors import ConfigError
@@ -16,8 +16,6 @@ from gcore.model import ModelConfig, char_tokenizer, load_tokenizer, materialize
 from gcore.rewards.generative import GenerativeReward
 from gcore.types import Prompt, Sample, SamplingParams, VisualInputs
 from gcore.vision import encode
-
-COLOURS = [(220, 40, 40), (40, 70, 220), (40, 180, 60)]
 
 
 @pytest.fixture(scope="module")
