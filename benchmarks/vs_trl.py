@@ -191,6 +191,27 @@ def _digits(args: argparse.Namespace) -> tuple[int, int]:
     return fewest, most
 
 
+def eval_problems(task: str, digits: tuple[int, int], wanted: int) -> int:
+    """``wanted``, or all the problems the task's test split holds at this level where it holds fewer (``multiply``
+    at 1-2 digits holds under 100): the largest count ``gcore.tasks`` can draw, found by bisection."""
+    from gcore.tasks import TASKS
+
+    def fits(count: int) -> bool:
+        try:
+            TASKS[task](count, 0, "test", digits)
+        except ValueError:
+            return False
+        return True
+
+    if fits(wanted):
+        return wanted
+    low, high = 1, wanted  # fits(low), not fits(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
 def heldout_accuracy(model_dir: str, args: argparse.Namespace) -> dict:
     """Held-out accuracy of a trained model (greedy and at the training temperature), measured the same way for
     both trainers: gcore's evaluation (``gcore eval``) with the HF engine on the arithmetic task's test split."""
@@ -205,7 +226,7 @@ def heldout_accuracy(model_dir: str, args: argparse.Namespace) -> dict:
 
     tokenizer = load_tokenizer(ModelConfig(path=model_dir))
     data = DataConfig(task=args.task, chat_template=True, task_digits=_digits(args),
-                      num_eval_prompts=args.eval_prompts)
+                      num_eval_prompts=eval_problems(args.task, _digits(args), args.eval_prompts))
     prompts = load_eval_prompts(data, tokenizer, args.max_new_tokens, None)
     sampling = SamplingParams(n=1, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               stop_token_ids=(tokenizer.eos_token_id,))
@@ -602,6 +623,8 @@ def main() -> None:
                   f"last-5 reward {statistics.mean(run['reward'][-5:]):.3f}, load {run['loadavg']}"
                   + (f", torch threads per step {''.join(map(str, run['threads']))}" if run.get("threads") else ""),
                   flush=True)
+            if args.json:  # after every run, so that a campaign stopped part-way keeps what it measured
+                write_json(args, runs_by_task, tasks, levels)
 
     summaries_by_task = {}
     for task in tasks:
@@ -617,13 +640,20 @@ def main() -> None:
     if "trl" in names:
         print(f"\nTRL version {runs_by_task[tasks[0]][kinds[0]]['trl'][0].get('trl_version')}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "runs": runs_by_task if len(tasks) > 1 else runs_by_task[tasks[0]],
-                       "levels": levels}, f)
+        write_json(args, runs_by_task, tasks, levels)
     if converted:
         import shutil
 
         shutil.rmtree(converted, ignore_errors=True)
+
+
+def write_json(args: argparse.Namespace, runs_by_task: dict, tasks: list[str], levels: dict[str, str]) -> None:
+    """Every run's raw figures so far to ``--json`` (written to a temporary file, then renamed over it)."""
+    tmp = f"{args.json}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"args": vars(args), "runs": runs_by_task if len(tasks) > 1 else runs_by_task[tasks[0]],
+                   "levels": levels}, f)
+    os.replace(tmp, args.json)
 
 
 def report(args: argparse.Namespace, names: list[str], runs: dict[str, list[dict]], kind: str) -> dict[str, dict]:
@@ -715,6 +745,31 @@ def suite_table(args: argparse.Namespace, names: list[str], tasks: list[str], ru
                   f"{statistics.mean(s['curve'][:3]):13.3f} {statistics.mean(s['curve'][-3:]):6.3f} "
                   + (f"{statistics.mean(greedy):7.3f} {statistics.mean(sampled):8.3f}  "
                      + ", ".join(f"{g:.3f}" for g in greedy) if held else f"{'-':>7s} {'-':>8s}"))
+    if "trl" not in names:
+        return
+    print("\n== held-out accuracy, gcore minus TRL, paired by seed (the same seed's runs): mean, bootstrap 95% "
+          "interval of the mean, and seeds where gcore is ahead / level / behind")
+    for task, name in ((t, n) for t in tasks for n in names if not n.startswith("trl")):
+        pairs = list(zip(runs[task][name], runs[task]["trl"], strict=False))
+        for key in ("eval/accuracy_greedy", "eval/accuracy_sampled"):
+            diffs = [a["held_out"][key] - b["held_out"][key] for a, b in pairs
+                     if a.get("held_out") and b.get("held_out")]
+            if diffs:
+                low, high = bootstrap_interval(diffs)
+                ahead, level_ = sum(d > 0 for d in diffs), sum(d == 0 for d in diffs)
+                print(f"  {task:13s} {name:16s} {key.split('_')[-1]:8s} {statistics.mean(diffs):+.3f} "
+                      f"[{low:+.3f}, {high:+.3f}]  {ahead}/{level_}/{len(diffs) - ahead - level_} "
+                      f"({len(diffs)} seeds)")
+
+
+def bootstrap_interval(values: list[float], draws: int = 10000, seed: int = 0) -> tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of the mean of ``values`` resampled with replacement (a fixed seed, so
+    the same figures print the same interval)."""
+    import random
+
+    rng = random.Random(seed)
+    means = sorted(statistics.mean(rng.choices(values, k=len(values))) for _ in range(draws))
+    return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
 
 
 def side_by_side(names: list[str], by_kind: dict[str, dict[str, dict]]) -> None:
