@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final, Literal, TypeAlias
@@ -96,3 +97,49 @@ def buckets(weights: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iter
         size += nbytes
     if bucket:
         yield bucket
+
+
+#: generation-config fields that change what ``model.generate`` samples, each with the value that changes nothing
+#: (transformers' ``GenerationConfig`` defaults; ``top_k`` is read from the checkpoint's file only, as
+#: transformers' global default of 50 applies to ``generate`` calls that set no ``top_k`` at all)
+SAMPLING_FIELDS: dict[str, object] = {
+    "temperature": 1.0, "top_k": None, "top_p": 1.0, "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
+    "min_length": 0, "min_new_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None, "do_sample": False,
+}
+
+
+def ignored_generation_values(generation: object) -> dict[str, object]:
+    """The sampling values a checkpoint's generation config sets that gcore's engines ignore: those of
+    ``SAMPLING_FIELDS`` that differ from their no-op value (``top_k`` 0 counts as no-op too; ``do_sample`` is
+    left out: the engines sample whenever the temperature is above 0)."""
+    out = {}
+    for name, neutral in SAMPLING_FIELDS.items():
+        value = getattr(generation, name, neutral)
+        if name == "do_sample" or value is None or value == neutral or (name == "top_k" and value == 0):
+            continue
+        out[name] = value
+    return out
+
+
+def warn_ignored_generation_values(logger: logging.Logger, path: str, generation: object, engine: str) -> None:
+    """Log a warning naming the sampling values of a checkpoint's generation config (``generation``, or ``None``
+    when it has none) that ``engine`` ignores: every engine samples with ``SamplingParams`` alone, where
+    ``model.generate`` (and TRL's GRPOTrainer, for the values it does not set itself) would apply them."""
+    ignored = ignored_generation_values(generation) if generation is not None else {}
+    if ignored:
+        logger.warning("%s: generation_config.json sets %s, which the %s engine ignores (it samples with "
+                       "--sampling.* alone; model.generate would apply them: docs/engines.md, \"Sampling\")",
+                       path, ", ".join(f"{k}={v!r}" for k, v in ignored.items()), engine)
+
+
+def checkpoint_generation_config(path: str) -> object | None:
+    """The checkpoint's ``generation_config.json`` as transformers reads it; ``None`` when it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json in the folder
+        return None

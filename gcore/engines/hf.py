@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import torch
 
-from gcore.engines.base import Engine
+from gcore.engines.base import Engine, warn_ignored_generation_values
 from gcore.errors import ConfigError
 from gcore.model import DTYPES, ModelSource, cache_keyword, causal_lm_class, check_compiler
 from gcore.types import Generation, SamplingParams, VisualInputs, concat_visual
@@ -132,11 +132,7 @@ class HFEngine(Engine):
         # an image or video placeholder in a response would ask the model for an image it was never given
         self.media_ids = tuple(i for i in (getattr(config, "image_token_id", None),
                                            getattr(config, "video_token_id", None)) if isinstance(i, int))
-        ignored = ignored_generation_values(generation)
-        if ignored:
-            logger.warning("%s: generation_config.json sets %s, which the hf engine ignores (it samples with "
-                           "--sampling.* alone; model.generate would apply them: docs/engines.md, \"Sampling\")",
-                           source.path, ", ".join(f"{k}={v!r}" for k, v in ignored.items()))
+        warn_ignored_generation_values(logger, source.path, generation, "hf")
 
     def _banned(self, stop_ids: Sequence[int]) -> list[int]:
         """Token ids never sampled in a response: pad and bos, unless they end a response (none with
@@ -391,31 +387,6 @@ def _move(model: torch.nn.Module, device: torch.device) -> None:
     """``model.to(device)`` (in place). Typed as a torch ``Module``'s: transformers' stub of ``PreTrainedModel.to``
     (a ``functools.wraps`` of ``Module.to``) asks for ``self`` again; the call still runs ``PreTrainedModel.to``."""
     model.to(device)
-
-
-#: generation-config fields that change what ``model.generate`` samples, each with the value that changes nothing
-#: (transformers' ``GenerationConfig`` defaults; ``top_k`` is read from the checkpoint's file only, as
-#: transformers' global default of 50 applies to ``generate`` calls that set no ``top_k`` at all)
-SAMPLING_FIELDS: dict[str, object] = {
-    "temperature": 1.0, "top_k": None, "top_p": 1.0, "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
-    "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
-    "min_length": 0, "min_new_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
-    "exponential_decay_length_penalty": None, "do_sample": False,
-}
-
-
-def ignored_generation_values(generation: object) -> dict[str, object]:
-    """The sampling values a checkpoint's generation config sets that the hf engine ignores: those of
-    ``SAMPLING_FIELDS`` that differ from their no-op value (``top_k`` 0 counts as no-op too; ``do_sample`` is
-    left out: the engine samples whenever the temperature is above 0)."""
-    out = {}
-    for name, neutral in SAMPLING_FIELDS.items():
-        value = getattr(generation, name, neutral)
-        if name == "do_sample" or value is None or value == neutral or (name == "top_k" and value == 0):
-            continue
-        out[name] = value
-    return out
 
 
 def _sample_rows(probs: torch.Tensor) -> torch.Tensor:

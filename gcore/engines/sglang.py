@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from gcore.engines.base import Engine, buckets
+from gcore.engines.base import Engine, buckets, checkpoint_generation_config, warn_ignored_generation_values
 from gcore.errors import ConfigError, GcoreError
 from gcore.model import ModelSource
 from gcore.types import Generation, SamplingParams
@@ -142,6 +142,11 @@ class SGLangEngine(Engine):
             ``restart`` ends the engine's processes (their memory is freed) and ``wake_up`` starts them
             again from the checkpoint (the next weight sync restores the trainer's weights);
             ``resident`` keeps them running (nothing is freed, nothing is paid).
+
+    Sampling is ``SamplingParams`` alone, as with the ``hf`` engine: SGLang applies the sampling values of a
+    checkpoint's ``generation_config.json`` only as its OpenAI server's defaults, never to ``Engine.generate``; it
+    takes the file's and config.json's EOS ids as stop tokens. ``setup`` logs a warning naming the values
+    ``model.generate`` would have applied (docs/engines.md, "Sampling").
     """
 
     def __init__(self, mem_fraction_static: float = 0.4, context_length: int | None = None,
@@ -207,6 +212,7 @@ class SGLangEngine(Engine):
         if device.type not in ("cuda", "cpu"):
             raise ConfigError(f"--engine sglang runs on CUDA GPUs or CPUs, not {device.type}")
         self.device = device
+        warn_ignored_generation_values(log, source.path, checkpoint_generation_config(source.path), "sglang")
         rank = int(os.environ.get("RANK", "0"))
         kwargs: dict[str, Any] = {
             "model_path": source.path,

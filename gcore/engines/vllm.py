@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -41,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gcore.engines.base import Engine
+from gcore.engines.base import Engine, checkpoint_generation_config, warn_ignored_generation_values
 from gcore.errors import ConfigError, GcoreError
 from gcore.model import ModelSource, image_text_to_text
 from gcore.types import Generation, SamplingParams, VisualInputs
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from gcore.engines.vllm_sync import BroadcastSender
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+log = logging.getLogger(__name__)
 
 
 def _import_vllm():  # noqa: ANN202
@@ -72,6 +74,11 @@ class VLLMEngine(Engine):
     With ``interrupt`` set (partial rollouts) and the engine core in this process, it stops between engine steps
     when ``interrupt`` says so and returns the tokens so far (unfinished); with ``separate_process`` it does not
     support interruption (``supports_interrupt`` is False).
+
+    Sampling is ``SamplingParams`` alone, as with the ``hf`` engine: vLLM applies the sampling values of a checkpoint's
+    ``generation_config.json`` (temperature, top_k, repetition_penalty, ...) only to requests that come without
+    sampling parameters, and every request here has them; it takes the file's EOS ids as stop tokens. ``setup``
+    logs a warning naming the values ``model.generate`` would have applied (docs/engines.md, "Sampling").
 
     Args:
         gpu_memory_utilization: share of GPU memory vLLM may take (weights + KV cache).
@@ -162,6 +169,7 @@ class VLLMEngine(Engine):
             logprobs_mode="processed_logprobs",  # after temperature: what the trainer recomputes
             max_model_len=self.max_model_len,
         )
+        warn_ignored_generation_values(log, source.path, checkpoint_generation_config(source.path), "vllm")
         self.vision = image_text_to_text(source.path, source.trust_remote_code)
         if self.vision and importlib.util.find_spec("torchvision") is None:
             raise ConfigError(f"{source.path}: vLLM's image-text-to-text models import torchvision (transformers' "
