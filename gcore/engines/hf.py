@@ -403,14 +403,17 @@ def _sample_rows(probs: torch.Tensor) -> torch.Tensor:
 
 
 def _truncate(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Log-probabilities with everything outside the top-k / nucleus set to -inf (for sampling only)."""
+    """Log-probabilities with everything outside the top-k / nucleus set to -inf (for sampling only).
+
+    As ``model.generate``'s warpers: top-k first, then top-p over the mass of what is left (the top-k and the
+    tokens not banned), renormalised; top-p over the whole distribution's mass would keep more tokens."""
     if top_k > 0 and top_k < logp.shape[-1]:
         kth = torch.topk(logp, top_k, dim=-1).values[:, -1:]
         logp = logp.masked_fill(logp < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
-        cumulative = sorted_logp.exp().cumsum(-1)
-        drop = cumulative - sorted_logp.exp() >= top_p  # keep the smallest prefix whose mass reaches top_p
+        probs = torch.softmax(sorted_logp, dim=-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # keep the smallest prefix whose mass reaches top_p
         logp = logp.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return logp
 

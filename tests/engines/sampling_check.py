@@ -253,9 +253,9 @@ def reference(path: str, tokenizer, prompts, *, temperature: float, top_p: float
     return Reference(params, exact, generate_replies(model, prompts, config), set(config.eos_token_id))
 
 
-def assert_samples_as_generate(ours: Replies, ref: Reference) -> dict[str, float]:
-    """The check: the engine's replies ``ours`` against the exact first-token distribution and ``generate``'s
-    replies. Returns the measured figures (for docs/engines.md; printed by the tests)."""
+def measure(ours: Replies, ref: Reference) -> dict[str, float]:
+    """The figures of the check: the engine's replies ``ours`` against the exact first-token distribution and
+    ``generate``'s replies, with the thresholds (printed: docs/engines.md quotes them)."""
     vocab = ref.exact.shape[1]
     ours_counts, theirs_counts = first_token_counts(ours, vocab), first_token_counts(ref.replies, vocab)
     ours_length, ours_eos = length_stats(ours, ref.eos)
@@ -272,6 +272,13 @@ def assert_samples_as_generate(ours: Replies, ref: Reference) -> dict[str, float
         "eos_z": z_score(ours_eos, theirs_eos),
     }
     print({k: round(v, 4) for k, v in figures.items()})
+    return figures
+
+
+def assert_samples_as_generate(ours: Replies, ref: Reference) -> dict[str, float]:
+    """The check: the engine's replies ``ours`` sample what ``generate`` samples (``measure``'s figures within
+    their thresholds). Returns the figures."""
+    figures = measure(ours, ref)
     assert figures["tv_generate_exact"] <= figures["tv_one_sample_threshold"], \
         ("generate does not sample the computed distribution", figures)
     assert figures["tv_engine_exact"] <= figures["tv_one_sample_threshold"], figures

@@ -49,12 +49,13 @@ def engine_replies(path: str, prompts, params: SamplingParams, sample_special_to
         engine.shutdown()
 
 
-#: (temperature, top_p, top_k, sample_special_tokens): TRL's defaults with both choices of the flag, and top-p and
-#: top-k each once
+#: (temperature, top_p, top_k, sample_special_tokens): TRL's defaults with both choices of the flag, top-p and top-k
+#: each once, and both (top-p over the top-k's mass)
 SETTINGS = [pytest.param(1.0, 1.0, 0, True, id="t1.0-special-sampled"),
             pytest.param(1.0, 1.0, 0, False, id="t1.0-special-banned"),
             pytest.param(0.7, 0.9, 0, False, id="t0.7-top_p0.9"),
-            pytest.param(1.0, 1.0, 8, True, id="t1.0-top_k8")]
+            pytest.param(1.0, 1.0, 8, True, id="t1.0-top_k8"),
+            pytest.param(1.0, 0.8, 8, True, id="t1.0-top_k8-top_p0.8")]
 
 
 @pytest.mark.parametrize(("temperature", "top_p", "top_k", "sample_special_tokens"), SETTINGS)

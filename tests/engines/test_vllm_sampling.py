@@ -50,9 +50,9 @@ def _replies(engine, prompts, params) -> list[list[list[int]]]:
     return [[g.token_ids for g in group] for group in engine.generate(prompts, params)]
 
 
-#: (temperature, top_p, top_k): TRL's defaults, top-p and top-k each once
+#: (temperature, top_p, top_k): TRL's defaults, top-p and top-k each once, and both (top-p over the top-k's mass)
 SETTINGS = [pytest.param(1.0, 1.0, 0, id="t1.0"), pytest.param(0.7, 0.9, 0, id="t0.7-top_p0.9"),
-            pytest.param(1.0, 1.0, 8, id="t1.0-top_k8")]
+            pytest.param(1.0, 1.0, 8, id="t1.0-top_k8"), pytest.param(1.0, 0.8, 8, id="t1.0-top_k8-top_p0.8")]
 
 
 @pytest.mark.parametrize(("temperature", "top_p", "top_k"), SETTINGS)
