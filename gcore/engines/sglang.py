@@ -142,6 +142,11 @@ class SGLangEngine(Engine):
             ``restart`` ends the engine's processes (their memory is freed) and ``wake_up`` starts them
             again from the checkpoint (the next weight sync restores the trainer's weights);
             ``resident`` keeps them running (nothing is freed, nothing is paid).
+        joint_top_k_top_p: accept SGLang's top-k with top-p: it keeps the tokens within both the top-k and the
+            nucleus of the whole distribution, where ``model.generate`` (and the hf and vllm engines) take the
+            nucleus of the top-k's mass, renormalised, which keeps fewer. Off (the default), sampling with both
+            ``--sampling.top_k`` and ``--sampling.top_p < 1`` is refused (greedy decoding is not); either alone
+            samples as ``generate`` does (docs/engines.md, "Sampling").
 
     Sampling is ``SamplingParams`` alone, as with the ``hf`` engine: SGLang applies the sampling values of a
     checkpoint's ``generation_config.json`` only as its OpenAI server's defaults, never to ``Engine.generate``; it
@@ -152,7 +157,7 @@ class SGLangEngine(Engine):
     def __init__(self, mem_fraction_static: float = 0.4, context_length: int | None = None,
                  sync_bucket_mb: float = 512.0, timeout_s: float = 600.0, seed: int = 0,
                  cpu_kv_cache_tokens: int = 16384, cpu_threads: int | None = None,
-                 cpu_release: str = "restart") -> None:
+                 cpu_release: str = "restart", joint_top_k_top_p: bool = False) -> None:
         import importlib.util
 
         if importlib.util.find_spec("sglang") is None:
@@ -171,6 +176,7 @@ class SGLangEngine(Engine):
         self.cpu_kv_cache_tokens = cpu_kv_cache_tokens
         self.cpu_threads = cpu_threads
         self.cpu_release = cpu_release
+        self.joint_top_k_top_p = joint_top_k_top_p
         self.engine: Any = None  # sglang.Engine once set up
         self.processes: list = []  # psutil.Process of every process SGLang started for this engine
         self.device = torch.device("cpu")
@@ -301,6 +307,11 @@ class SGLangEngine(Engine):
             raise GcoreError("SGLangEngine.generate called before setup, after shutdown or while asleep")
         if self.stale:
             raise GcoreError("SGLang restarted from the checkpoint after sleep: sync the weights before generating")
+        if params.temperature > 0 and params.top_k > 0 and params.top_p < 1.0 and not self.joint_top_k_top_p:
+            raise ConfigError(f"--sampling.top_k {params.top_k} with --sampling.top_p {params.top_p}: SGLang keeps "
+                              "the top-k tokens within the nucleus of the whole distribution, not the nucleus of the "
+                              "top-k's mass as model.generate and the hf and vllm engines do (more tokens kept); "
+                              "--engine.joint_top_k_top_p true accepts SGLang's rule (docs/engines.md, \"Sampling\")")
         flat = [list(p) for p in prompts for _ in range(params.n)]
         if self.interrupt is not None:
             outputs = self._call("generate", self._generate_interruptible, flat, sampling_dict(params), self.interrupt)

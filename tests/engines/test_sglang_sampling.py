@@ -13,9 +13,15 @@ scripts/install_sglang_cpu.sh, the last part of .ci/run); skipped elsewhere.
 import pytest
 import torch
 from sampling_check import (
+    DRAWS,
     assert_samples_as_generate,
     exact_at_temperature_one,
+    first_token_counts,
     ignored_values_named,
+    load_model,
+    mean_tv,
+    measure,
+    null_quantile,
     peaked_checkpoint,
     reference,
     warnings_logged,
@@ -23,6 +29,7 @@ from sampling_check import (
     wrong_temperature_params,
 )
 
+from gcore.errors import ConfigError
 from gcore.model import ModelSource
 
 pytest.importorskip("sglang")
@@ -62,6 +69,45 @@ def test_sglang_engine_samples_as_generate(peaked_sglang, temperature, top_p, to
     path, tokenizer, prompts, engine, _ = peaked_sglang
     ref = reference(path, tokenizer, prompts, temperature=temperature, top_p=top_p, top_k=top_k)
     assert_samples_as_generate(_replies(engine, prompts, ref.params), ref)
+
+
+def joint_first_token(path: str, prompts, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """``[prompts, vocab]``: the first token's distribution under SGLang's rule for top-k with top-p (its torch
+    sampler, ``top_k_top_p_min_p_sampling_from_probs_torch``; FlashInfer's ``joint`` order on GPUs): a token is kept
+    when it is among the top-k and the mass of the tokens above it is at most ``top_p`` of the whole distribution."""
+    model = load_model(path)
+    rows = []
+    with torch.no_grad():
+        for p in prompts:
+            probs = torch.softmax(model(input_ids=torch.tensor([p])).logits[0, -1].float() / temperature, dim=-1)
+            ordered, order = probs.sort(descending=True)
+            keep = (torch.arange(len(ordered)) < top_k) & (ordered.cumsum(0) - ordered <= top_p)
+            kept = torch.where(keep, ordered, torch.zeros_like(ordered))
+            rows.append(torch.zeros_like(probs).scatter(0, order, kept / kept.sum()))
+    return torch.stack(rows)
+
+
+def test_top_k_with_top_p_is_refused_unless_accepted_and_differs_from_generate(peaked_sglang):
+    """SGLang takes the nucleus of the whole distribution within the top-k, ``generate`` the nucleus of the top-k's
+    renormalised mass: refused by default; accepted (``joint_top_k_top_p``), SGLang's samples follow SGLang's rule
+    (the check against the exact joint distribution passes) and fail the check against ``generate``."""
+    path, tokenizer, prompts, engine, _ = peaked_sglang
+    ref = reference(path, tokenizer, prompts, temperature=1.0, top_p=0.8, top_k=8)
+    with pytest.raises(ConfigError, match=r"--engine.joint_top_k_top_p true accepts SGLang's rule"):
+        engine.generate(prompts, ref.params)
+    engine.joint_top_k_top_p = True
+    try:
+        replies = _replies(engine, prompts, ref.params)
+    finally:
+        engine.joint_top_k_top_p = False
+    figures = measure(replies, ref)
+    assert figures["tv_engine_exact"] > figures["tv_one_sample_threshold"]
+    joint = joint_first_token(path, prompts, temperature=1.0, top_k=8, top_p=0.8)
+    distance = mean_tv(first_token_counts(replies, joint.shape[1]), joint)
+    threshold = null_quantile(joint, DRAWS, two_sample=False)
+    print(f"top-k 8 with top-p 0.8: distance to generate's exact {figures['tv_engine_exact']:.4f} (threshold "
+          f"{figures['tv_one_sample_threshold']:.4f}), to SGLang's rule {distance:.4f} (threshold {threshold:.4f})")
+    assert distance <= threshold
 
 
 def test_detects_a_wrong_temperature(peaked_sglang):
