@@ -543,7 +543,13 @@ def main() -> None:
                         help=f"comma-separated kinds of other work running during every trainer run, each kind's runs "
                              f"done in turn and reported side by side (from {', '.join(NEIGHBOURS)})")
     parser.add_argument("--neighbour-worker", choices=NEIGHBOURS, help=argparse.SUPPRESS)
+    parser.add_argument("--report", nargs="+", metavar="JSON",
+                        help="print the report of earlier runs from their --json files instead of running anything "
+                             "(several files, e.g. seeds run apart on two cores, are merged in the order given)")
     args = parser.parse_args()
+    if args.report:
+        report_files(args.report)
+        return
 
     if args.neighbour_worker:
         neighbour_main(args.neighbour_worker)
@@ -645,6 +651,41 @@ def main() -> None:
         import shutil
 
         shutil.rmtree(converted, ignore_errors=True)
+
+
+def report_files(paths: list[str]) -> None:
+    """``--report``: the per-task reports and the suite's table of the runs in ``paths`` (``--json`` files of runs
+    with the same settings and trainers), their runs of each task and trainer put one after another, so that the
+    i-th gcore run and the i-th TRL run of a task stay the same seed's pair."""
+    loaded = []
+    for path in paths:
+        with open(path) as f:
+            loaded.append(json.load(f))
+    args = argparse.Namespace(**loaded[0]["args"])
+    levels: dict[str, str] = {}
+    for data in loaded:
+        levels.update(data["levels"])
+    tasks = list(levels)
+    merged: dict[str, dict[str, list[dict]]] = {task: {} for task in tasks}
+    seeds: list[str] = []
+    for data in loaded:
+        seeds.append(data["args"]["seeds"])
+        runs = data["runs"] if len(data["levels"]) > 1 else {next(iter(data["levels"])): data["runs"]}
+        for task, by_kind in runs.items():
+            for name, task_runs in by_kind["none"].items():
+                merged[task].setdefault(name, []).extend(task_runs)
+    names = list(merged[tasks[0]])
+    for task in tasks:  # a campaign stopped part-way: only each task's whole pairs (every trainer's run of a seed)
+        pairs = min(len(merged[task].get(name, [])) for name in names)
+        merged[task] = {name: merged[task][name][:pairs] for name in names}
+    tasks = [task for task in tasks if merged[task][names[0]]]
+    args.seeds = ",".join(seeds)
+    args.repeats = min(len(merged[task][name]) for task in tasks for name in names)
+    summaries = {}
+    for task in tasks:
+        print(f"\n################ task {task} (level {levels[task]})")
+        summaries[task] = report(args, names, merged[task], "none")
+    suite_table(args, names, tasks, merged, summaries)
 
 
 def write_json(args: argparse.Namespace, runs_by_task: dict, tasks: list[str], levels: dict[str, str]) -> None:

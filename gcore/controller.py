@@ -91,11 +91,12 @@ class Controller:
     ``step`` is the whole step, one named method per stage, each handed the step's ``StepRecord``:
     ``collect`` (GENERATE and REWARD, asked of the placement policy), ``filter``, ``end_rollout``,
     ``run_ahead``, ``prepare``, ``train``, ``sync``, ``place`` (the placement policy re-decides
-    from every rank's stage times) and ``log``. A variant of the step (the one-controller baseline
+    from every rank's stage times), ``dispatch`` and ``log``. A variant of the step (the one-controller baseline
     in ``single_controller.py``) overrides only the stages that differ. With ``max_staleness`` K >= 1
     (docs/asynchronous.md), ``collect`` takes the rollout started K steps before (regenerating any
     group with a sample more than K versions old), and ``run_ahead`` starts the rollouts of the next K
-    steps not yet in flight before ``train``.
+    steps not yet in flight before ``train``; with ``early_dispatch``, ``dispatch`` starts the one after
+    them as soon as its weights exist, after ``sync``.
     """
 
     fabric: Fabric
@@ -114,6 +115,12 @@ class Controller:
     #: partial rollouts (``--trainer.partial_rollouts``, with ``max_staleness``): a weight update stops the
     #: generation in flight between tokens, and the unfinished responses continue with the new weights
     partial_rollouts: bool = False
+    #: when a rollout started ahead goes out (``--trainer.dispatch``, with ``max_staleness``): False (``step``), when
+    #: the step K before it starts training (``run_ahead``); True (``device``), as soon as the weights it may be
+    #: generated with exist (``dispatch``, after the step K + 1 before it synced), so that each engine worker starts
+    #: it when it has finished its share of the rollouts before it, without waiting for the slowest worker. The same
+    #: weights and seed either way: the samples are the same, only their timing differs.
+    early_dispatch: bool = False
     #: the environment of multi-turn episodes (``--env``); ``None`` or ``SingleTurn``: one turn per sample
     env: Environment | None = None
     #: the run's seed (``--trainer.seed``): each rollout on engine workers samples from a seed drawn from it, this
@@ -127,6 +134,8 @@ class Controller:
         #: step -> a rollout in flight that the checkpoint resumed from recorded (``load_in_flight``), taken up by
         #: the step that collects it or starts it ahead
         self._resumed: dict[int, dict] = {}
+        #: what starting a rollout in ``dispatch`` timed (a swap of partitions): added to the next step's stage times
+        self._dispatched = StageTimer()
 
     def setup(self) -> None:
         """Tell the other plugins what this controller will run: the generation budget to the
@@ -149,6 +158,9 @@ class Controller:
         steps they belong to. ``judge_scale``: the rollout that starts next has that many times this
         step's judged prompts (for the placement's decision; ``Telemetry.judge_scale``)."""
         record = StepRecord(step, prompts, StageTimer(on_stage), judge_scale=judge_scale)
+        for stage, seconds in self._dispatched.seconds.items():
+            record.timer.add(stage, seconds)
+        self._dispatched = StageTimer()
         if self.policy_version is None:
             self.policy_version = step
         self.collect(record)
@@ -159,6 +171,7 @@ class Controller:
         self.train(record, batch)
         self.sync(record)
         self.place(record)
+        self.dispatch(record, upcoming)
         self.log(record)
         return record
 
@@ -250,12 +263,24 @@ class Controller:
         """Start the rollouts of the next ``max_staleness`` steps that are not in flight yet, with the
         weights the engine has now: they generate while this step trains (``placement.start_rollout``;
         the weight update after it queues behind them)."""
-        for offset, prompts in enumerate(upcoming[: self.max_staleness], start=1):
-            step = record.step + offset
-            self._take_resumed(step, prompts)
-            if step not in self._ahead and prompts:
-                job = self._job(prompts, record.timer, seed=self._seed(step, 0))
-                self._ahead[step] = (job, self.placement.start_rollout(job))
+        self._start_ahead(record.step, upcoming[: self.max_staleness], record.timer)
+
+    def dispatch(self, record: StepRecord, upcoming: Sequence[list[Prompt]]) -> None:
+        """DISPATCH (``dispatch`` ``"device"``, with ``max_staleness`` K >= 1): start the rollout of step
+        ``step + K + 1`` now that this step's weights are synced, the version it may be generated with; ``run_ahead``
+        would start it at the next step, after that step's rollout came in on every worker. Its requests queue
+        behind the rollouts in flight, so a worker that finishes its share of those early starts on it at once."""
+        if self.early_dispatch and self.max_staleness:
+            self._start_ahead(record.step, upcoming[: self.max_staleness + 1], self._dispatched)
+
+    def _start_ahead(self, step: int, upcoming: Sequence[list[Prompt]], timer: StageTimer) -> None:
+        """Start the rollouts of steps ``step + 1``, ``step + 2``, ... (``upcoming``) that are not in flight yet."""
+        for offset, prompts in enumerate(upcoming, start=1):
+            ahead = step + offset
+            self._take_resumed(ahead, prompts)
+            if ahead not in self._ahead and prompts:
+                job = self._job(prompts, timer, seed=self._seed(ahead, 0))
+                self._ahead[ahead] = (job, self.placement.start_rollout(job))
 
     # -- the rollouts in flight in a checkpoint ---------------------------------------------------
     def in_flight_state(self) -> list[dict]:

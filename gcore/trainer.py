@@ -106,6 +106,12 @@ class TrainerConfig:
             token records the version that sampled it (``Sample.token_versions``); a sample's staleness is its
             oldest token's. Needs an engine that ``supports_interrupt`` (``--engine hf``, or ``--engine vllm`` in
             its default in-process mode). docs/asynchronous.md.
+        dispatch: with ``max_staleness`` K >= 1, when the rollout of a step goes out to the engine workers.
+            ``device``: as soon as the weights it may be generated with exist (after the sync of the step K + 1
+            before it): its requests queue behind the rollouts in flight, and each worker starts on it when it has
+            finished its own share of those, without waiting for the slowest worker. ``step``: when the step K
+            before it starts training, i.e. after that step's rollout came in from every worker. The weights and
+            the seed are the same either way, so the samples are too; only when they are generated differs.
     """
 
     max_steps: int = 30
@@ -131,6 +137,7 @@ class TrainerConfig:
     eval_every: int = 0
     max_staleness: int = 0
     partial_rollouts: bool = False
+    dispatch: Literal["step", "device"] = "device"
 
     def validate(self) -> None:
         """A one-line ``ConfigError`` for the first flag out of its range."""
@@ -187,8 +194,9 @@ class _Run:
     run_dir: str | None  # the loggers' folder (rank 0)
     eval_prompts: list[Prompt]  # held-out prompts of --trainer.eval_every (none when 0)
     central: bool  # one controller drives every process (--trainer.controllers 1)
-    #: (global batch, this controller's shard, its predicted imbalance) of this step and the next ``max_staleness``,
-    #: drawn that many steps early (``_Pipeline``: a checkpoint records those drawn ahead)
+    #: (global batch, this controller's shard, its predicted imbalance) of this step and the next ``max_staleness``
+    #: (one more with ``--trainer.dispatch device``), drawn that many steps early (``_Pipeline``: a checkpoint
+    #: records those drawn ahead)
     ahead: list[tuple[list[int], list[int], float]] = field(default_factory=list)
     #: this controller's torch threads, re-chosen before each stage (``None``: a fixed count, docs/threads.md)
     governor: threads.ThreadGovernor | None = None
@@ -510,7 +518,7 @@ class Trainer:
                                       self.placement, tokenizer, self.sampling,
                                       draw_prompts=lambda k: take([extra.next_global()[0] for _ in range(k)]),
                                       max_staleness=c.max_staleness, partial_rollouts=c.partial_rollouts,
-                                      env=self.env, seed=c.seed)
+                                      early_dispatch=c.dispatch == "device", env=self.env, seed=c.seed)
         controller.setup()
         ahead: list[tuple[list[int], list[int], float]] = []
         pipeline = _Pipeline(ahead, controller, fabric.world_size, c.max_staleness)
@@ -637,19 +645,24 @@ class Trainer:
         return FitResult(None, None, history, evaluations)
 
     def _judge_scale(self, run: _Run, step: int, batch: list[int]) -> float:
-        """The judged prompts (``RewardModel.judged``) of the rollout that starts after this step, the next
-        global batch not yet drawn, over those of this step's global batch ``batch``: the same on every
-        controller. 1 without a judge, when this step judges nothing (no cost to scale), or when no rollout
-        starts after this step in this run."""
+        """The judged prompts (``RewardModel.judged``) of the rollout that starts after this step (step + K + 1's
+        global batch), over those of this step's global batch ``batch``: the same on every controller. 1 without
+        a judge, when this step judges nothing (no cost to scale), or when no rollout starts after this step in
+        this run."""
         if not self.reward.judges() or step + self.config.max_staleness + 1 >= self.config.max_steps:
             return 1.0
         judged_now = sum(map(self.reward.judged, run.take(batch)))
-        judged_next = sum(map(self.reward.judged, run.take(run.sampler.peek_global())))
+        # step + K + 1's batch: drawn already where it is dispatched early, else the next one to draw
+        k = self.config.max_staleness
+        following = run.ahead[k][0] if len(run.ahead) > k else run.sampler.peek_global()
+        judged_next = sum(map(self.reward.judged, run.take(following)))
         return judged_next / judged_now if judged_now else 1.0
 
     def _step(self, run: _Run, step: int, bar: tqdm) -> dict[str, float]:
         """One training step on this controller's share of the step's prompts; returns its logged metrics."""
-        while len(run.ahead) <= self.config.max_staleness and step + len(run.ahead) < self.config.max_steps:
+        # this step's batch, the next K (started ahead before it trains) and, dispatched early, the one after them
+        drawn = self.config.max_staleness + (1 if self.config.max_staleness and self.config.dispatch == "device" else 0)
+        while len(run.ahead) <= drawn and step + len(run.ahead) < self.config.max_steps:
             batch = run.sampler.next_global()
             run.ahead.append((batch, run.sampler.shard(batch), run.sampler.last_imbalance))
         (batch, shard, imbalance), upcoming = run.ahead.pop(0), [run.take(s) for _, s, _ in run.ahead]

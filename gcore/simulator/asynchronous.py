@@ -10,15 +10,17 @@ costs ``swap_s`` on that device (an assumption, the same estimate as an engine s
 A generation device serves its share of every batch in turn (the samples are dealt round-robin, as
 the trainer's controllers hold their own prompts). When it may start batch ``b`` is ``dispatch``:
 
-- ``step`` (gcore's trainer, docs/asynchronous.md): batch ``b``'s requests go out when training step
+- ``step`` (gcore's trainer with ``--trainer.dispatch step``, docs/asynchronous.md): batch ``b``'s requests go out
+  when training step
   ``b - K`` starts, i.e. once batch ``b - K`` is complete on every device and training step
   ``b - K - 1`` has ended (batches ``1..K`` when step 0 starts). A device that finished its share
   early waits for the slowest one. Without partial rollouts a weight update is a request of its own
   on the device, queued behind its share; a request sent while the device loads weights goes to it
   behind the load and starts when the load ends (the trainer's pool sends it at once; before it did,
   the request waited for the controller's next call to the pool, a whole training step at K = 1).
-- ``device`` (AReaL/slime-like, the model before issue 34): a device starts batch ``b`` as soon as it is
-  free and policy version ``b - K`` exists, without waiting for the other devices.
+- ``device`` (gcore's trainer by default, ``--trainer.dispatch device``; AReaL/slime-like): a device starts batch
+  ``b`` as soon as it is free and policy version ``b - K`` exists, without waiting for the other devices (the
+  trainer sends batch ``b``'s requests when training step ``b - K - 1`` has synced, behind those in flight).
 
 Weights: without partial rollouts an update waits behind the share in flight (the trainer queues it
 behind the request): a device loads the newest version when it arrives or, if it is generating
@@ -388,8 +390,9 @@ def simulate_async(
 ) -> list[StepResult]:
     """Runs ``steps`` training steps on ``devices`` devices with staleness ``max_staleness`` and,
     with ``partial``, partial rollouts: a weight update cuts the responses in flight (see the module).
-    ``dispatch``: when a batch's requests go out (``step``: the trainer's; ``device``: each device on its
-    own); ``train_devices``: the training partition's size (default: sized from the first batch).
+    ``dispatch``: when a batch's requests go out (``step``: ``--trainer.dispatch step``; ``device``: the trainer's
+    default, each device on its own); ``train_devices``: the training partition's size (default: sized from the
+    first batch).
     ``max_staleness`` 0 is the synchronous loop with roles of their own (the trainer with engine workers: a
     batch starts when the step before has trained and synced); ``gcore simulate``'s K = 0 rows are
     ``model.simulate``'s, whose devices take every role in turn."""

@@ -31,7 +31,7 @@ def run_all(
     release_tail: bool = True,
     max_staleness: int = 0,
     partial: bool = False,
-    dispatch: str = "step",
+    dispatch: str = "device",
 ) -> dict[str, list[StepResult]]:
     """``model.compare``'s runs, plus ``dynamic K=..`` (and ``.. partial``) when ``max_staleness`` >= 1.
 
@@ -71,9 +71,11 @@ def main(argv: list[str]) -> int:
              "training step ends, its new weights cut every response in flight, which continues with them",
     )
     parser.add_argument(
-        "--dispatch", choices=DISPATCH, default="step",
-        help="when a batch's generation starts with --max-staleness: 'step' (the trainer: its requests go out "
-             "when the step K before it starts training) or 'device' (each device runs ahead on its own share)",
+        "--dispatch", choices=DISPATCH, default="device",
+        help="when a batch's generation starts with --max-staleness, as --trainer.dispatch: 'device' (the "
+             "trainer's default: each device starts it once it has finished its share of the batches before and "
+             "the weights it may use exist) or 'step' (its requests go out when the step K before it starts "
+             "training, after the batch before came in from every device)",
     )
     parser.add_argument("--plot", default="simulate.png", help="PNG path; {devices} is replaced per size")
     for flag, value in zip(argv, [*argv[1:], ""], strict=True):  # the removed token budget: --partial-rollouts 400

@@ -454,14 +454,16 @@ def fixed_threads(monkeypatch):
     torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dispatch", ["device", "step"])
 @pytest.mark.parametrize("max_staleness", [1, 2])
-def test_a_resumed_asynchronous_run_continues_exactly_with_the_engine_in_process(tmp_path, max_staleness, capsys,
-                                                                                   fixed_threads):
-    """Stopped after step 1 (its checkpoint: the prompts of steps 2..1+K drawn ahead, their rollouts in flight)
-    and resumed: the same metrics, step for step, and the same final weights as the run that went on."""
-    whole, weights = _pipeline_run(tmp_path, max_staleness, checkpoint_every=2)
+def test_a_resumed_asynchronous_run_continues_exactly_with_the_engine_in_process(tmp_path, max_staleness, dispatch,
+                                                                                   capsys, fixed_threads):
+    """Stopped after step 1 (its checkpoint: the prompts of steps 2..1+K drawn ahead, their rollouts in flight, and
+    with ``dispatch`` ``device`` step 2+K's too) and resumed: the same metrics, step for step, and the same final
+    weights as the run that went on."""
+    whole, weights = _pipeline_run(tmp_path, max_staleness, checkpoint_every=2, dispatch=dispatch)
     ckpt = tmp_path / "gcore" / "checkpoints" / "step_00000001"
-    resumed, resumed_weights = _pipeline_run(tmp_path, max_staleness, resume=str(ckpt))
+    resumed, resumed_weights = _pipeline_run(tmp_path, max_staleness, resume=str(ckpt), dispatch=dispatch)
     assert "note" not in capsys.readouterr().out  # nothing about this resume is inexact
     assert [row["step"] for row in resumed] == [2.0, 3.0, 4.0]
     for before, after in zip(whole[2:], resumed, strict=True):
@@ -506,3 +508,81 @@ def test_the_recorded_generations_come_back_as_they_were_through_a_weights_only_
     torch.save({"rollouts": [_pack(outputs)]}, tmp_path / "rank_0.pt")
     loaded = torch.load(tmp_path / "rank_0.pt", weights_only=True)["rollouts"][0]
     assert _unpack(loaded) == outputs
+
+
+# -- when a rollout started ahead goes out (--trainer.dispatch) ---------------------------------------------------
+
+
+class RecordingPipeline(InProcessPipeline):
+    """Records, in order, each rollout started ahead (``start``) and collected (``collect``), with the policy version
+    it was started with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int]] = []
+
+    def start_rollout(self, job: RolloutJob):
+        self.events.append(("start", job.policy_version))
+        result = super().start_rollout(job)
+
+        def collect():
+            self.events.append(("collect", job.policy_version))
+            return result()
+
+        return collect
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_device_dispatch_starts_a_rollout_as_soon_as_its_weights_exist_step_dispatch_after_the_rollout_before_it(
+        tmp_path, max_staleness):
+    """With ``device`` the rollout of step s+K+1 starts right after step s's weight sync (version s+1), before step
+    s+1 collects its own rollout; with ``step`` only after it. Either way it starts with version s+1, so a sample
+    is never more than K versions old, and each step collects the rollout started for it."""
+    events = {}
+    for dispatch in ("device", "step"):
+        placement = RecordingPipeline()
+        result = Trainer(
+            trainer=TrainerConfig(max_steps=5, default_root_dir=str(tmp_path / dispatch), enable_progress_bar=False,
+                                  save_final=False, logger=[], max_staleness=max_staleness, dispatch=dispatch),
+            model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
+            data=DataConfig(prompts_per_step=2), sampling=SamplingParams(n=2, max_new_tokens=4),
+            placement=placement,
+        ).fit()
+        assert all(row["async/staleness_max"] <= max_staleness for row in result.history)
+        events[dispatch] = placement.events
+    k = max_staleness
+    # steps 1..K start with version 0 before step 0 trains; step s + K + 1 with version s + 1 (s = 0, 1, 2 of 5 steps)
+    starts = [0] * k + [1, 2, 3][: 5 - 1 - k]
+    for dispatch in ("device", "step"):
+        assert [v for kind, v in events[dispatch] if kind == "start"] == starts, dispatch
+        assert [v for kind, v in events[dispatch] if kind == "collect"] == [0] * k + [1, 2, 3][: 4 - k]
+    # version 1 (after step 0) starts step K+1: under device before step 1 collects (version 0's first rollout)
+    first_collect = events["device"].index(("collect", 0))
+    assert events["device"].index(("start", 1)) < first_collect
+    assert events["step"].index(("start", 1)) > events["step"].index(("collect", 0))
+
+
+@pytest.mark.integration
+@pytest.mark.slow  # starts two engine worker processes per run: ~30-60 s each
+def test_device_and_step_dispatch_train_on_the_same_samples_over_engine_workers(tmp_path):
+    """Over two static engine workers, each rollout samples from its own seed with the weights it was started with,
+    and both dispatches start it with the same version: the runs are the same, metric for metric and weight for
+    weight; only when the generation ran differs."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for dispatch in ("device", "step"):
+        result = Trainer(
+            trainer=TrainerConfig(max_steps=4, default_root_dir=str(tmp_path / dispatch), enable_progress_bar=False,
+                                  seed=5, max_staleness=1, dispatch=dispatch),
+            model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
+            data=DataConfig(prompts_per_step=4), sampling=SamplingParams(n=4, max_new_tokens=6),
+            placement=StaticPlacement(workers=2, threads=1),
+        ).fit()
+        assert result.final_model_dir is not None
+        runs[dispatch] = (result.history, load_file(f"{result.final_model_dir}/model.safetensors"))
+    (device, device_weights), (step, step_weights) = runs["device"], runs["step"]
+    for a, b in zip(device, step, strict=True):
+        compared = sorted(key for key in a.keys() | b.keys() if not _clock(key))
+        assert {key: a.get(key) for key in compared} == {key: b.get(key) for key in compared}, a["step"]
+    assert all(torch.equal(device_weights[key], step_weights[key]) for key in device_weights)
