@@ -35,6 +35,9 @@ class Engine(ABC):
 
     #: whether ``generate`` takes image prompts (a ``visual`` keyword argument)
     supports_images: bool = False
+    #: whether ``setup`` starts processes of its own (SGLang's scheduler): an engine worker that holds such an
+    #: engine is started non-daemonic, since a daemonic process cannot have children (``gcore/engines/pool.py``)
+    starts_processes: bool = False
     #: partial rollouts (``--trainer.partial_rollouts``): set by the process that serves the engine; an engine
     #: that ``supports_interrupt`` calls it between decoding steps and, once it returns True, stops and returns
     #: what it has (a generation cut there is neither finished nor at ``max_new_tokens``)

@@ -38,6 +38,7 @@ is used.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import math
@@ -210,40 +211,49 @@ def _worker_main(index: int, threads: int, seed: int, specs: bytes, role: Role, 
     except BaseException:  # noqa: BLE001  report why it could not start, whatever it was, then exit
         _send(startup, ("fatal", index, None, traceback.format_exc()))
         return
-    _send(startup, ("ready", index, None, listener.address))
-    controllers = [listener.accept() for _ in range(clients)]
-    listener.close()
-    while controllers:
-        for conn in cast("list[Connection]", wait(controllers)):
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):  # that controller is gone
-                controllers.remove(conn)
-                continue
-            if message[0] == "stop":
-                return
-            kind: JobKind = message[0]
-            job_id: int = message[1]
+    try:  # the engines are shut down however the worker ends: an engine's own processes (SGLang's) would
+        # otherwise keep it alive (multiprocessing joins them at exit)
+        _send(startup, ("ready", index, None, listener.address))
+        controllers = [listener.accept() for _ in range(clients)]
+        listener.close()
+        while controllers:
+            for conn in cast("list[Connection]", wait(controllers)):
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):  # that controller is gone
+                    controllers.remove(conn)
+                    continue
+                if message[0] == "stop":
+                    return
+                kind: JobKind = message[0]
+                job_id: int = message[1]
 
-            def take_sync(conn: Connection = conn) -> None:
-                """A partial rollout's weight update, sent while its generation ran: load it and answer it."""
-                update = conn.recv()
-                if update[0] != "sync":
-                    raise GcoreError(f"engine worker {index}: a {update[0]!r} request came during a partial rollout "
-                                     "(only a weight sync may)")
-                started = time.perf_counter()
-                _send(conn, ("result", index, update[1], (runtime.sync(*update[2:]), time.perf_counter() - started)))
+                def take_sync(conn: Connection = conn) -> None:
+                    """A partial rollout's weight update, sent while its generation ran: load it and answer it."""
+                    update = conn.recv()
+                    if update[0] != "sync":
+                        raise GcoreError(f"engine worker {index}: a {update[0]!r} request came during a partial "
+                                         "rollout (only a weight sync may)")
+                    started = time.perf_counter()
+                    try:
+                        loaded = runtime.sync(*update[2:])
+                    except Exception:  # answered, or the controller waits for this sync forever; the generate fails
+                        _send(conn, ("error", index, update[1], traceback.format_exc()))
+                        raise
+                    _send(conn, ("result", index, update[1], (loaded, time.perf_counter() - started)))
 
-            try:
-                started = time.perf_counter()
-                result = _serve(runtime, kind, message[2:], conn.poll, take_sync)
-                reply: Reply = ("result", index, job_id, (result, time.perf_counter() - started))
-            except Exception:  # noqa: BLE001  an engine may fail in any way: the pool retries elsewhere or reports it
-                reply = ("error", index, job_id, traceback.format_exc())
-            try:
-                _send(conn, reply)
-            except OSError:  # that controller is gone
-                controllers.remove(conn)
+                try:
+                    started = time.perf_counter()
+                    result = _serve(runtime, kind, message[2:], conn.poll, take_sync)
+                    reply: Reply = ("result", index, job_id, (result, time.perf_counter() - started))
+                except Exception:  # noqa: BLE001  an engine may fail in any way: the pool retries or reports it
+                    reply = ("error", index, job_id, traceback.format_exc())
+                try:
+                    _send(conn, reply)
+                except OSError:  # that controller is gone
+                    controllers.remove(conn)
+    finally:
+        runtime.shutdown()
 
 
 def _send(replies: Connection, reply: Reply) -> None:
@@ -406,6 +416,12 @@ class _WorkerRuntime:
             raise RuntimeError(f"the {role} role holds an engine, not a rule-based reward")
         return reward.score(samples), reward.last_errors
 
+    def shutdown(self) -> None:
+        """Shut down every engine held (the worker ends)."""
+        for held in self.engines.values():
+            if isinstance(held, Engine):
+                held.shutdown()
+
     def sync(self, weights: tuple) -> int:
         self.weights = weights
         if POLICY not in self.engines:  # released: it loads the latest weights when it wakes up
@@ -452,6 +468,8 @@ class WorkerPool:
         visible = torch.cuda.device_count() if device.startswith("cuda") else 0
         self.device, self.devices = device, worker_devices(device, size, visible)
         self._specs = pickle.dumps(specs)
+        # a worker whose engine starts processes of its own (SGLang) cannot be daemonic
+        self._daemon = not any(spec.engine is not None and spec.engine.starts_processes for spec in specs.values())
         self._ctx = mp.get_context("spawn")
         self._authkey = os.urandom(32) if self.owner else b""
         # a connection per worker: a worker killed mid-reply blocks no other
@@ -481,6 +499,8 @@ class WorkerPool:
         self.swaps = 0  # role changes done by workers
         self.held: list[tuple[Role, ...]] = [(role,) for role in roles]  # engines resident in each worker
         self.closed = False
+        if not self._daemon:  # multiprocessing joins a non-daemonic child at exit: the workers are stopped before
+            atexit.register(self.close)
         self._start(list(range(size)))
 
     # -- processes ---------------------------------------------------------------------------
@@ -510,7 +530,7 @@ class WorkerPool:
             self._startup[i] = startup
             weights = self.weights.ref() if self.weights is not None else None
             process = self._ctx.Process(
-                target=_worker_main, name=f"gcore-engine-worker-{i}", daemon=True,
+                target=_worker_main, name=f"gcore-engine-worker-{i}", daemon=self._daemon,
                 args=(i, self.threads, self.seed + i, self._specs, self.roles[i], weights, self.release,
                       self.devices[i], clients, self._authkey, writer),
             )
@@ -577,6 +597,7 @@ class WorkerPool:
         if self.closed:
             return
         self.closed = True
+        atexit.unregister(self.close)
         for i, conn in enumerate(self._conns):
             if conn is not None and self.owner and self.alive(i):
                 try:

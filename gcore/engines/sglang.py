@@ -187,11 +187,21 @@ class SGLangEngine(Engine):
         self._launch: dict[str, Any] = {}
         self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gcore-sglang")
 
-    def __reduce__(self) -> tuple:
-        """An engine worker (``--placement.workers``) cannot hold SGLang: it is a daemonic process, and SGLang starts
-        processes of its own. The one-line reason, instead of pickle's about the call thread's queue."""
-        raise TypeError("SGLang runs in the controller's process only (it starts processes of its own, which an engine "
-                        "worker cannot); engine workers and partial rollouts take --engine hf or vllm")
+    #: SGLang's scheduler and detokenizer run in processes of its own: an engine worker that holds it is started
+    #: non-daemonic (a daemonic process cannot have children)
+    starts_processes = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The configuration only (what an engine worker gets, ``--placement.workers``): the worker sets it up
+        there and starts SGLang's processes itself. The call thread and a running engine do not travel."""
+        if self.engine is not None:
+            raise TypeError("a set-up SGLangEngine cannot be sent to another process (its SGLang processes "
+                            "belong to this one); send it before setup")
+        return {k: v for k, v in self.__dict__.items() if k != "_calls"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gcore-sglang")
 
     @property
     def supports_interrupt(self) -> bool:
@@ -363,6 +373,9 @@ class SGLangEngine(Engine):
         pending = list(buckets(weights, int(self.sync_bucket_mb * 2**20)))
         for i, bucket in enumerate(pending):
             received += sum(t.numel() * t.element_size() for _, t in bucket)
+            # SGLang hands the tensors over with torch's shared-memory pickling, which cannot share a storage mapped
+            # from a file (an engine worker's view of the pool's weights in /dev/shm: "Bad file descriptor"); a copy
+            bucket = [(name, t.clone() if t.untyped_storage().filename is not None else t) for name, t in bucket]
             result = self._call(f"weight update (bucket {i + 1} of {len(pending)})",
                                 self.engine.update_weights_from_tensor,
                                 named_tensors=bucket, flush_cache=i == len(pending) - 1)

@@ -112,20 +112,25 @@ def test_bad_arguments_name_the_flag():
 
 
 @pytest.mark.sglang
-def test_sglang_in_an_engine_worker_is_refused_in_one_line_saying_why():
-    """An engine worker is a daemonic process, which cannot start SGLang's own processes: ``--placement.workers``
-    (and so partial rollouts in the trainer) with ``--engine sglang`` is refused before any worker starts."""
-    from gcore import StaticPlacement, Trainer, TrainerConfig
+def test_an_engine_worker_gets_the_configuration_and_starts_sglang_itself():
+    """An engine worker (``--placement.workers``) is sent the configured engine: it pickles without its call thread
+    (the copy gets one of its own) and asks for a non-daemonic worker, since SGLang starts processes of its own; an
+    engine already set up (its SGLang processes this process's) is refused in one line."""
+    import pickle
+
     from gcore.engines.sglang import SGLangEngine
-    from gcore.errors import ConfigError
 
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("the missing-install error comes first")
-    with pytest.raises(ConfigError, match=r"--placement.workers: the policy SGLangEngine cannot be sent to a worker "
-                                          r"process: SGLang runs in the controller's process only .* take --engine "
-                                          r"hf or vllm$"):
-        Trainer(TrainerConfig(max_steps=1, enable_progress_bar=False), engine=SGLangEngine(),
-                placement=StaticPlacement(workers=1)).fit()
+    engine = SGLangEngine(cpu_kv_cache_tokens=1234, cpu_threads=1)
+    copy = pickle.loads(pickle.dumps(engine))
+    assert (copy.cpu_kv_cache_tokens, copy.cpu_threads, copy.engine) == (1234, 1, None)
+    assert copy._calls is not engine._calls and copy._calls.submit(lambda: 7).result() == 7
+    assert SGLangEngine.starts_processes
+    engine.engine = object()  # as after setup
+    with pytest.raises(TypeError, match="a set-up SGLangEngine cannot be sent to another process .* send it before "
+                                        "setup$"):
+        pickle.dumps(engine)
 
 
 @pytest.mark.integration
@@ -400,3 +405,86 @@ def test_a_partial_rollout_on_sglang_continues_every_unfinished_response_with_th
         assert _close(got.logprobs, want.logprobs, PARITY)
     assert any(g.versions and max(g.versions) == len(cuts) for (g,) in out)  # the cuts did happen
     assert any(0 < _cuts(g)[0] < len(g.token_ids) for (g,) in out if g.versions)  # old tokens, then new ones
+
+
+@pytest.mark.integration
+@pytest.mark.sglang
+def test_sglang_in_an_engine_worker_continues_after_a_sync_and_ends_with_the_pool(two_sglang_policies):
+    """SGLang in an engine worker (a non-daemonic process: SGLang starts processes of its own), partial rollouts
+    through the pool as ``gcore fit`` runs them: the weight sync, sent while the worker generates and loaded from the
+    pool's shared memory, stops the generation; each response is the old weights' first tokens, then the new weights'
+    greedy continuation (the reference is built per response: where each is cut depends on how SGLang's messages
+    interleave). Closing the pool ends the worker and every process SGLang started in it."""
+    import psutil
+
+    from gcore.engines.pool import POLICY, RoleSpec, WorkerPool
+    from gcore.engines.sglang import SGLangEngine
+
+    path, old, new, original, weights = two_sglang_policies
+    old.update_weights(original)  # the checkpoint's weights, which the worker starts from
+    prompts = [p for p in PROMPTS if p is not LONG]  # 100 new tokens after LONG would pass the 256-token context
+    params = SamplingParams(n=1, max_new_tokens=100, temperature=0.0)
+    before = _children()
+    pool = WorkerPool(1, {POLICY: RoleSpec(SGLangEngine(cpu_kv_cache_tokens=4096, cpu_threads=1, timeout_s=300),
+                                           ModelSource(path))}, [POLICY], threads=1, retries=0)
+    try:
+        assert not pool.processes[0].daemon
+        pool.queue_syncs = pool.partial_rollouts = True
+        in_flight = pool.submit_generate(POLICY, prompts, params, [0])
+        pool.sync_weights(weights)
+        got = [g for (g,) in pool.collect_generate(in_flight)]
+        pool.wait(pool._syncs)
+        assert pool._side == {}  # the sync was answered
+    finally:
+        pool.close()
+        started = [psutil.Process(pid) for pid in _children().keys() - before.keys()]
+        psutil.wait_procs(started, timeout=60)  # a worker killed by ``close`` takes SGLang's processes with it
+    assert _children() == before
+    assert any(g.versions for g in got), "the sync did not land during the generation"
+    for prompt, g in zip(prompts, got, strict=True):
+        (want,) = greedy_with_updates(old, new, [prompt], params, _cuts(g))
+        assert g.token_ids == want.token_ids
+        assert g.versions == want.versions
+        assert g.finished == want.finished
+        assert _close(g.logprobs, want.logprobs, PARITY)  # the worker decodes them in one batch, the reference alone
+
+
+@pytest.mark.integration
+@pytest.mark.sglang
+@pytest.mark.slow  # a CLI run with an SGLang engine worker
+@pytest.mark.timeout(1200)  # SGLang's start and 4 steps: 94 s on the quiet 2-core machine, over 600 s beside a busy one
+@pytest.mark.parametrize("partial", [False, True])
+def test_fit_on_an_sglang_engine_worker_trains_within_the_staleness_bound(tmp_path, partial):
+    """``gcore fit`` as a user types it with SGLang in an engine worker: plain (K = 0), and with K = 1 and partial
+    rollouts. Every step trains: its update is finite and not skipped, every sample is trained and the gradient is not
+    zero (the reward varies within groups); with partial rollouts no sample is trained more than one version old and
+    each token's version is logged. How many samples an update cuts is a matter of timing (``async/partial_samples``;
+    measured 118-124 of 128 per step), so the cuts themselves are checked where they are certain (the tests above)."""
+    import csv
+    import math
+    import subprocess
+    import sys
+
+    from conftest import varied_reward
+
+    if torch.cuda.is_available():
+        pytest.skip("SGLang's CPU engine is installed on CPU-only machines")
+    asynchronous = ["--trainer.max_staleness", "1", "--trainer.partial_rollouts", "true"] if partial else []
+    cmd = [sys.executable, "-m", "gcore", "fit", "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "csv",
+           "--trainer.enable_progress_bar", "false", "--trainer.save_final", "false", "--trainer.max_steps", "4",
+           "--engine", "sglang", "--engine.cpu_threads", "1", "--placement.workers", "1", *asynchronous,
+           "--sampling.max_new_tokens", "64", *varied_reward(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1100)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (metrics,) = tmp_path.glob("gcore/version_*/metrics.csv")
+    rows = [r for r in csv.DictReader(metrics.open()) if r.get("reward/mean")]
+    assert [r["step"] for r in rows] == ["0", "1", "2", "3"]
+    for row in rows:
+        assert row["skipped_updates"] == "0.0" and math.isfinite(float(row["grad_norm"])), row
+        assert float(row["samples/trained"]) == float(row["samples/total"]) > 0, row
+        assert float(row["grad_norm"]) > 0, row
+    if partial:
+        for row in rows[1:]:
+            assert float(row["async/staleness_max"]) <= 1.0
+            assert 0.0 <= float(row["async/token_staleness_mean"]) <= 1.0
+        assert all(float(r["async/partial_samples"]) >= 0 for r in rows)
