@@ -669,8 +669,9 @@ def report_files(paths: list[str]) -> None:
     merged: dict[str, dict[str, list[dict]]] = {task: {} for task in tasks}
     seeds: list[str] = []
     for data in loaded:
-        seeds.append(data["args"]["seeds"])
         runs = data["runs"] if len(data["levels"]) > 1 else {next(iter(data["levels"])): data["runs"]}
+        whole = min(len(r) for by_kind in runs.values() for r in by_kind["none"].values())  # seeds every task has
+        seeds.extend(data["args"]["seeds"].split(",")[:whole])
         for task, by_kind in runs.items():
             for name, task_runs in by_kind["none"].items():
                 merged[task].setdefault(name, []).extend(task_runs)
