@@ -270,8 +270,9 @@ class Controller:
         ``step + K + 1`` now that this step's weights are synced, the version it may be generated with; ``run_ahead``
         would start it at the next step, after that step's rollout came in on every worker. Its requests queue
         behind the rollouts in flight, so a worker that finishes its share of those early starts on it at once."""
-        if self.early_dispatch and self.max_staleness:
-            self._start_ahead(record.step, upcoming[: self.max_staleness + 1], self._dispatched)
+        k = self.max_staleness
+        if self.early_dispatch and k:  # steps step + 1 .. step + K are in flight since ``run_ahead``
+            self._start_ahead(record.step + k, upcoming[k : k + 1], self._dispatched)
 
     def _start_ahead(self, step: int, upcoming: Sequence[list[Prompt]], timer: StageTimer) -> None:
         """Start the rollouts of steps ``step + 1``, ``step + 2``, ... (``upcoming``) that are not in flight yet."""

@@ -11,8 +11,7 @@ A generation device serves its share of every batch in turn (the samples are dea
 the trainer's controllers hold their own prompts). When it may start batch ``b`` is ``dispatch``:
 
 - ``step`` (gcore's trainer with ``--trainer.dispatch step``, docs/asynchronous.md): batch ``b``'s requests go out
-  when training step
-  ``b - K`` starts, i.e. once batch ``b - K`` is complete on every device and training step
+  when training step ``b - K`` starts, i.e. once batch ``b - K`` is complete on every device and training step
   ``b - K - 1`` has ended (batches ``1..K`` when step 0 starts). A device that finished its share
   early waits for the slowest one. Without partial rollouts a weight update is a request of its own
   on the device, queued behind its share; a request sent while the device loads weights goes to it
