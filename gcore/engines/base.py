@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Final, Literal, TypeAlias
 
 import torch
@@ -142,7 +144,6 @@ def checkpoint_generation_config(path: str) -> object | None:
     """The checkpoint's ``generation_config.json`` as transformers reads it; ``None`` when it has none."""
     from transformers import GenerationConfig
 
-    try:
-        return GenerationConfig.from_pretrained(path)
-    except OSError:  # no generation_config.json in the folder
-        return None
+    # read as JSON, never as code: from_pretrained would also look for the file on the model hub
+    file = Path(path) / "generation_config.json"
+    return GenerationConfig.from_dict(json.loads(file.read_text())) if file.is_file() else None
