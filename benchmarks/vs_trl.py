@@ -621,6 +621,7 @@ def main() -> None:
                 raise SystemExit(f"{name} run {repeat + 1} on {task} next to {kind} failed (exit {proc.returncode})")
             run = json.loads(lines[-1][len("BENCH-RESULT ") :])
             run["loadavg"] = _loadavg()
+            run["seed"] = seed
             runs_by_task[task][kind][name].append(run)
             print(f"[{repeat + 1}/{args.repeats}] {f'task {task} ' if len(tasks) > 1 else ''}neighbour {kind:8s} "
                   f"seed {seed} {name:5s} "
@@ -655,8 +656,8 @@ def main() -> None:
 
 def report_files(paths: list[str]) -> None:
     """``--report``: the per-task reports and the suite's table of the runs in ``paths`` (``--json`` files of runs
-    with the same settings and trainers), their runs of each task and trainer put one after another, so that the
-    i-th gcore run and the i-th TRL run of a task stay the same seed's pair."""
+    with the same settings and trainers), merged by seed: each task's pairs are the same seed's gcore and TRL runs,
+    over the seeds that every trainer finished on every task (a seed run twice keeps the first file's run)."""
     loaded = []
     for path in paths:
         with open(path) as f:
@@ -666,21 +667,27 @@ def report_files(paths: list[str]) -> None:
     for data in loaded:
         levels.update(data["levels"])
     tasks = list(levels)
-    merged: dict[str, dict[str, list[dict]]] = {task: {} for task in tasks}
-    seeds: list[str] = []
-    for data in loaded:
+    by_seed: dict[str, dict[str, dict[int, dict]]] = {task: {} for task in tasks}
+    for path, data in zip(paths, loaded):
         runs = data["runs"] if len(data["levels"]) > 1 else {next(iter(data["levels"])): data["runs"]}
-        whole = min(len(r) for by_kind in runs.values() for r in by_kind["none"].values())  # seeds every task has
-        seeds.extend(data["args"]["seeds"].split(",")[:whole])
+        file_seeds = [int(x) for x in data["args"]["seeds"].split(",") if x.strip()]
         for task, by_kind in runs.items():
             for name, task_runs in by_kind["none"].items():
-                merged[task].setdefault(name, []).extend(task_runs)
-    names = list(merged[tasks[0]])
-    for task in tasks:  # a campaign stopped part-way: only each task's whole pairs (every trainer's run of a seed)
-        pairs = min(len(merged[task].get(name, [])) for name in names)
-        merged[task] = {name: merged[task][name][:pairs] for name in names}
-    tasks = [task for task in tasks if merged[task][names[0]]]
-    args.seeds = ",".join(seeds)
+                for i, run in enumerate(task_runs):  # runs go through the file's seeds in turn (older files: no "seed")
+                    seed = int(run.get("seed", file_seeds[i % len(file_seeds)]))
+                    if seed in by_seed[task].setdefault(name, {}):
+                        print(f"{path}: {task} {name} seed {seed} is already in an earlier file: kept the earlier run")
+                        continue
+                    by_seed[task][name][seed] = run
+    names = list(by_seed[tasks[0]])
+    # a campaign stopped part-way: only the seeds every trainer finished on every task, so that the i-th gcore run
+    # and the i-th TRL run of each task are the same seed's pair, and every task has the same seeds
+    complete = [set(by_seed[task].get(name, {})) for task in tasks for name in names]
+    seeds = sorted(set.intersection(*complete)) if complete else []
+    if not seeds:
+        raise SystemExit(f"--report: no seed has a run of every trainer on every task in {', '.join(paths)}")
+    merged = {task: {name: [by_seed[task][name][seed] for seed in seeds] for name in names} for task in tasks}
+    args.seeds = ",".join(map(str, seeds))
     args.repeats = min(len(merged[task][name]) for task in tasks for name in names)
     summaries = {}
     for task in tasks:
