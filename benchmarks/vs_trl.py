@@ -668,7 +668,7 @@ def report_files(paths: list[str]) -> None:
         levels.update(data["levels"])
     tasks = list(levels)
     by_seed: dict[str, dict[str, dict[int, dict]]] = {task: {} for task in tasks}
-    for path, data in zip(paths, loaded):
+    for path, data in zip(paths, loaded, strict=True):
         runs = data["runs"] if len(data["levels"]) > 1 else {next(iter(data["levels"])): data["runs"]}
         file_seeds = [int(x) for x in data["args"]["seeds"].split(",") if x.strip()]
         for task, by_kind in runs.items():
