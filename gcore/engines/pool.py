@@ -598,6 +598,10 @@ class WorkerPool:
             return
         self.closed = True
         atexit.unregister(self.close)
+        # first: a worker that maps the file keeps its pages, and a close cut short (a second Ctrl-C during the joins
+        # below, an engine slow to stop) must not leave the file in /dev/shm
+        if self.weights is not None and os.path.exists(self.weights.path):
+            os.unlink(self.weights.path)
         for i, conn in enumerate(self._conns):
             if conn is not None and self.owner and self.alive(i):
                 try:
@@ -613,8 +617,6 @@ class WorkerPool:
                 if process.is_alive():
                     process.kill()
                     process.join(timeout=5)
-        if self.weights is not None and os.path.exists(self.weights.path):
-            os.unlink(self.weights.path)
 
     def __del__(self) -> None:
         try:

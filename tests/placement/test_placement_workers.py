@@ -171,6 +171,29 @@ def test_pool_syncs_weights_and_survives_dead_and_hung_workers(models):
     assert not any(p.is_alive() for p in pool.processes) and not os.path.exists(pool.weights.path)
 
 
+def test_a_close_cut_short_leaves_no_weights_in_shared_memory(models, monkeypatch):
+    # before: the file was removed after the workers were joined, and a Ctrl-C during the joins (a worker whose
+    # engine is slow to stop, as SGLang's) left it in /dev/shm
+    policy_path, _ = models
+    pool = WorkerPool(1, {POLICY: RoleSpec(HFEngine(), ModelSource(policy_path))}, [POLICY], threads=1)
+    process = pool.processes[0]
+    try:
+        pool.sync_weights(local_engine(policy_path).model.named_parameters())
+        assert os.path.exists(pool.weights.path)
+
+        def interrupted(timeout=None):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(process, "join", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            pool.close()
+        assert not os.path.exists(pool.weights.path)
+    finally:
+        monkeypatch.undo()
+        process.kill()
+        process.join(timeout=10)
+
+
 def _share_one_pool(fabric, policy_path: str, judge_path: str, out: str) -> None:
     """In each of two controllers: connect to the machine's one pool, take synced weights, lose and get back a
     worker, swap a role."""
