@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -121,6 +122,12 @@ class Controller:
     #: it when it has finished its share of the rollouts before it, without waiting for the slowest worker. The same
     #: weights and seed either way: the samples are the same, only their timing differs.
     early_dispatch: bool = False
+    #: dynamic sampling's extra prompts drawn up front (``--trainer.oversample``): each rollout starts with as many more
+    #: prompts as the keep rate of the last step says its share will need, so that the step rarely waits for its
+    #: verdicts to draw a second round; groups kept beyond the share are not trained (``filter/groups_surplus``)
+    oversample: bool = False
+    #: the dataset's prompts by index (a resumed run rebuilds the extra prompts of a rollout in flight from them)
+    prompts_at: Callable[[list[int]], list[Prompt]] | None = None
     #: the environment of multi-turn episodes (``--env``); ``None`` or ``SingleTurn``: one turn per sample
     env: Environment | None = None
     #: the run's seed (``--trainer.seed``): each rollout on engine workers samples from a seed drawn from it, this
@@ -136,6 +143,8 @@ class Controller:
         self._resumed: dict[int, dict] = {}
         #: what starting a rollout in ``dispatch`` timed (a swap of partitions): added to the next step's stage times
         self._dispatched = StageTimer()
+        #: groups kept / groups sampled at the last step's filter (``oversample``); ``None`` before the first
+        self.keep_rate: float | None = None
 
     def setup(self) -> None:
         """Tell the other plugins what this controller will run: the generation budget to the
@@ -181,11 +190,11 @@ class Controller:
         ``rollout`` now."""
         self._take_resumed(record.step, record.prompts)
         if record.step not in self._ahead:
-            record.samples = self.rollout(record, record.prompts)
+            record.samples = self.rollout(record, record.prompts + self._draw_extra(len(record.prompts)))
             return
         record.rollouts = 1  # the one started ahead
         job, result = self._ahead.pop(record.step)
-        if [p.index for p in job.prompts] != [p.index for p in record.prompts]:
+        if [p.index for p in job.prompts[: len(record.prompts)]] != [p.index for p in record.prompts]:
             raise RuntimeError(f"step {record.step}: the rollout started ahead was for other prompts than the step's")
         job.timer = record.timer
         started = time.perf_counter()
@@ -251,6 +260,8 @@ class Controller:
             record.samples, kept, record.rounds = samples + more, kept + self._keep_groups(more), record.rounds + 1
         record.groups_accepted = len(kept) // n
         record.kept = kept[: target * n]
+        if self.oversample and self.draw_prompts is not None and self.algorithm.max_rounds > 1:
+            self.keep_rate = record.groups_accepted / (len(record.samples) // n)
         if record.reward_errors:  # one line per step, however many samples got the fallback reward
             log.warning("step %d: %d sample(s) could not be scored and got the fallback reward (reward/errors); "
                         "the first: %s", record.step, record.reward_errors, record.first_reward_error or "(no detail)")
@@ -280,8 +291,18 @@ class Controller:
             ahead = step + offset
             self._take_resumed(ahead, prompts)
             if ahead not in self._ahead and prompts:
-                job = self._job(prompts, timer, seed=self._seed(ahead, 0))
+                job = self._job(prompts + self._draw_extra(len(prompts)), timer, seed=self._seed(ahead, 0))
                 self._ahead[ahead] = (job, self.placement.start_rollout(job))
+
+    def _draw_extra(self, target: int) -> list[Prompt]:
+        """``oversample``: the extra prompts a rollout of ``target`` prompts starts with, so that its kept groups fill
+        the share at the last step's keep rate (``prompts_to_draw``); none without dynamic sampling or before the
+        first step's filter."""
+        if not (self.oversample and self.draw_prompts is not None and self.algorithm.max_rounds > 1):
+            return []
+        if self.keep_rate is None or self.keep_rate >= 1.0:
+            return []
+        return self.draw_prompts(prompts_to_draw(target, self.keep_rate) - target)
 
     # -- the rollouts in flight in a checkpoint ---------------------------------------------------
     def in_flight_state(self) -> list[dict]:
@@ -319,9 +340,14 @@ class Controller:
         with neither, is dropped: it is generated again with the weights resumed (collected now, or started
         ahead by ``run_ahead``)."""
         entry = self._resumed.pop(step, None)
-        if entry is None or step in self._ahead or [p.index for p in prompts] != list(entry["prompts"]):
+        recorded = [int(i) for i in entry["prompts"]] if entry is not None else []
+        if entry is None or step in self._ahead or [p.index for p in prompts] != recorded[: len(prompts)]:
             return
-        job = self._job(prompts, StageTimer(), seed=entry["seed"], version=int(entry["version"]))
+        extra = recorded[len(prompts) :]  # ``oversample``'s extra prompts, drawn when it started
+        if extra and self.prompts_at is None:
+            return
+        job = self._job(prompts + (self.prompts_at(extra) if extra and self.prompts_at else []), StageTimer(),
+                        seed=entry["seed"], version=int(entry["version"]))
         if "tokens" in entry:
             self._ahead[step] = (job, self.placement.resume_rollout(job, _unpack(entry)))
         elif entry["deferred"]:
@@ -476,6 +502,7 @@ class Controller:
             "filter/groups_sampled": float(sums[0]),
             "filter/groups_dropped": float(sums[0] - sums[1]),
             "filter/groups_trained": float(sums[2]),
+            "filter/groups_surplus": float(sums[1] - sums[2]),
             "filter/rounds_max": float(most_rounds[0]),
         }
 
@@ -523,6 +550,20 @@ class Controller:
         if self.fabric.world_size == 1:
             return tensor
         return _tensor(self.fabric.all_reduce(tensor, reduce_op=op))
+
+
+def prompts_to_draw(target: int, keep_rate: float, confidence: float = 0.9) -> int:
+    """How many prompts a rollout starts with (``--trainer.oversample``) so that, each group kept with probability
+    ``keep_rate``, at least ``target`` groups are kept with probability ``confidence`` (the normal approximation of
+    the binomial, with continuity correction); between ``target`` and 5x ``target`` (``filter``'s most)."""
+    if keep_rate >= 1.0:
+        return target
+    if keep_rate <= 0.0:
+        return 5 * target
+    z = statistics.NormalDist().inv_cdf(confidence)
+    spread = z * math.sqrt(keep_rate * (1.0 - keep_rate))
+    root = (spread + math.sqrt(spread**2 + 4.0 * keep_rate * (target - 0.5))) / (2.0 * keep_rate)
+    return min(max(target, math.ceil(root**2)), 5 * target)
 
 
 def staleness(sample: Sample, step: int) -> int:

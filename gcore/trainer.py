@@ -112,6 +112,12 @@ class TrainerConfig:
             finished its own share of those, without waiting for the slowest worker. ``step``: when the step K
             before it starts training, i.e. after that step's rollout came in from every worker. The weights and
             the seed are the same either way, so the samples are too; only when they are generated differs.
+        oversample: with dynamic sampling (``--algorithm dapo``, ``max_rounds`` > 1), a step's rollout starts with
+            the extra prompts that the last step's keep rate says its share will need, instead of drawing them in a
+            second round once the verdicts of the first are in (a round that, with a generative judge, waits for
+            it, and, with ``max_staleness``, queues behind the rollouts of later steps). Groups kept beyond the
+            share are not trained (``filter/groups_surplus``); a second round is drawn only if the share is still
+            short. docs/asynchronous.md.
     """
 
     max_steps: int = 30
@@ -138,6 +144,7 @@ class TrainerConfig:
     max_staleness: int = 0
     partial_rollouts: bool = False
     dispatch: Literal["step", "device"] = "device"
+    oversample: bool = False
 
     def validate(self) -> None:
         """A one-line ``ConfigError`` for the first flag out of its range."""
@@ -220,7 +227,7 @@ class _Pipeline:
 
     def _own_state(self) -> dict:
         return {"world_size": self.world_size, "shards": [shard for _, shard, _ in self.ahead],
-                "rollouts": self.controller.in_flight_state()}
+                "rollouts": self.controller.in_flight_state(), "keep_rate": self.controller.keep_rate}
 
     def resume(self, sampler: PromptSampler) -> list[str]:
         """After ``Checkpointer.load``: the batches drawn ahead, dealt out as they were (on another number of
@@ -240,6 +247,7 @@ class _Pipeline:
             self.ahead.append((batch, shard, float(entry["imbalance"])))
         if own is not None:
             self.controller.load_in_flight(own["rollouts"])
+            self.controller.keep_rate = own.get("keep_rate")  # how many extra prompts the next rollouts draw
         again = self.controller.not_reproduced()
         if again:
             notes.append(f"{again} rollout(s) in flight at the checkpoint could not be recorded (they ran in a "
@@ -321,6 +329,10 @@ class Trainer:
             raise ConfigError(f"--trainer.partial_rollouts true: the {type(self.engine).__name__} engine cannot stop "
                               "between tokens for a weight update (supports_interrupt); use --engine hf with "
                               "--engine.use_generate false, or --engine vllm without --engine.separate_process")
+        if c.oversample and self.algorithm.max_rounds <= 1:
+            raise ConfigError(f"--trainer.oversample true draws dynamic sampling's extra prompts up front: the "
+                              f"{type(self.algorithm).__name__} algorithm draws none (max_rounds "
+                              f"{self.algorithm.max_rounds}); use --algorithm dapo (dynamic_sampling, max_rounds > 1)")
         world = self._world_size()
         if c.controllers not in (None, 1, world):
             raise ConfigError(f"--trainer.controllers {c.controllers}: valid choices are 1 (one controller drives "
@@ -518,7 +530,8 @@ class Trainer:
                                       self.placement, tokenizer, self.sampling,
                                       draw_prompts=lambda k: take([extra.next_global()[0] for _ in range(k)]),
                                       max_staleness=c.max_staleness, partial_rollouts=c.partial_rollouts,
-                                      early_dispatch=c.dispatch == "device", env=self.env, seed=c.seed)
+                                      early_dispatch=c.dispatch == "device", oversample=c.oversample,
+                                      prompts_at=take, env=self.env, seed=c.seed)
         controller.setup()
         ahead: list[tuple[list[int], list[int], float]] = []
         pipeline = _Pipeline(ahead, controller, fabric.world_size, c.max_staleness)

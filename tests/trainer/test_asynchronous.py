@@ -16,6 +16,7 @@ from gcore.model import ModelConfig
 from gcore.placement.base import Telemetry
 from gcore.placement.dynamic import DynamicPlacement
 from gcore.placement.static import StaticPlacement
+from gcore.rewards.base import RewardModel
 from gcore.rewards.generative import GenerativeReward
 from gcore.rollout import RolloutJob
 from gcore.trainer import Trainer, TrainerConfig
@@ -426,7 +427,7 @@ def _clock(name: str) -> bool:
             or name.endswith(("_s", "gb_per_s")))
 
 
-def _pipeline_run(root, max_staleness: int, placement=InProcessPipeline, **trainer):
+def _pipeline_run(root, max_staleness: int, placement=InProcessPipeline, plugins=None, **trainer):
     from safetensors.torch import load_file
 
     config = {"max_steps": 5, "save_final": True, "keep_checkpoints": 5, **trainer}
@@ -435,7 +436,7 @@ def _pipeline_run(root, max_staleness: int, placement=InProcessPipeline, **train
                               seed=3, **config),
         model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
         data=DataConfig(prompts_per_step=3), sampling=SamplingParams(n=2, max_new_tokens=4),
-        placement=placement(),
+        placement=placement(), **(plugins or {}),
     ).fit()
     assert result.final_model_dir is not None
     return result.history, load_file(f"{result.final_model_dir}/model.safetensors")
@@ -471,6 +472,34 @@ def test_a_resumed_asynchronous_run_continues_exactly_with_the_engine_in_process
         assert {k: before.get(k) for k in compared} == {k: after.get(k) for k in compared}, before["step"]
     assert resumed[0]["async/staleness_max"] == float(min(2, max_staleness))  # collected, not generated now
     assert weights.keys() == resumed_weights.keys()
+    assert all(torch.equal(weights[k], resumed_weights[k]) for k in weights)
+
+
+class TokenSumReward(RewardModel):
+    """A reward of the tokens alone (so a resumed run scores alike): a uniform group for about half the prompts."""
+
+    def score(self, samples):
+        return [0.0 if s.prompt.index % 2 else float(sum(s.response_ids) % 3) for s in samples]
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_a_resumed_run_that_oversamples_continues_exactly(tmp_path, max_staleness, capsys, fixed_threads):
+    """``--trainer.oversample``: with K = 1 the rollouts in flight at the checkpoint hold extra prompts drawn from the
+    keep rate, and the resumed run rebuilds them from their indices; with K = 0 the first step resumed draws its
+    extra prompts from the keep rate recorded. Either way its metrics and weights are the uninterrupted run's."""
+    from gcore.algorithms.dapo import DAPO
+
+    def run(**trainer):
+        plugins = {"algorithm": DAPO(max_rounds=4), "reward": TokenSumReward()}
+        return _pipeline_run(tmp_path, max_staleness, plugins=plugins, oversample=True, **trainer)
+
+    whole, weights = run(checkpoint_every=2)
+    assert any(m["filter/groups_sampled"] > 3 and m["filter/rounds_max"] == 1 for m in whole[1:])  # drawn up front
+    resumed, resumed_weights = run(resume=str(tmp_path / "gcore" / "checkpoints" / "step_00000001"))
+    assert "note" not in capsys.readouterr().out
+    for before, after in zip(whole[2:], resumed, strict=True):
+        compared = sorted(k for k in before.keys() | after.keys() if not _clock(k))
+        assert {k: before.get(k) for k in compared} == {k: after.get(k) for k in compared}, before["step"]
     assert all(torch.equal(weights[k], resumed_weights[k]) for k in weights)
 
 
