@@ -1,8 +1,7 @@
 """DAPO's dynamic sampling: uniform groups are dropped and the controller re-samples locally."""
 
-import torch
-
 import pytest
+import torch
 
 from gcore import DAPO, GRPO, DataConfig, ModelConfig, RewardModel, SamplingParams, TorchBackend, Trainer, TrainerConfig
 
