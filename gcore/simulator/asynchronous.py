@@ -56,6 +56,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gcore.controller import prompts_to_draw
 from gcore.errors import ConfigError
 from gcore.placement import DynamicPlacement, Telemetry
 from gcore.simulator.model import (
@@ -98,16 +99,33 @@ class Device:
     swap: Intervals = field(default_factory=list)
 
 
-def draw_batches(work: Workload, devices: int, steps: int, seed: int) -> list[list[list[int]]]:
-    """Every step's rounds of response lengths, drawn in the order ``model.simulate`` draws them."""
+def resample_share(work: Workload, step: int) -> float:
+    """The share of step ``step``'s samples that dynamic sampling drops (and draws again)."""
+    return min(1.0, max(0.0, work.resample_fraction + work.resample_drift * step))
+
+
+def draw_batches(work: Workload, devices: int, steps: int, seed: int,
+                 oversample_after: int | None = None) -> list[list[list[int]]]:
+    """Every step's rounds of response lengths, drawn in the order ``model.simulate`` draws them.
+
+    ``oversample_after`` (the trainer's ``--trainer.oversample``, with K = ``oversample_after - 1``): batch ``b``'s
+    first round starts with ``prompts_to_draw`` samples at the keep rate of batch ``b - oversample_after``, the
+    newest whose verdicts exist when it goes out (none for the first ones); its second round is only the shortfall
+    at batch ``b``'s own rate."""
     rng = random.Random(seed)
     batches = []
     for step in range(steps):
         count = work.samples_per_device * devices
-        rounds = [response_lengths(work, step, count, rng)]
-        share = min(1.0, max(0.0, work.resample_fraction + work.resample_drift * step))
-        if round(share * count):
-            rounds.append(response_lengths(work, step, round(share * count), rng))
+        share = resample_share(work, step)
+        known = step - oversample_after if oversample_after is not None else -1
+        if known >= 0 and resample_share(work, known) < 1.0:
+            first = prompts_to_draw(count, 1.0 - resample_share(work, known))
+            again = max(0, count - math.floor(first * (1.0 - share)))
+        else:
+            first, again = count, round(share * count)
+        rounds = [response_lengths(work, step, first, rng)]
+        if again:
+            rounds.append(response_lengths(work, step, again, rng))
         batches.append(rounds)
     return batches
 
@@ -386,12 +404,14 @@ def simulate_async(
     partial: bool = False,
     dispatch: str = "step",
     train_devices: int | None = None,
+    oversample: bool = False,
 ) -> list[StepResult]:
     """Runs ``steps`` training steps on ``devices`` devices with staleness ``max_staleness`` and,
     with ``partial``, partial rollouts: a weight update cuts the responses in flight (see the module).
     ``dispatch``: when a batch's requests go out (``step``: ``--trainer.dispatch step``; ``device``: the trainer's
     default, each device on its own); ``train_devices``: the training partition's size (default: sized from the
-    first batch).
+    first batch); ``oversample``: the trainer's ``--trainer.oversample`` (``draw_batches``; the samples kept beyond
+    the batch are judged but not trained).
     ``max_staleness`` 0 is the synchronous loop with roles of their own (the trainer with engine workers: a
     batch starts when the step before has trained and synced); ``gcore simulate``'s K = 0 rows are
     ``model.simulate``'s, whose devices take every role in turn."""
@@ -403,7 +423,9 @@ def simulate_async(
         raise ConfigError(f"dispatch {dispatch!r}: valid choices: {', '.join(DISPATCH)}")
     if devices < 4 or steps < 1:
         raise ConfigError("the asynchronous model needs devices >= 4 (train, generate, judge) and steps >= 1")
-    batches = draw_batches(work, devices, steps, seed)
+    # the newest keep rate when batch b goes out: step b - K - 1's (``device``, and K = 0), step b - K's (``step``)
+    after = max_staleness + 1 if dispatch == "device" or max_staleness == 0 else max_staleness
+    batches = draw_batches(work, devices, steps, seed, after if oversample else None)
     if train_devices is None:
         train_devices = size_training(work, devices, batches[0])
     elif not 1 <= train_devices <= devices - 2:
@@ -415,6 +437,7 @@ def simulate_async(
     for b, rounds in enumerate(batches):
         batch = run.begin(b, *split[max(s for s in split if s <= b)])
         complete = run.rollout(batch, rounds)
+        batch.consumed = batch.consumed[: work.samples_per_device * devices]  # ``oversample``'s surplus: not trained
         tokens = sum(length + work.prompt_tokens for length in batch.consumed)
         train_s = work.train_step_s + work.train_token_s * tokens / train_devices
         run.train_start.append(max(complete, run.trained[-1] if run.trained else 0.0))

@@ -32,11 +32,13 @@ def run_all(
     max_staleness: int = 0,
     partial: bool = False,
     dispatch: str = "device",
+    oversample: bool = False,
 ) -> dict[str, list[StepResult]]:
     """``model.compare``'s runs, plus ``dynamic K=..`` (and ``.. partial``) when ``max_staleness`` >= 1.
 
     ``partial``: also the row with partial rollouts (a weight update cuts the responses in flight, as in
-    the trainer); ``dispatch``: when a batch's requests go out (``asynchronous.simulate_async``).
+    the trainer); ``dispatch``: when a batch's requests go out (``asynchronous.simulate_async``); ``oversample``:
+    also the row(s) with ``--trainer.oversample`` (dynamic sampling's extra prompts drawn up front).
     """
     runs = compare(devices, steps, work, dynamic_options, seed, release_tail)
     if max_staleness:
@@ -47,6 +49,16 @@ def run_all(
             runs[f"{name} partial"] = simulate_async(
                 DynamicPlacement(**dynamic_options), devices, steps, work, seed, max_staleness, True, dispatch
             )
+        if oversample:
+            runs[f"{name} oversample"] = simulate_async(
+                DynamicPlacement(**dynamic_options), devices, steps, work, seed, max_staleness, dispatch=dispatch,
+                oversample=True,
+            )
+            if partial:
+                runs[f"{name} partial oversample"] = simulate_async(
+                    DynamicPlacement(**dynamic_options), devices, steps, work, seed, max_staleness, True, dispatch,
+                    oversample=True,
+                )
     return runs
 
 
@@ -77,6 +89,12 @@ def main(argv: list[str]) -> int:
              "the weights it may use exist) or 'step' (its requests go out when the step K before it starts "
              "training, after the batch before came in from every device)",
     )
+    parser.add_argument(
+        "--oversample", action="store_true",
+        help="with --max-staleness: also run it with --trainer.oversample: dynamic sampling's extra prompts go out "
+             "with the batch, as many as the newest keep rate says it needs, instead of in a second round that "
+             "waits for the first round's verdicts",
+    )
     parser.add_argument("--plot", default="simulate.png", help="PNG path; {devices} is replaced per size")
     for flag, value in zip(argv, [*argv[1:], ""], strict=True):  # the removed token budget: --partial-rollouts 400
         budget = flag.split("=", 1)[1] if flag.startswith("--partial-rollouts=") else value
@@ -86,6 +104,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.partial_rollouts and not args.max_staleness:
         parser.error("--partial-rollouts needs --max-staleness >= 1 (a cut response continues with newer weights)")
+    if args.oversample and not args.max_staleness:
+        parser.error("--oversample needs --max-staleness >= 1 (it is simulated for the asynchronous rows)")
     work, dynamic_options = load_workload(args.config)
     for devices in args.devices:
         if not 2 <= devices <= 4096:
@@ -93,7 +113,8 @@ def main(argv: list[str]) -> int:
         if args.max_staleness and devices < 4:
             raise ConfigError(f"--devices {devices}: --max-staleness needs at least 4 (train, generate, judge)")
         runs = run_all(devices, args.steps, work, dynamic_options, args.seed, not args.no_release,
-                       args.max_staleness, partial=args.partial_rollouts, dispatch=args.dispatch)
+                       args.max_staleness, partial=args.partial_rollouts, dispatch=args.dispatch,
+                       oversample=args.oversample)
         base = summarize(runs["static"], devices)
         print(f"{devices} devices, {args.steps} steps")
         print(f"  {'policy':<24} {'step_s':>8} {'idle':>6} {'idle_gen':>8} {'idle_judge':>10} {'idle_train':>10} "

@@ -9,7 +9,8 @@ import pytest
 
 from gcore.errors import ConfigError
 from gcore.placement import DynamicPlacement, StaticPlacement
-from gcore.simulator.asynchronous import serve_cut, simulate_async
+from gcore.controller import prompts_to_draw
+from gcore.simulator.asynchronous import draw_batches, resample_share, serve_cut, simulate_async
 from gcore.simulator.calibration import ASYNC_METRICS, MeasuredRun, fit_async, predict_async
 from gcore.simulator.cli import run_all
 from gcore.simulator.model import Workload, compare, generation_costs, serve, simulate, summarize
@@ -203,6 +204,7 @@ def test_generation_of_the_next_step_overlaps_training():
         (["--max-staleness", "1", "--partial-rollouts", "64"], "--partial-rollouts takes no value now ('64')"),
         (["--partial-rollouts"], "--partial-rollouts needs --max-staleness >= 1"),
         (["--max-staleness", "1", "--dispatch", "any"], "--dispatch: invalid choice: 'any'"),
+        (["--oversample"], "--oversample needs --max-staleness >= 1"),
     ],
 )
 def test_bad_async_flags_give_one_line(args, message, capsys):
@@ -238,3 +240,36 @@ def test_async_timeline_by_hand():
     assert results[1].busy["generate"] == pytest.approx(2 * 9.5) and results[1].idle["swap"] == pytest.approx(1.0)
     assert results[1].idle["generate"] == pytest.approx(0.0)
     assert results[1].idle["train"] == pytest.approx(10.0 - 2.0)
+
+
+def test_oversample_sends_the_extra_samples_with_the_batch_and_trains_the_batch_size():
+    """``--trainer.oversample`` in the model: batch ``b``'s first round is ``prompts_to_draw`` at the keep rate of the
+    newest batch whose verdicts exist when it goes out (``b - K - 1`` under ``device`` dispatch), the second round only
+    the shortfall at its own rate; the first batches, with no rate known, are drawn as without it."""
+    work = _work(resample_drift=0.01)
+    count = work.samples_per_device * 16
+    plain, over = draw_batches(work, 16, 6, seed=3), draw_batches(work, 16, 6, seed=3, oversample_after=2)
+    assert over[:2] == plain[:2]
+    for b in range(2, 6):
+        first = prompts_to_draw(count, 1.0 - resample_share(work, b - 2))
+        assert len(over[b][0]) == first > count
+        shortfall = sum(len(r) for r in over[b][1:])
+        assert shortfall == max(0, count - math.floor(first * (1.0 - resample_share(work, b)))) < len(plain[b][1])
+    # every sample of one length: a step trains on the batch's tokens, not on the surplus nor the dropped samples
+    even = _work(sigma=0.0, length_drift=0.0, train_token_s=1e-3)
+    for oversample in (False, True):
+        results = simulate_async(DynamicPlacement(), 16, 6, even, max_staleness=1, dispatch="device",
+                                 oversample=oversample)
+        tokens = count * (even.median_tokens + even.prompt_tokens)
+        assert all(r.stages["train"] == pytest.approx(even.train_step_s + even.train_token_s * tokens / r.train_devices)
+                   for r in results)
+
+
+@pytest.mark.parametrize("dispatch", ["step", "device"])
+def test_oversample_idles_less_when_the_second_round_waits_for_a_slow_judge(dispatch):
+    """A judge that writes a long rationale: without ``oversample`` each generation device waits for its first
+    round's verdicts before its second round; with it, the extra samples went out with the batch."""
+    work = _work(judge_output_tokens=256, judge_decode_step_s=0.02)
+    runs = run_all(16, 8, work, {}, release_tail=False, max_staleness=1, dispatch=dispatch, oversample=True)
+    idle = {name: summarize(results, 16)["idle_device_hours"] for name, results in runs.items()}
+    assert idle["dynamic K=1 oversample"] < 0.9 * idle["dynamic K=1"], idle
