@@ -7,9 +7,9 @@ import random
 
 import pytest
 
+from gcore.controller import prompts_to_draw
 from gcore.errors import ConfigError
 from gcore.placement import DynamicPlacement, StaticPlacement
-from gcore.controller import prompts_to_draw
 from gcore.simulator.asynchronous import draw_batches, resample_share, serve_cut, simulate_async
 from gcore.simulator.calibration import ASYNC_METRICS, MeasuredRun, fit_async, predict_async
 from gcore.simulator.cli import run_all
