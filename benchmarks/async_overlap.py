@@ -6,7 +6,8 @@
     python benchmarks/async_overlap.py --ks 0 1 1p 2 2p --rounds 2 -- --placement.workers 2 --sampling.max_new_tokens 64
 
 Runs ``gcore fit`` (this checkout first on ``PYTHONPATH``) with the same seed and options, each K of
-``--ks`` in turn (default K=0 then K=1; ``1p``: K=1 with ``--trainer.partial_rollouts true``), ``--rounds``
+``--ks`` in turn (default K=0 then K=1; ``1p``: K=1 with ``--trainer.partial_rollouts true``; ``1o``: K=1 with
+``--trainer.oversample true``, for ``--algorithm dapo``), ``--rounds``
 times, and prints for each run the machine load
 (``/proc/loadavg``) before it, the samples per second over the steps after ``--warmup`` (samples
 generated / the sum of ``time/step``), the median step, train and rollout-wait times, the staleness
@@ -51,12 +52,14 @@ def tiny_judge() -> str:
 
 
 def run(label: str, args: argparse.Namespace, extra: list[str]) -> dict:
-    k, partial = int(label.rstrip("p")), label.endswith("p")
+    k, partial, oversample = int(label.rstrip("po")), "p" in label, "o" in label
     with tempfile.TemporaryDirectory() as root:
         cmd = [sys.executable, "-m", "gcore.cli", "fit", "--trainer.max_steps", str(args.steps),
                "--trainer.seed", str(args.seed), "--trainer.enable_progress_bar", "false",
                "--trainer.save_final", "false", "--trainer.default_root_dir", root, "--trainer.max_staleness", str(k),
                "--trainer.partial_rollouts", str(partial).lower(), *extra]
+        if oversample:  # dynamic sampling's extra prompts up front (needs --algorithm dapo in ``extra``)
+            cmd += ["--trainer.oversample", "true"]
         before = load()
         started = time.perf_counter()
         done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
@@ -94,7 +97,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timings")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--ks", nargs="+", default=["0", "1"],
-                        help="the max_staleness values to run; a trailing p: with partial rollouts (1p)")
+                        help="the max_staleness values to run; a trailing p: with partial rollouts (1p); o: with "
+                             "--trainer.oversample (1o, 1po; pass --algorithm dapo after --)")
     parser.add_argument("--judge", action="store_true", help="a generative judge (the embedded tiny model) scores")
     parser.add_argument("--save", help="write every run (its figures and its metrics.csv rows) to this json "
                         "(benchmarks/async_calibration.py fits the simulator to it)")
