@@ -260,7 +260,7 @@ class Controller:
             record.samples, kept, record.rounds = samples + more, kept + self._keep_groups(more), record.rounds + 1
         record.groups_accepted = len(kept) // n
         record.kept = kept[: target * n]
-        if self.oversample and self.draw_prompts is not None and self.algorithm.max_rounds > 1:
+        if self.oversample and self.draw_prompts is not None and self.algorithm.max_rounds > 1 and record.samples:
             self.keep_rate = record.groups_accepted / (len(record.samples) // n)
         if record.reward_errors:  # one line per step, however many samples got the fallback reward
             log.warning("step %d: %d sample(s) could not be scored and got the fallback reward (reward/errors); "
@@ -300,7 +300,7 @@ class Controller:
         first step's filter."""
         if not (self.oversample and self.draw_prompts is not None and self.algorithm.max_rounds > 1):
             return []
-        if self.keep_rate is None or self.keep_rate >= 1.0:
+        if self.keep_rate is None or self.keep_rate >= 1.0 or not target:  # a controller with no prompts this step
             return []
         return self.draw_prompts(prompts_to_draw(target, self.keep_rate) - target)
 
@@ -556,8 +556,8 @@ def prompts_to_draw(target: int, keep_rate: float, confidence: float = 0.9) -> i
     """How many prompts a rollout starts with (``--trainer.oversample``) so that, each group kept with probability
     ``keep_rate``, at least ``target`` groups are kept with probability ``confidence`` (the normal approximation of
     the binomial, with continuity correction); between ``target`` and 5x ``target`` (``filter``'s most)."""
-    if keep_rate >= 1.0:
-        return target
+    if keep_rate >= 1.0 or target <= 0:
+        return max(target, 0)
     if keep_rate <= 0.0:
         return 5 * target
     z = statistics.NormalDist().inv_cdf(confidence)

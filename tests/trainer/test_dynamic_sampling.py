@@ -98,6 +98,7 @@ def test_prompts_to_draw_keeps_the_share_with_the_asked_confidence():
     from gcore.controller import prompts_to_draw
 
     torch.manual_seed(0)
+    assert prompts_to_draw(0, 0.5) == 0  # a controller with no prompts this step draws none
     assert prompts_to_draw(6, 1.0) == 6 and prompts_to_draw(6, 0.0) == 30 and prompts_to_draw(6, 0.01) == 30
     for target, keep in [(6, 0.5), (16, 0.3), (64, 0.8), (256, 0.5)]:
         drawn = prompts_to_draw(target, keep)
