@@ -260,7 +260,7 @@ class Controller:
             record.samples, kept, record.rounds = samples + more, kept + self._keep_groups(more), record.rounds + 1
         record.groups_accepted = len(kept) // n
         record.kept = kept[: target * n]
-        if self.oversample and self.draw_prompts is not None and self.algorithm.max_rounds > 1 and record.samples:
+        if self._oversampling and record.samples:
             self.keep_rate = record.groups_accepted / (len(record.samples) // n)
         if record.reward_errors:  # one line per step, however many samples got the fallback reward
             log.warning("step %d: %d sample(s) could not be scored and got the fallback reward (reward/errors); "
@@ -298,11 +298,15 @@ class Controller:
         """``oversample``: the extra prompts a rollout of ``target`` prompts starts with, so that its kept groups fill
         the share at the last step's keep rate (``prompts_to_draw``); none without dynamic sampling or before the
         first step's filter."""
-        if not (self.oversample and self.draw_prompts is not None and self.algorithm.max_rounds > 1):
-            return []
-        if self.keep_rate is None or self.keep_rate >= 1.0 or not target:  # a controller with no prompts this step
-            return []
+        if not self._oversampling or self.keep_rate is None or self.keep_rate >= 1.0 or not target:
+            return []  # (no target: a controller with no prompts this step)
+        assert self.draw_prompts is not None  # ``_oversampling``
         return self.draw_prompts(prompts_to_draw(target, self.keep_rate) - target)
+
+    @property
+    def _oversampling(self) -> bool:
+        """``oversample`` has something to draw: dynamic sampling that re-samples."""
+        return self.oversample and self.draw_prompts is not None and self.algorithm.max_rounds > 1
 
     # -- the rollouts in flight in a checkpoint ---------------------------------------------------
     def in_flight_state(self) -> list[dict]:
@@ -344,10 +348,11 @@ class Controller:
         if entry is None or step in self._ahead or [p.index for p in prompts] != recorded[: len(prompts)]:
             return
         extra = recorded[len(prompts) :]  # ``oversample``'s extra prompts, drawn when it started
-        if extra and self.prompts_at is None:
-            return
-        job = self._job(prompts + (self.prompts_at(extra) if extra and self.prompts_at else []), StageTimer(),
-                        seed=entry["seed"], version=int(entry["version"]))
+        if extra:
+            if self.prompts_at is None:
+                return
+            prompts = prompts + self.prompts_at(extra)
+        job = self._job(prompts, StageTimer(), seed=entry["seed"], version=int(entry["version"]))
         if "tokens" in entry:
             self._ahead[step] = (job, self.placement.resume_rollout(job, _unpack(entry)))
         elif entry["deferred"]:

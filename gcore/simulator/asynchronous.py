@@ -67,6 +67,7 @@ from gcore.simulator.model import (
     judge_costs,
     judge_each,
     record,
+    resample_share,
     response_lengths,
     retire,
     rollout_static,
@@ -97,11 +98,6 @@ class Device:
     version: int = 0
     busy: dict[str, Intervals] = field(default_factory=lambda: {"generate": [], "judge": []})
     swap: Intervals = field(default_factory=list)
-
-
-def resample_share(work: Workload, step: int) -> float:
-    """The share of step ``step``'s samples that dynamic sampling drops (and draws again)."""
-    return min(1.0, max(0.0, work.resample_fraction + work.resample_drift * step))
 
 
 def draw_batches(work: Workload, devices: int, steps: int, seed: int,

@@ -43,22 +43,12 @@ def run_all(
     runs = compare(devices, steps, work, dynamic_options, seed, release_tail)
     if max_staleness:
         name = f"dynamic K={max_staleness}"
-        runs[name] = simulate_async(DynamicPlacement(**dynamic_options), devices, steps, work, seed, max_staleness,
-                                    dispatch=dispatch)
-        if partial:
-            runs[f"{name} partial"] = simulate_async(
-                DynamicPlacement(**dynamic_options), devices, steps, work, seed, max_staleness, True, dispatch
-            )
-        if oversample:
-            runs[f"{name} oversample"] = simulate_async(
-                DynamicPlacement(**dynamic_options), devices, steps, work, seed, max_staleness, dispatch=dispatch,
-                oversample=True,
-            )
-            if partial:
-                runs[f"{name} partial oversample"] = simulate_async(
-                    DynamicPlacement(**dynamic_options), devices, steps, work, seed, max_staleness, True, dispatch,
-                    oversample=True,
-                )
+        for cut, extra in ((False, False), (True, False), (False, True), (True, True)):
+            if (cut and not partial) or (extra and not oversample):
+                continue
+            row = name + " partial" * cut + " oversample" * extra
+            runs[row] = simulate_async(DynamicPlacement(**dynamic_options), devices, steps, work, seed, max_staleness,
+                                       cut, dispatch, oversample=extra)
     return runs
 
 

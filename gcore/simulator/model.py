@@ -116,6 +116,11 @@ class StepResult:
     cut: int = 0  # samples trained on whose tokens span more than one version (partial rollouts)
 
 
+def resample_share(work: Workload, step: int) -> float:
+    """The share of step ``step``'s samples that dynamic sampling drops (and draws again)."""
+    return min(1.0, max(0.0, work.resample_fraction + work.resample_drift * step))
+
+
 def response_lengths(work: Workload, step: int, count: int, rng: random.Random) -> list[int]:
     median = work.median_tokens * (1 + work.length_drift) ** step
     if work.sigma == 0:
@@ -379,7 +384,7 @@ def simulate(
     for step in range(steps):
         count = work.samples_per_device * devices
         lengths = response_lengths(work, step, count, rng)
-        share = min(1.0, max(0.0, work.resample_fraction + work.resample_drift * step))
+        share = resample_share(work, step)
         rounds = [lengths]
         if round(share * count):
             rounds.append(response_lengths(work, step, round(share * count), rng))

@@ -10,10 +10,18 @@ import pytest
 from gcore.controller import prompts_to_draw
 from gcore.errors import ConfigError
 from gcore.placement import DynamicPlacement, StaticPlacement
-from gcore.simulator.asynchronous import draw_batches, resample_share, serve_cut, simulate_async
+from gcore.simulator.asynchronous import draw_batches, serve_cut, simulate_async
 from gcore.simulator.calibration import ASYNC_METRICS, MeasuredRun, fit_async, predict_async
 from gcore.simulator.cli import run_all
-from gcore.simulator.model import Workload, compare, generation_costs, serve, simulate, summarize
+from gcore.simulator.model import (
+    Workload,
+    compare,
+    generation_costs,
+    resample_share,
+    serve,
+    simulate,
+    summarize,
+)
 
 
 def _work(**overrides) -> Workload:
