@@ -72,6 +72,22 @@ def varied_reward(folder) -> list[str]:
     return ["--reward", "python", "--reward.function", f"{path}:score"]
 
 
+def fit_rows(folder, *options: str, timeout: float) -> list[dict[str, str]]:
+    """``gcore fit`` as a user types it in a subprocess (4 steps of 64 new tokens, csv metrics in ``folder``,
+    ``varied_reward``) with ``options``: each step's metrics row, once it exited 0."""
+    import csv
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "gcore", "fit", "--trainer.default_root_dir", str(folder), "--trainer.logger", "csv",
+           "--trainer.enable_progress_bar", "false", "--trainer.save_final", "false", "--trainer.max_steps", "4",
+           *options, "--sampling.max_new_tokens", "64", *varied_reward(folder)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (metrics,) = Path(folder).glob("gcore/version_*/metrics.csv")
+    return [r for r in csv.DictReader(metrics.open()) if r.get("reward/mean")]
+
+
 #: the colours of image_prompts' images
 COLOURS = [(220, 40, 40), (40, 70, 220), (40, 180, 60)]
 

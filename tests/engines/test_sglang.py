@@ -460,25 +460,16 @@ def test_fit_on_an_sglang_engine_worker_trains_within_the_staleness_bound(tmp_pa
     zero (the reward varies within groups); with partial rollouts no sample is trained more than one version old and
     each token's version is logged. How many samples an update cuts is a matter of timing (``async/partial_samples``;
     measured 118-124 of 128 per step), so the cuts themselves are checked where they are certain (the tests above)."""
-    import csv
     import math
-    import subprocess
-    import sys
 
-    from conftest import varied_reward
+    from conftest import fit_rows
 
     pytest.importorskip("sglang")  # the main suite has no SGLang: its CI part runs this test
     if torch.cuda.is_available():
         pytest.skip("SGLang's CPU engine is installed on CPU-only machines")
     asynchronous = ["--trainer.max_staleness", "1", "--trainer.partial_rollouts", "true"] if partial else []
-    cmd = [sys.executable, "-m", "gcore", "fit", "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "csv",
-           "--trainer.enable_progress_bar", "false", "--trainer.save_final", "false", "--trainer.max_steps", "4",
-           "--engine", "sglang", "--engine.cpu_threads", "1", "--placement.workers", "1", *asynchronous,
-           "--sampling.max_new_tokens", "64", *varied_reward(tmp_path)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1100)
-    assert run.returncode == 0, run.stderr[-3000:]
-    (metrics,) = tmp_path.glob("gcore/version_*/metrics.csv")
-    rows = [r for r in csv.DictReader(metrics.open()) if r.get("reward/mean")]
+    rows = fit_rows(tmp_path, "--engine", "sglang", "--engine.cpu_threads", "1", "--placement.workers", "1",
+                    *asynchronous, timeout=1100)
     assert [r["step"] for r in rows] == ["0", "1", "2", "3"]
     for row in rows:
         assert row["skipped_updates"] == "0.0" and math.isfinite(float(row["grad_norm"])), row

@@ -7,13 +7,13 @@ import pytest
 import torch
 from conftest import (
     engine_logprob_gap,
+    fit_rows,
     greedy_with_updates,
     image_prompts,
     image_samples,
     injected_updates,
     interrupted_runs,
     stale_after_train_step,
-    varied_reward,
 )
 from lightning.fabric import Fabric
 
@@ -312,19 +312,9 @@ def test_fit_on_vllm_with_partial_rollouts_stays_within_the_staleness_bound(tmp_
     the worker generates is a matter of timing (measured 90-125 of 128 samples cut per step when the next rollout
     waited for the controller; 0 on some runs once the pool sent it behind the sync), so the cuts themselves are
     checked where the update's arrival is injected (the two tests above), not here."""
-    import csv
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "gcore", "fit", "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "csv",
-           "--trainer.enable_progress_bar", "false", "--trainer.save_final", "false", "--trainer.max_steps", "4",
-           "--engine", "vllm", "--engine.enforce_eager", "true", "--engine.max_model_len", "256",
-           "--placement.workers", "1", "--trainer.max_staleness", "1", "--trainer.partial_rollouts", "true",
-           "--sampling.max_new_tokens", "64", *varied_reward(tmp_path)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    (metrics,) = tmp_path.glob("gcore/version_*/metrics.csv")
-    rows = [r for r in csv.DictReader(metrics.open()) if r.get("reward/mean")]
+    rows = fit_rows(tmp_path, "--engine", "vllm", "--engine.enforce_eager", "true", "--engine.max_model_len", "256",
+                    "--placement.workers", "1", "--trainer.max_staleness", "1", "--trainer.partial_rollouts", "true",
+                    timeout=900)
     assert [r["step"] for r in rows] == ["0", "1", "2", "3"]
     for row in rows[1:]:
         assert float(row["async/staleness_max"]) <= 1.0
