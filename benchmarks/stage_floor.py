@@ -1,37 +1,44 @@
-"""How far each stage of a finished run is from the machine's matmul floor (issue 20's stage-floor table).
+"""How far each stage of a finished run is from this machine's floor (issues 20 and 36's stage-floor table).
 
-Reads a run's ``metrics.csv`` and its model, measures this machine's float32 matmul peak (``torch.mm`` on
-square matrices, with the torch threads this process has), and estimates each stage's useful work from the
-logged token counts with the usual dense-transformer count (2 x parameters FLOPs per token forward, 6 x for
-forward and backward; attention's sequence-length term is left out: these runs' sequences are short):
+Reads a run's ``metrics.csv`` (``--metrics``) or every gcore run of a ``benchmarks/vs_trl.py --json`` file
+(``--json``: one table per task), measures this machine's float32 matmul peak (``torch.mm`` on square matrices,
+with the torch threads this process has; the bfloat16 peak is printed beside it) and its memory copy rate, and
+estimates each stage's useful work from the logged counts, with the usual dense-transformer count (2 x parameters
+FLOPs per token forward, 6 x for forward and backward; attention's sequence-length term is left out: these runs'
+sequences are short):
 
 - generate: each prompt group's prompt once (the engine prefills a shared prompt once) and every sample's
-  response tokens, forward (KV-cached decode);
+  response tokens, forward (KV-cached decode); floor: those FLOPs at the float32 matmul peak;
 - train: forward and backward over the rows that train (``samples/trained`` x ``trained_rows_frac``: inert
-  rows are skipped), a prompt once per group of them (the shared-prompt forward) and every row's response.
-``prepare`` is left out: with the engine's recorded logprobs and no KL it runs no model here. These are
-estimates of useful work; the achieved rate is a lower bound where a stage also pads or recomputes.
+  rows are skipped), a prompt once per group of them (the shared-prompt forward) and every row's response;
+  floor: those FLOPs at the float32 matmul peak;
+- in both, a prompt's tokens but its last run the transformer without the output head (only the last prompt
+  position's logits are needed: both stages compute only those);
+- sync: the bytes sent to the engine (``sync/gb``), copied once at the measured copy rate.
 
-The floor of a stage is its FLOPs at the measured peak; the table prints the achieved GFLOP/s and the
-stage's time over its floor. ``metrics.csv`` does not record prompt lengths: give ``--prompt-tokens``, the
-mean chat-templated prompt length of the task's prompts.
+``prepare`` runs no model where the engine's log-probabilities are used and there is no KL term: its floor is
+nothing, and the table prints its time and share of the step instead. These are estimates of useful work; the
+achieved rate is a lower bound where a stage also pads or recomputes. The prompt length is the logged
+``prompt_length/mean``; ``--prompt-tokens`` gives it for runs logged before that metric existed.
 
-    python benchmarks/stage_floor.py --metrics RUN/metrics.csv --model-path /tmp/smollm2-hf --prompt-tokens 60
+    python benchmarks/stage_floor.py --metrics RUN/metrics.csv --model-path /tmp/smollm2-hf
+    python benchmarks/stage_floor.py --json suite.json --model-path /tmp/smollm2-hf
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import statistics
 import time
 
 import torch
 
 
-def matmul_peak_gflops(size: int = 2048, repeats: int = 10) -> float:
-    """The best of ``repeats`` float32 ``size x size`` matmuls, in GFLOP/s."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def matmul_peak_gflops(size: int = 2048, repeats: int = 10, dtype: torch.dtype = torch.float32) -> float:
+    """The best of ``repeats`` ``size x size`` matmuls in ``dtype``, in GFLOP/s."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     torch.mm(a, b)  # warm-up
     best = float("inf")
     for _ in range(repeats):
@@ -41,11 +48,64 @@ def matmul_peak_gflops(size: int = 2048, repeats: int = 10) -> float:
     return 2 * size**3 / best / 1e9
 
 
+def copy_gb_per_s(megabytes: int = 512, repeats: int = 5) -> float:
+    """The best of ``repeats`` copies of a ``megabytes`` float32 tensor into another, in GB copied per second."""
+    src = torch.randn(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: the pages are touched
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return src.numel() * 4 / best / 1e9
+
+
+def stage_table(rows: list[dict], params: int, head: int, peak: float, copy_rate: float,
+                prompt_tokens: float | None) -> None:
+    """Print each stage's median time, work per step, achieved rate and time over its floor for ``rows``
+    (``params``: the model's parameters, ``head``: those of its output head)."""
+    work: dict[str, list[tuple[float, float]]] = {"generate": [], "train": [], "sync": []}
+    prepare, steps = [], []
+    for r in rows:
+        samples, groups = float(r["samples/total"]), float(r["filter/groups_trained"]) or 1.0
+        prompt = prompt_tokens if prompt_tokens is not None else float(r["prompt_length/mean"])
+        response = float(r["response_length/mean"])
+        trained = float(r["samples/trained"]) * float(r["trained_rows_frac"])
+        prompt_flops = (params - head) * prompt + head  # one prompt's forward, per FLOP-count unit
+        per_step = {"generate": 2 * (groups * prompt_flops + params * samples * response),  # FLOPs
+                    "train": 6 * (trained / (samples / groups) * prompt_flops + params * trained * response),
+                    "sync": float(r.get("sync/gb") or 0.0) * 1e9}  # bytes
+        for stage, amount in per_step.items():
+            seconds = float(r[f"time/{stage}"])
+            if seconds > 0 and amount > 0:
+                work[stage].append((amount, seconds))
+        prepare.append(float(r["time/prepare"]))
+        steps.append(float(r["time/step"]))
+    print(f"{'stage':<10}{'median s':>10}{'work/step':>14}{'rate':>14}{'x floor':>9}")
+    for stage, pairs in work.items():
+        if not pairs:
+            print(f"{stage:<10}{'-':>10}")
+            continue
+        amount = statistics.median(w for w, _ in pairs)
+        seconds = statistics.median(s for _, s in pairs)
+        rate = sum(w for w, _ in pairs) / sum(s for _, s in pairs) / 1e9
+        floor_rate, unit = (copy_rate, "GB") if stage == "sync" else (peak, "GFLOP")
+        print(f"{stage:<10}{seconds:>10.3f}{amount / 1e9:>10.2f} {unit:<3}{rate:>9.1f} {unit}/s"
+              f"{floor_rate / rate:>8.1f}x")
+    print(f"{'prepare':<10}{statistics.median(prepare):>10.3f}  (no model work: "
+          f"{sum(prepare) / sum(steps):.1%} of the step)")
+    print(f"{'step':<10}{statistics.median(steps):>10.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--metrics", required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--metrics", help="a run's metrics.csv")
+    source.add_argument("--json", help="a benchmarks/vs_trl.py --json file: its gcore runs, per task")
     parser.add_argument("--model-path", required=True)
-    parser.add_argument("--prompt-tokens", type=float, required=True, help="mean prompt length in tokens")
+    parser.add_argument("--prompt-tokens", type=float, default=None,
+                        help="mean prompt length in tokens (default: the logged prompt_length/mean)")
     parser.add_argument("--skip", type=int, default=2, help="first steps left out (warm-up)")
     args = parser.parse_args()
 
@@ -55,30 +115,25 @@ def main() -> None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once: as the output head
-    rows = [r for r in csv.DictReader(open(args.metrics)) if r.get("time/step")][args.skip:]
-    peak = matmul_peak_gflops()
-    print(f"model {args.model_path}: {params / 1e6:.1f}M parameters; float32 matmul peak here "
-          f"{peak:.1f} GFLOP/s with {torch.get_num_threads()} torch threads; {len(rows)} steps")
-    stages: dict[str, list[tuple[float, float]]] = {"generate": [], "train": []}
-    for r in rows:
-        samples, groups = float(r["samples/total"]), float(r["filter/groups_trained"])
-        response = float(r["response_length/mean"])
-        trained = float(r["samples/trained"]) * float(r["trained_rows_frac"])
-        flops = {"generate": 2 * params * (groups * args.prompt_tokens + samples * response),
-                 "train": 6 * params * (trained / (samples / groups) * args.prompt_tokens + trained * response)}
-        for stage, work in flops.items():
-            seconds = float(r[f"time/{stage}"])
-            if seconds > 0 and work > 0:
-                stages[stage].append((work, seconds))
-    print(f"{'stage':<10}{'median s':>10}{'GFLOP/step':>12}{'GFLOP/s':>10}{'x floor':>9}")
-    for stage, pairs in stages.items():
-        if not pairs:
-            print(f"{stage:<10}{'-':>10}")
-            continue
-        work = statistics.median(w for w, _ in pairs)
-        seconds = statistics.median(s for _, s in pairs)
-        achieved = sum(w for w, _ in pairs) / sum(s for _, s in pairs) / 1e9
-        print(f"{stage:<10}{seconds:>10.3f}{work / 1e9:>12.1f}{achieved:>10.1f}{peak / achieved:>9.1f}")
+    head = model.get_output_embeddings().weight.numel()
+    peak, bf16_peak, copy_rate = matmul_peak_gflops(), matmul_peak_gflops(dtype=torch.bfloat16), copy_gb_per_s()
+    print(f"model {args.model_path}: {params / 1e6:.1f}M parameters; with {torch.get_num_threads()} torch threads "
+          f"the matmul peak here is {peak:.1f} GFLOP/s float32 ({bf16_peak:.1f} bfloat16), a copy "
+          f"{copy_rate:.1f} GB/s")
+    if args.metrics:
+        rows = [r for r in csv.DictReader(open(args.metrics)) if r.get("time/step")][args.skip:]
+        print(f"{args.metrics}: {len(rows)} steps")
+        stage_table(rows, params, head, peak, copy_rate, args.prompt_tokens)
+        return
+    with open(args.json) as f:
+        data = json.load(f)
+    runs = data["runs"]
+    by_task = runs if "none" not in runs else {data["args"].get("task", "task"): runs}
+    for task, kinds in by_task.items():
+        rows = [m for run in kinds["none"].get("gcore", []) for m in run.get("metrics", [])[args.skip:]]
+        print(f"\n## {task}: {len(kinds['none'].get('gcore', []))} gcore runs, {len(rows)} steps")
+        if rows:
+            stage_table(rows, params, head, peak, copy_rate, args.prompt_tokens)
 
 
 if __name__ == "__main__":

@@ -325,6 +325,7 @@ def run_gcore(args: argparse.Namespace) -> dict:
         "reward": [m["reward/mean"] for m in history],
         "completion_tokens": [m["response_length/mean"] * m["samples/total"] for m in history],
         "stages": [{s: m[f"time/{s}"] for s in (*STAGES, "step")} for m in history],
+        "metrics": history,  # every logged figure per step (benchmarks/stage_floor.py --json reads them)
         "threads": [int(m.get("threads/torch", 0)) for m in history],  # the adaptive count per step (0: fixed)
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }

@@ -534,6 +534,7 @@ class Controller:
             sum(not s.finished for s in samples),
             len(record.kept),
             record.reward_errors,
+            sum(len(s.prompt.token_ids) for s in samples),
         ], dtype=torch.float64)
         total = self._all_reduce(local, "sum")
         count = max(float(total[0]), 1.0)
@@ -546,6 +547,7 @@ class Controller:
             "reward/errors": float(total[6]),
             "response_length/mean": float(total[3]) / count,
             "response_length/max": float(self._all_reduce(local_max, "max")[0]),
+            "prompt_length/mean": float(total[7]) / count,  # tokens, per sample
             "response/truncated_frac": float(total[4]) / count,
             "samples/total": float(total[0]),
             "samples/trained": float(total[5]),

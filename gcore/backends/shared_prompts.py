@@ -75,8 +75,9 @@ def shared_prompt_logits(model: torch.nn.Module, micro: RolloutBatch, first_row:
     targets, response_mask, rows = targets.to(device), response_mask.to(device), row_to_prompt.to(device)
 
     prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    # only the last prompt position's logits are used: the output head runs on that one (logits_to_keep)
     prefix = (prefix_model or model)(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions,
-                                     use_cache=True)
+                                     use_cache=True, logits_to_keep=1)
     first_logits = prefix.logits[:, -1][rows]  # the last prompt token predicts the first response token
     if responses == 1:
         return first_logits.unsqueeze(1), targets

@@ -52,7 +52,9 @@ def test_every_prompt_once_per_step_over_two_controllers(tmp_path, balance):
     assert scored == sorted(f"{i}=" for i in range(5) for _ in range(2))  # 5 prompts x n=2, none twice
     # no prompt on two controllers
     assert set(per_rank["scored-rank0.jsonl"]).isdisjoint(per_rank["scored-rank1.jsonl"])
-    assert _metrics(tmp_path / "runs")[0]["samples/total"] == "10.0"
+    first = _metrics(tmp_path / "runs")[0]
+    assert first["samples/total"] == "10.0"
+    assert first["prompt_length/mean"] == "2.0"  # each prompt "i=" is two character tokens
 
 
 # -- the same update on 1 and on 2 controllers ----------------------------------------------
