@@ -16,6 +16,12 @@ sequences are short):
   position's logits are needed: both stages compute only those);
 - sync: the bytes sent to the engine (``sync/gb``), copied once at the measured copy rate.
 
+A second floor, ``x shapes``, is closer to what the stage can reach: the same FLOPs at the rate this machine's
+matmuls reach on the model's own layer shapes (every linear layer of one block and the output head, ``M`` rows:
+the decode batch for generate, a micro-batch's tokens for train). Small ``M`` (a decode step's rows) runs well
+below the square-matrix peak; the gap between the two floors is the matmul shapes, the gap above ``x shapes``
+is everything but the matmuls (attention, norms, softmax, sampling, padding, rows decoded after they finished).
+
 ``prepare`` runs no model where the engine's log-probabilities are used and there is no KL term: its floor is
 nothing, and the table prints its time and share of the step instead. These are estimates of useful work; the
 achieved rate is a lower bound where a stage also pads or recomputes. The prompt length is the logged
@@ -48,6 +54,32 @@ def matmul_peak_gflops(size: int = 2048, repeats: int = 10, dtype: torch.dtype =
     return 2 * size**3 / best / 1e9
 
 
+def layer_shapes_gflops(model: torch.nn.Module, rows: int, repeats: int = 10) -> float:
+    """The rate of ``rows x in`` by ``in x out`` float32 matmuls over the distinct linear-layer shapes of ``model``
+    (its first block's and the output head's, each weighted by its FLOPs), in GFLOP/s."""
+    shapes = {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    flops = seconds = 0.0
+    for inputs, outputs in sorted(shapes):
+        a, b = torch.randn(rows, inputs), torch.randn(inputs, outputs)
+        a @ b  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+        flops, seconds = flops + 2 * rows * inputs * outputs, seconds + best
+    return flops / seconds / 1e9
+
+
+def shape_rates(model: torch.nn.Module, rows: list[dict], micro_batch_size: int) -> dict[str, float]:
+    """``layer_shapes_gflops`` at each stage's rows: generate decodes every sample of a step at once, train runs a
+    micro-batch's response tokens."""
+    samples = statistics.median(float(r["samples/total"]) for r in rows)
+    response = statistics.median(float(r["response_length/mean"]) for r in rows)
+    return {"generate": layer_shapes_gflops(model, round(samples)),
+            "train": layer_shapes_gflops(model, max(1, round(min(samples, micro_batch_size) * response)))}
+
+
 def copy_gb_per_s(megabytes: int = 512, repeats: int = 5) -> float:
     """The best of ``repeats`` copies of a ``megabytes`` float32 tensor into another, in GB copied per second."""
     src = torch.randn(megabytes * 2**20 // 4)
@@ -61,7 +93,7 @@ def copy_gb_per_s(megabytes: int = 512, repeats: int = 5) -> float:
     return src.numel() * 4 / best / 1e9
 
 
-def stage_table(rows: list[dict], params: int, head: int, peak: float, copy_rate: float,
+def stage_table(rows: list[dict], params: int, head: int, peak: float, shaped: dict[str, float], copy_rate: float,
                 prompt_tokens: float | None) -> None:
     """Print each stage's median time, work per step, achieved rate and time over its floor for ``rows``
     (``params``: the model's parameters, ``head``: those of its output head)."""
@@ -82,7 +114,7 @@ def stage_table(rows: list[dict], params: int, head: int, peak: float, copy_rate
                 work[stage].append((amount, seconds))
         prepare.append(float(r["time/prepare"]))
         steps.append(float(r["time/step"]))
-    print(f"{'stage':<10}{'median s':>10}{'work/step':>14}{'rate':>14}{'x floor':>9}")
+    print(f"{'stage':<10}{'median s':>10}{'work/step':>14}{'rate':>14}{'x floor':>9}{'x shapes':>10}")
     for stage, pairs in work.items():
         if not pairs:
             print(f"{stage:<10}{'-':>10}")
@@ -91,8 +123,9 @@ def stage_table(rows: list[dict], params: int, head: int, peak: float, copy_rate
         seconds = statistics.median(s for _, s in pairs)
         rate = sum(w for w, _ in pairs) / sum(s for _, s in pairs) / 1e9
         floor_rate, unit = (copy_rate, "GB") if stage == "sync" else (peak, "GFLOP")
+        near = f"{shaped[stage] / rate:>9.1f}x" if stage in shaped else ""
         print(f"{stage:<10}{seconds:>10.3f}{amount / 1e9:>10.2f} {unit:<3}{rate:>9.1f} {unit}/s"
-              f"{floor_rate / rate:>8.1f}x")
+              f"{floor_rate / rate:>8.1f}x{near}")
     print(f"{'prepare':<10}{statistics.median(prepare):>10.3f}  (no model work: "
           f"{sum(prepare) / sum(steps):.1%} of the step)")
     print(f"{'step':<10}{statistics.median(steps):>10.3f}")
@@ -107,6 +140,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=float, default=None,
                         help="mean prompt length in tokens (default: the logged prompt_length/mean)")
     parser.add_argument("--skip", type=int, default=2, help="first steps left out (warm-up)")
+    parser.add_argument("--micro-batch-size", type=int, default=16,
+                        help="rows per training micro-batch (a --json file's own setting wins)")
     args = parser.parse_args()
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -123,7 +158,8 @@ def main() -> None:
     if args.metrics:
         rows = [r for r in csv.DictReader(open(args.metrics)) if r.get("time/step")][args.skip:]
         print(f"{args.metrics}: {len(rows)} steps")
-        stage_table(rows, params, head, peak, copy_rate, args.prompt_tokens)
+        stage_table(rows, params, head, peak, shape_rates(model, rows, args.micro_batch_size), copy_rate,
+                    args.prompt_tokens)
         return
     with open(args.json) as f:
         data = json.load(f)
@@ -132,8 +168,9 @@ def main() -> None:
     for task, kinds in by_task.items():
         rows = [m for run in kinds["none"].get("gcore", []) for m in run.get("metrics", [])[args.skip:]]
         print(f"\n## {task}: {len(kinds['none'].get('gcore', []))} gcore runs, {len(rows)} steps")
+        micro = data["args"].get("micro_batch_size") or args.micro_batch_size
         if rows:
-            stage_table(rows, params, head, peak, copy_rate, args.prompt_tokens)
+            stage_table(rows, params, head, peak, shape_rates(model, rows, micro), copy_rate, args.prompt_tokens)
 
 
 if __name__ == "__main__":

@@ -168,9 +168,11 @@ class MatmulProfile:
         self.profiler.__exit__(None, None, None)
         events = [e for e in self.profiler.key_averages() if e.key in MATMULS]
         steps = self.last - self.first + 1
+        ops = sorted(self.profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
         self.figures = {"matmul_s": sum(e.self_cpu_time_total for e in events) / 1e6 / steps,
                         "matmul_gflop": sum(e.flops for e in events) / 1e9 / steps,
-                        "profiled_step_s": wall / steps}
+                        "profiled_step_s": wall / steps,
+                        "top_ops": [(e.key, e.self_cpu_time_total / 1e6 / steps, e.count // steps) for e in ops]}
 
 
 def target_char_reward(completion: str, answer: str, length: int) -> float:
@@ -735,6 +737,9 @@ def report(args: argparse.Namespace, names: list[str], runs: dict[str, list[dict
                   f"{s['matmul_gflop'] / s['matmul_s']:.0f} GFLOP/s), "
                   f"{100 * s['matmul_s'] / s['profiled_step_s']:.0f}% of a profiled step "
                   f"({s['profiled_step_s']:.4f} s)")
+            top = runs[s["name"]][0].get("top_ops") or []
+            print("  the most self CPU time per profiled step (first run): "
+                  + "; ".join(f"{key} {seconds:.3f} s ({count} calls)" for key, seconds, count in top))
         for i, r in enumerate(runs[s["name"]]):
             if r.get("held_out"):
                 h = r["held_out"]

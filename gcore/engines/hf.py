@@ -250,6 +250,10 @@ class HFEngine(Engine):
         if rope is not None:
             prompt_lengths = prompt_lengths + deltas[rows, 0].to(device)
         decoder = self._static_decoder(model) if not inputs else None
+        # rows that finished leave the decode batch (``StaticCacheDecoder.keep``) once half of those decoded have: on
+        # CPU a finished row costs a decode step's matmuls as much as a live one (not under compile or CUDA graphs,
+        # whose shapes are fixed)
+        compact = decoder is not None and device.type == "cpu" and not self.compile
         if decoder is not None:
             decoder.start(cache, rows, attention_mask, budget)
             if self.cuda_graphs and device.type == "cuda":
@@ -257,14 +261,14 @@ class HFEngine(Engine):
             else:
                 step = decoder.compiled_step() if self.compile else decoder.step
 
-            def advance(chosen: torch.Tensor, t: int) -> torch.Tensor:
-                return step(chosen, prompt_lengths + t, width + t)
+            def advance(chosen: torch.Tensor, t: int, active: torch.Tensor) -> torch.Tensor:
+                return step(chosen, prompt_lengths[active] + t, width + t)
         else:
             cache.reorder_cache(cast("torch.LongTensor", rows))  # int64 row indices
             mask = torch.ones((batch, width + budget), dtype=attention_mask.dtype, device=device)
             mask[:, :width] = attention_mask[rows]
 
-            def advance(chosen: torch.Tensor, t: int) -> torch.Tensor:
+            def advance(chosen: torch.Tensor, t: int, active: torch.Tensor) -> torch.Tensor:
                 positions = (prompt_lengths + t).unsqueeze(-1)
                 if rope is not None:
                     positions = positions.unsqueeze(0).expand(3, -1, -1)
@@ -277,6 +281,7 @@ class HFEngine(Engine):
         logprobs = torch.zeros((batch, budget), dtype=torch.float32, device=device)
         lengths = torch.full((batch,), budget, dtype=torch.long, device=device)
         done = torch.zeros(batch, dtype=torch.bool, device=device)
+        active = torch.arange(batch, device=device)  # the rows decoded: ``logits``' rows
         # reading ``done`` waits for the device: on a GPU look every 8 tokens so that launches run ahead
         check_every = 1 if device.type == "cpu" else 8
         interrupt = self.interrupt
@@ -288,22 +293,30 @@ class HFEngine(Engine):
             allowed = logp.index_fill(-1, banned, float("-inf")) if len(banned) else logp
             if greedy:
                 chosen = allowed.argmax(-1)
-            else:
-                chosen = _sample_rows(_truncate(allowed, params.top_k, params.top_p).exp())
-            chosen = torch.where(done, self.pad_id, chosen)
-            tokens[:, t] = chosen
-            logprobs[:, t] = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+            else:  # a number for every row, decoded or not: the random stream does not depend on the compaction
+                uniform = torch.rand((batch, 1), device=device, dtype=torch.float32)[active]
+                chosen = _sample_rows(_truncate(allowed, params.top_k, params.top_p).exp(), uniform)
+            was_done = done[active]
+            chosen = torch.where(was_done, self.pad_id, chosen)
+            tokens[active, t] = chosen
+            logprobs[active, t] = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
             if stop is not None:
-                hit = ~done & torch.isin(chosen, stop)
-                lengths = torch.where(hit, t + 1, lengths)  # keep the stop token: the policy learns to stop
-                done = done | hit
+                hit = ~was_done & torch.isin(chosen, stop)
+                lengths[active] = torch.where(hit, t + 1, lengths[active])  # keep the stop token: it learns to stop
+                done[active] = was_done | hit
                 if (t + 1) % check_every == 0 and bool(done.all()):
                     break
             if interrupt is not None and t + 1 < budget and interrupt():  # a weight update came: stop here
                 lengths = torch.where(done, lengths, t + 1)
                 break
             if t + 1 < budget:
-                logits = advance(chosen, t)
+                live = ~done[active]
+                if compact and stop is not None and 2 * int(live.sum()) <= len(active):
+                    keep = live.nonzero().squeeze(-1)
+                    assert decoder is not None  # ``compact`` says so
+                    decoder.keep(keep)
+                    active, chosen = active[keep], chosen[keep]
+                logits = advance(chosen, t, active)
         finished = done.cpu().tolist() if stop is not None else [False] * batch
         tokens, logprobs, kept = tokens.cpu(), logprobs.cpu(), lengths.cpu().tolist()
         return [
@@ -389,8 +402,9 @@ def _move(model: torch.nn.Module, device: torch.device) -> None:
     model.to(device)
 
 
-def _sample_rows(probs: torch.Tensor) -> torch.Tensor:
-    """One index per row, drawn with the row's (unnormalised) probabilities.
+def _sample_rows(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One index per row, drawn with the row's (unnormalised) probabilities and its number ``uniform`` ``[B, 1]`` in
+    [0, 1).
 
     Inverse-CDF sampling: one uniform number per row and a binary search in the cumulative sums.
     On CPU this is several times cheaper than ``torch.multinomial``, which draws one exponential
@@ -398,7 +412,7 @@ def _sample_rows(probs: torch.Tensor) -> torch.Tensor:
     equals its predecessor's, and the search returns the first entry whose sum exceeds ``u``).
     """
     cdf = probs.cumsum(-1)
-    u = torch.rand((probs.shape[0], 1), device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+    u = uniform.to(cdf.dtype) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)
 
 
@@ -509,6 +523,14 @@ class StaticCacheDecoder:
         self.cos.copy_(cos[0])
         self.sin.copy_(torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1))  # rotate_half's sign folded in
 
+    def keep(self, rows: torch.Tensor) -> None:
+        """Go on with ``rows`` only (indices into the rows decoded so far, in order): their keys, values and
+        padding bias move to the first ``len(rows)`` rows of the buffers, and the next steps decode that many."""
+        for keys, values in zip(self.keys, self.values, strict=True):
+            keys[: len(rows)] = keys[rows]
+            values[: len(rows)] = values[rows]
+        self.bias[: len(rows)] = self.bias[rows]
+
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int | torch.Tensor) -> torch.Tensor:
         """Logits ``[B, vocab]`` after feeding ``tokens`` ``[B]`` at ``positions`` into cache slot ``slot``.
 
@@ -517,13 +539,14 @@ class StaticCacheDecoder:
         be captured once as a CUDA graph (``graphed_step``) and replayed for every token."""
         batch, heads, kv_heads, dim = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [B, 1, D]
-        if isinstance(slot, int):
-            bias, seen = self.bias[..., : slot + 1], slot + 1
+        if isinstance(slot, int):  # the first ``batch`` rows of the buffers: fewer after ``keep``
+            bias, seen = self.bias[:batch, ..., : slot + 1], slot + 1
         else:
-            bias, seen = self.bias.masked_fill(self.slots > slot, float("-inf")), self.bias.shape[-1]
+            bias, seen = self.bias[:batch].masked_fill(self.slots > slot, float("-inf")), self.bias.shape[-1]
         q_end, k_end = heads * dim, (heads + kv_heads) * dim
         hidden = self.embed(tokens)
-        for layer, keys, values in zip(self.layers, self.keys, self.values, strict=False):
+        for layer, all_keys, all_values in zip(self.layers, self.keys, self.values, strict=False):
+            keys, values = all_keys[:batch], all_values[:batch]
             x = torch.nn.functional.rms_norm(hidden, layer.norm1.weight.shape, layer.norm1.weight, layer.eps1)
             qkv = torch.nn.functional.linear(x, layer.qkv_weight, layer.qkv_bias)
             q = qkv[:, :q_end].view(batch, heads, dim)

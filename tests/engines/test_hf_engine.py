@@ -55,6 +55,33 @@ def test_static_and_dynamic_cache_agree_when_greedy(tmp_path, model_type):
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_rows_that_finish_leave_the_decode_batch_and_nothing_else_changes(tmp_path, model_type, monkeypatch):
+    """On CPU the static decoder drops finished rows once half of those decoded have finished
+    (``StaticCacheDecoder.keep``). With the same seed it samples what the dynamic-cache path (which decodes every
+    row to the end) samples: the same tokens, log-probabilities within float noise, and the same random stream
+    after the call."""
+    path = hf_checkpoint(tmp_path, model_type)
+    params = SamplingParams(n=4, max_new_tokens=16, temperature=1.0, stop_token_ids=(2, 3, 4, 5, 6, 7))
+    kept: list[int] = []
+    keep = StaticCacheDecoder.keep
+    monkeypatch.setattr(StaticCacheDecoder, "keep", lambda self, rows: (kept.append(len(rows)), keep(self, rows)))
+    runs = []
+    for static_cache in (True, False):
+        engine = _engine(path, static_cache=static_cache)
+        torch.manual_seed(3)
+        runs.append((engine.generate(HF_PROMPTS, params), torch.rand(1)))
+    (static, after_static), (dynamic, after_dynamic) = runs
+    assert kept, "no row finished early enough to leave the batch: the test needs earlier stops"
+    assert [[g.token_ids for g in group] for group in static] == [[g.token_ids for g in group] for group in dynamic]
+    assert len({len(g.token_ids) for group in static for g in group}) > 2  # rows ended at different lengths
+    for s_group, d_group in zip(static, dynamic, strict=True):
+        for s, d in zip(s_group, d_group, strict=True):
+            assert s.finished == d.finished
+            assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(d.logprobs), atol=1e-5)
+    assert torch.equal(after_static, after_dynamic)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
 def test_the_fixed_shape_step_matches_the_sliced_step(tmp_path, model_type, monkeypatch):
     """The step a CUDA graph captures (a one-element slot tensor: the whole cache attended, later slots masked)
     gives the sliced step's tokens and log-probabilities. Run on CPU here; ``tests/surface/test_gpu.py`` replays it as a
