@@ -19,8 +19,9 @@ Prints, per trainer: median step time (with spread), completion tokens per secon
 the mean reward curve; then the ratios gcore/TRL and gcore's per-stage breakdown.
 
 ``--profile-steps N`` runs N more steps after the timed ones under ``torch.profiler`` and prints each trainer's
-matrix multiplications per step (self CPU time, GFLOP, GFLOP/s) and, for gcore, how much of the 0.5x-TRL budget
-(half TRL's median step) its matmuls alone take; TRL's generation-and-scoring time per step is always printed.
+matrix multiplications per step (self CPU time, GFLOP, GFLOP/s) and, for gcore, how much of the TRL budget
+(0.5x TRL's median step on the tiny task, 0.35x on a real model) its matmuls alone take; TRL's
+generation-and-scoring time per step is always printed.
 
 ``--neighbour none,pinned,unpinned,threaded,gloo`` runs every trainer next to each kind of other work in turn
 (started before each run, killed after it; see ``neighbour_main``), prints the report above per kind with the
@@ -762,16 +763,17 @@ def report(args: argparse.Namespace, names: list[str], runs: dict[str, list[dict
     for name, base in ((n, b) for b in ("trl", "trl-compile") if b in summaries
                        for n in names if not n.startswith("trl")):
         g, t = summaries[name], summaries[base]
+        goal = 0.35 if args.model_path else 0.5  # a real model: issue 36's goal; the tiny task: issue 20's
         print(f"\n== {name} / {base}")
-        print(f"  median step time: {g['median_step_s'] / t['median_step_s']:.2f}x  (goal <= 0.5x); "
+        print(f"  median step time: {g['median_step_s'] / t['median_step_s']:.2f}x  (goal <= {goal}x); "
               "per-repeat ratios "
               f"{', '.join(f'{a / b:.2f}' for a, b in zip(g['run_medians'], t['run_medians'], strict=False))}")
         print(f"  median step CPU time: {g['median_step_cpu_s'] / t['median_step_cpu_s']:.2f}x")
         print(f"  completion tokens/s: {g['tokens_per_s'] / t['tokens_per_s']:.2f}x")
         print(f"  peak RSS: {g['peak_rss_mb'] / t['peak_rss_mb']:.2f}x")
         if g["matmul_s"] is not None:
-            budget = 0.5 * t["median_step_s"]
-            print(f"  the 0.5x budget, {budget:.4f} s per step: {name}'s matmuls alone take "
+            budget = goal * t["median_step_s"]
+            print(f"  the {goal}x budget, {budget:.4f} s per step: {name}'s matmuls alone take "
                   f"{g['matmul_s']:.4f} s of it ({100 * g['matmul_s'] / budget:.0f}%; "
                   f"{base}'s matmuls {t['matmul_s']:.4f} s per step)")
         print(f"  reward last 5 steps: {name} {g['last5']:.3f} vs TRL {t['last5']:.3f}; "
