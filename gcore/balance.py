@@ -11,7 +11,7 @@ Every rank computes the same partition from the same, synchronised history: no c
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 
 def karmarkar_karp(costs: Sequence[float], parts: int) -> list[list[int]]:
@@ -97,6 +97,29 @@ def micro_batches_by_length(lengths: Sequence[int], size: int) -> list[list[int]
     """
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     return [order[i : i + size] for i in range(0, len(order), size)]
+
+
+def micro_batches_sharing_prompts(lengths: Sequence[int], prompt_lengths: Sequence[int], prompts: Sequence[Hashable],
+                                  size: int) -> list[list[int]]:
+    """Rows grouped into micro-batches of ``size`` for a forward that runs each distinct prompt of a micro-batch
+    once and pads the replies to the micro-batch's longest (``share_prompts``): the cheaper, in positions run, of
+    the rows cut in order of length (``micro_batches_by_length``: less reply padding, but a prompt's rows may be
+    spread over several micro-batches, each running the prompt again) and the rows cut in order of prompt (a
+    prompt's rows together, the prompts in order of their longest reply). ``lengths`` are whole rows (prompt and
+    reply), ``prompts`` any key that is equal for rows of the same prompt."""
+    def positions(micro_batches: list[list[int]]) -> int:
+        return sum(sum({prompts[i]: prompt_lengths[i] for i in rows}.values())
+                   + len(rows) * max(lengths[i] - prompt_lengths[i] for i in rows) for rows in micro_batches)
+
+    by_length = micro_batches_by_length(lengths, size)
+    longest: dict[Hashable, int] = {}
+    first: dict[Hashable, int] = {}
+    for row, prompt in enumerate(prompts):
+        longest[prompt] = max(longest.get(prompt, 0), lengths[row] - prompt_lengths[row])
+        first.setdefault(prompt, row)
+    order = sorted(range(len(lengths)), key=lambda i: (-longest[prompts[i]], first[prompts[i]], -lengths[i], i))
+    by_prompt = [order[i : i + size] for i in range(0, len(order), size)]
+    return by_prompt if positions(by_prompt) < positions(by_length) else by_length
 
 
 def padding_fraction(lengths: Sequence[int], groups: Sequence[Sequence[int]]) -> float:

@@ -17,7 +17,7 @@ from gcore.backends import sequence_parallel as seqpar
 from gcore.backends.base import TrainingBackend
 from gcore.backends.common import OptimizerOptions, check_sequence_parallel_controllers
 from gcore.backends.shared_prompts import distinct_prompts, shared_prompt_logits, to_batch_layout
-from gcore.balance import micro_batches_by_length, padding_fraction
+from gcore.balance import micro_batches_by_length, micro_batches_sharing_prompts, padding_fraction
 from gcore.errors import ConfigError
 from gcore.model import ModelSource, causal_lm_class, check_compiler, image_text_to_text
 from gcore.types import RolloutBatch, concat_visual
@@ -484,8 +484,15 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         scale = algorithm.loss_scale(tokens, sequences)
         rows = trained
         lengths = batch.attention_mask[rows].sum(-1).tolist()
-        # similar lengths in a micro-batch: less padding
-        groups = micro_batches_by_length(lengths, self.micro_batch_size)
+        sharing = self.sp is None and self.share_prompts is not False and batch.visual is None
+        if sharing and batch.prompt_lengths is not None:
+            # each micro-batch runs each of its prompts once: fewer prompts per micro-batch against less reply padding
+            prompt_lengths = batch.prompt_lengths[rows].tolist()
+            prompts = [tuple(batch.input_ids[row, :length].tolist())
+                       for row, length in zip(rows.tolist(), prompt_lengths, strict=True)]
+            groups = micro_batches_sharing_prompts(lengths, prompt_lengths, prompts, self.micro_batch_size)
+        else:  # similar lengths in a micro-batch: less padding
+            groups = micro_batches_by_length(lengths, self.micro_batch_size)
         micro_rows = [rows[torch.tensor(g, dtype=torch.long)] for g in groups] or [torch.tensor([], dtype=torch.long)]
         n_micro = self._global_max(len(micro_rows))  # every rank runs as many backward passes
         local: dict[str, float] = {}
