@@ -85,7 +85,8 @@ def main(argv: list[str]) -> int:
              "with the batch, as many as the newest keep rate says it needs, instead of in a second round that "
              "waits for the first round's verdicts",
     )
-    parser.add_argument("--plot", default="simulate.png", help="PNG path; {devices} is replaced per size")
+    parser.add_argument("--plot", default="simulate.png",
+                        help="PNG path; {devices} is replaced per size; empty (--plot '') for no plot")
     for flag, value in zip(argv, [*argv[1:], ""], strict=True):  # the removed token budget: --partial-rollouts 400
         budget = flag.split("=", 1)[1] if flag.startswith("--partial-rollouts=") else value
         if flag.startswith("--partial-rollouts") and budget.isdigit():
@@ -126,6 +127,8 @@ def main(argv: list[str]) -> int:
                 f"idle device-hours x{dyn['idle_device_hours'] / base['idle_device_hours']:.3f}, "
                 f"device-hours x{dyn['device_hours'] / base['device_hours']:.3f}, final split {split}"
             )
+        if not args.plot:
+            continue
         path = args.plot.replace("{devices}", str(devices)) if "{devices}" in args.plot else (
             args.plot if len(args.devices) == 1 else args.plot.replace(".png", f"_{devices}.png")
         )

@@ -225,6 +225,9 @@ def test_simulate_cli(tmp_path):
     result = run_gcore("simulate", "--devices", "16", "--steps", "3", "--plot", str(plot))
     assert result.returncode == 0, result.stderr
     assert "dynamic/static" in result.stdout and plot.stat().st_size > 0
+    result = run_gcore("simulate", "--devices", "16", "--steps", "3", "--plot", "", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "plot:" not in result.stdout and sorted(p.name for p in tmp_path.iterdir()) == ["sim.png"]  # no ".png"
 
 
 def test_floor_aware_sizing_gives_the_judge_more_than_work_balance():
