@@ -165,10 +165,10 @@ def main() -> None:
         data = json.load(f)
     runs = data["runs"]
     by_task = runs if "none" not in runs else {data["args"].get("task", "task"): runs}
+    micro = data["args"].get("micro_batch_size") or args.micro_batch_size
     for task, kinds in by_task.items():
         rows = [m for run in kinds["none"].get("gcore", []) for m in run.get("metrics", [])[args.skip:]]
         print(f"\n## {task}: {len(kinds['none'].get('gcore', []))} gcore runs, {len(rows)} steps")
-        micro = data["args"].get("micro_batch_size") or args.micro_batch_size
         if rows:
             stage_table(rows, params, head, peak, shape_rates(model, rows, micro), copy_rate, args.prompt_tokens)
 

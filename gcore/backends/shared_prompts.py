@@ -17,6 +17,11 @@ from gcore.model import cache_keyword
 from gcore.types import RolloutBatch
 
 
+def prompt_keys(input_ids: torch.Tensor, prompt_lengths: list[int]) -> list[tuple[int, ...]]:
+    """Each row's prompt tokens, as a key equal for the rows of the same prompt."""
+    return [tuple(input_ids[row, :length].tolist()) for row, length in enumerate(prompt_lengths)]
+
+
 def distinct_prompts(micro: RolloutBatch, min_saving: float = 0.0) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(first_row, row_to_prompt)``: one representative row per distinct prompt and, for every row,
     the index of its prompt; ``None`` when sharing would save less than ``min_saving`` of the
@@ -27,8 +32,7 @@ def distinct_prompts(micro: RolloutBatch, min_saving: float = 0.0) -> tuple[torc
     keys: dict[tuple[int, ...], int] = {}
     row_to_prompt, first_row = [], []
     lengths = micro.prompt_lengths.tolist()
-    for row, length in enumerate(lengths):
-        key = tuple(micro.input_ids[row, :length].tolist())
+    for row, key in enumerate(prompt_keys(micro.input_ids, lengths)):
         if key not in keys:
             keys[key] = len(keys)
             first_row.append(row)

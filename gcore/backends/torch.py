@@ -16,7 +16,7 @@ from gcore.backends import lora
 from gcore.backends import sequence_parallel as seqpar
 from gcore.backends.base import TrainingBackend
 from gcore.backends.common import OptimizerOptions, check_sequence_parallel_controllers
-from gcore.backends.shared_prompts import distinct_prompts, shared_prompt_logits, to_batch_layout
+from gcore.backends.shared_prompts import distinct_prompts, prompt_keys, shared_prompt_logits, to_batch_layout
 from gcore.balance import micro_batches_by_length, micro_batches_sharing_prompts, padding_fraction
 from gcore.errors import ConfigError
 from gcore.model import ModelSource, causal_lm_class, check_compiler, image_text_to_text
@@ -488,8 +488,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         if sharing and batch.prompt_lengths is not None:
             # each micro-batch runs each of its prompts once: fewer prompts per micro-batch against less reply padding
             prompt_lengths = batch.prompt_lengths[rows].tolist()
-            prompts = [tuple(batch.input_ids[row, :length].tolist())
-                       for row, length in zip(rows.tolist(), prompt_lengths, strict=True)]
+            prompts = prompt_keys(batch.input_ids[rows], prompt_lengths)
             groups = micro_batches_sharing_prompts(lengths, prompt_lengths, prompts, self.micro_batch_size)
         else:  # similar lengths in a micro-batch: less padding
             groups = micro_batches_by_length(lengths, self.micro_batch_size)

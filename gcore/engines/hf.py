@@ -250,10 +250,10 @@ class HFEngine(Engine):
         if rope is not None:
             prompt_lengths = prompt_lengths + deltas[rows, 0].to(device)
         decoder = self._static_decoder(model) if not inputs else None
-        # rows that finished leave the decode batch (``StaticCacheDecoder.keep``) once half of those decoded have: on
-        # CPU a finished row costs a decode step's matmuls as much as a live one (not under compile or CUDA graphs,
-        # whose shapes are fixed)
-        compact = decoder is not None and device.type == "cpu" and not self.compile
+        # rows that finished (at a stop token) leave the decode batch (``StaticCacheDecoder.keep``) once half of those
+        # decoded have: on CPU a finished row costs a decode step's matmuls as much as a live one (not under compile
+        # or CUDA graphs, whose shapes are fixed)
+        compact = decoder is not None and stop is not None and device.type == "cpu" and not self.compile
         if decoder is not None:
             decoder.start(cache, rows, attention_mask, budget)
             if self.cuda_graphs and device.type == "cuda":
@@ -311,7 +311,7 @@ class HFEngine(Engine):
                 break
             if t + 1 < budget:
                 live = ~done[active]
-                if compact and stop is not None and 2 * int(live.sum()) <= len(active):
+                if compact and 2 * int(live.sum()) <= len(active):
                     keep = live.nonzero().squeeze(-1)
                     assert decoder is not None  # ``compact`` says so
                     decoder.keep(keep)
