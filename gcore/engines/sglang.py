@@ -266,11 +266,17 @@ class SGLangEngine(Engine):
             os.environ["OMP_NUM_THREADS"] = str(self.cpu_threads)  # SGLang's processes inherit it
         start = time.perf_counter()
         failure = None
+        # SGLang's start reconfigures this process's root logger (basicConfig(force=True) at --log_level error),
+        # which would silence every later gcore warning in the run: its level and handlers are put back
+        root = logging.getLogger()
+        root_level, root_handlers = root.level, root.handlers[:]
         try:
             self.engine = sglang.Engine(**self._launch)
         except Exception as err:  # noqa: BLE001 - any start-up failure: its processes are ended below
             failure = err
         finally:
+            root.handlers[:] = root_handlers
+            root.setLevel(root_level)
             if threads is None:
                 os.environ.pop("OMP_NUM_THREADS", None)
             else:

@@ -211,12 +211,20 @@ def test_logprobs_match_the_trainer_before_and_after_a_weight_sync(tmp_path, dev
 @pytest.mark.integration
 @pytest.mark.sglang
 def test_sleep_restarts_the_engine_on_cpu_and_shutdown_leaves_no_process(tmp_path):
-    """On CPU, sleep ends SGLang's processes, wake_up starts them from the checkpoint; nothing outlives shutdown."""
+    """On CPU, sleep ends SGLang's processes, wake_up starts them from the checkpoint; nothing outlives shutdown.
+    Neither start changes this process's root logger (SGLang's own start sets it to errors only, which silenced
+    gcore's later warnings)."""
+    import logging
+
     from gcore.errors import GcoreError
 
+    root = logging.getLogger()
+    logger_before = (root.level, root.handlers[:])
     before = _children()
     tokenizer, engine, backend = _engine_and_backend(tmp_path, "cpu")
     try:
+        assert (root.level, root.handlers) == logger_before
+        assert logging.getLogger("gcore.engines.sglang").isEnabledFor(logging.WARNING)
         started = _children().keys() - before.keys()
         assert started and {p.pid for p in engine.processes} == started
         assert any("sglang" in _children()[pid] for pid in started)  # sglang::scheduler, sglang::detokenizer
@@ -229,6 +237,7 @@ def test_sleep_restarts_the_engine_on_cpu_and_shutdown_leaves_no_process(tmp_pat
         with pytest.raises(GcoreError, match="while asleep"):
             engine.generate([[1]], params)
         engine.wake_up()
+        assert (root.level, root.handlers) == logger_before
         assert engine.processes and _children().keys() - before.keys() == {p.pid for p in engine.processes}
         with pytest.raises(GcoreError, match="sync the weights before generating"):
             engine.generate([[1]], params)  # it holds the checkpoint's weights, not the trainer's
