@@ -66,6 +66,8 @@ from gcore.simulator.model import (
     generation_costs,
     judge_costs,
     judge_each,
+    keep_rounds,
+    keep_seed,
     record,
     resample_share,
     response_lengths,
@@ -101,14 +103,19 @@ class Device:
 
 
 def draw_batches(work: Workload, devices: int, steps: int, seed: int,
-                 oversample_after: int | None = None) -> list[list[list[int]]]:
-    """Every step's rounds of response lengths, drawn in the order ``model.simulate`` draws them.
+                 oversample_after: int | None = None) -> list[tuple[list[list[int]], int]]:
+    """Every step's rounds of response lengths, drawn in the order ``model.simulate`` draws them, and how many of
+    its samples are trained on (the batch, or fewer where ``binomial`` rounds fell short).
 
     ``oversample_after`` (the trainer's ``--trainer.oversample``, with K = ``oversample_after - 1``): batch ``b``'s
     first round starts with ``prompts_to_draw`` samples at the keep rate of batch ``b - oversample_after``, the
     newest whose verdicts exist when it goes out (none for the first ones); its second round is only the shortfall
-    at batch ``b``'s own rate."""
+    at batch ``b``'s own rate. With ``resample_draw: binomial`` that keep rate is the one batch
+    ``b - oversample_after`` saw (kept over drawn groups, as the trainer measures it), and the rounds are
+    ``keep_rounds``'s."""
     rng = random.Random(seed)
+    if work.resample_draw == "binomial":
+        return _draw_binomial(work, devices, steps, rng, keep_seed(seed), oversample_after)
     batches = []
     for step in range(steps):
         count = work.samples_per_device * devices
@@ -122,7 +129,24 @@ def draw_batches(work: Workload, devices: int, steps: int, seed: int,
         rounds = [response_lengths(work, step, first, rng)]
         if again:
             rounds.append(response_lengths(work, step, again, rng))
-        batches.append(rounds)
+        batches.append((rounds, count))
+    return batches
+
+
+def _draw_binomial(work: Workload, devices: int, steps: int, rng: random.Random, keep_rng: random.Random,
+                   oversample_after: int | None) -> list[tuple[list[list[int]], int]]:
+    """``draw_batches`` with ``resample_draw: binomial``."""
+    batches: list[tuple[list[list[int]], int]] = []
+    seen: list[float] = []  # each batch's keep rate, as the trainer measures it
+    for step in range(steps):
+        count = work.samples_per_device * devices
+        target = max(1, count // work.group_size)
+        known = step - oversample_after if oversample_after is not None else -1
+        first = prompts_to_draw(target, seen[known]) if known >= 0 else target
+        sizes, kept = keep_rounds(work, step, first, target, keep_rng)
+        seen.append(kept / sum(sizes))
+        rounds = [response_lengths(work, step, size * work.group_size, rng) for size in sizes]
+        batches.append((rounds, min(count, kept * work.group_size)))
     return batches
 
 
@@ -378,15 +402,15 @@ class AsyncRun:
             for r, t in self.share(batch, d, [Response(n) for n in rounds[0][d::g]], 0.0)
         ]
         verdicts = self.judge(batch, first)
-        if len(rounds) > 1:  # each device re-samples once its own first-round samples have verdicts
-            own = [0.0] * g
+        own = [0.0] * g
+        for lengths in rounds[1:]:  # each device re-samples once its own samples of the round before have verdicts
             for (d, _, _), t in zip(first, verdicts, strict=True):
                 own[d] = max(own[d], t)
-            second = [
+            first = [
                 (d, r, t) for d in range(g)
-                for r, t in self.share(batch, d, [Response(n) for n in rounds[1][d::g]], own[d])
+                for r, t in self.share(batch, d, [Response(n) for n in lengths[d::g]], own[d])
             ]
-            self.judge(batch, second)
+            verdicts = self.judge(batch, first)
         return max([*batch.verdicts, *batch.ends])
 
 
@@ -423,17 +447,17 @@ def simulate_async(
     after = max_staleness + 1 if dispatch == "device" or max_staleness == 0 else max_staleness
     batches = draw_batches(work, devices, steps, seed, after if oversample else None)
     if train_devices is None:
-        train_devices = size_training(work, devices, batches[0])
+        train_devices = size_training(work, devices, batches[0][0])
     elif not 1 <= train_devices <= devices - 2:
         raise ConfigError(f"train_devices {train_devices}: expected 1..{devices - 2} (generate, judge: one each)")
     policy.setup(devices - train_devices, "simulated")
     run = AsyncRun(work, policy.total, max_staleness, partial, dispatch)
     split = {0: (policy.generate_devices, policy.judge_devices)}
     logs = []
-    for b, rounds in enumerate(batches):
+    for b, (rounds, trained) in enumerate(batches):
         batch = run.begin(b, *split[max(s for s in split if s <= b)])
         complete = run.rollout(batch, rounds)
-        batch.consumed = batch.consumed[: work.samples_per_device * devices]  # ``oversample``'s surplus: not trained
+        batch.consumed = batch.consumed[:trained]  # the groups dropped and ``oversample``'s surplus: not trained
         tokens = sum(length + work.prompt_tokens for length in batch.consumed)
         train_s = work.train_step_s + work.train_token_s * tokens / train_devices
         run.train_start.append(max(complete, run.trained[-1] if run.trained else 0.0))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import Any, cast
 
 from gcore.errors import ConfigError
 from gcore.placement import StaticPlacement
@@ -119,7 +120,7 @@ def calibrated_workload(costs: dict[str, float], s: Setting) -> Workload:
         judge_max_batch=s.judge_batch,
         judge_prompt_tokens=s.judge_template_tokens - s.prompt_tokens,
         judge_output_tokens=s.judge_output_tokens,
-        **{"prefill_token_s": 0.0, **costs},
+        **cast("dict[str, Any]", {"prefill_token_s": 0.0, **costs}),  # the cost fields, all floats
     )
 
 
@@ -185,6 +186,7 @@ def workload_yaml(costs: dict[str, float], source: str, workload: str = "tiny",
         "  length_drift: 0.02        # median grows 2% per step",
         "  resample_fraction: 0.2    # dynamic sampling: a fifth of the samples drawn again at step 0",
         "  resample_drift: 0.005     # and more later (more groups all right or all wrong)",
+        "  resample_draw: binomial    # each group kept on its own, as real runs keep them (benchmarks/keep_model.py)",
         "  batching: continuous      # a serving engine's continuous batching (the hf engine: static)",
         *judge_lines,
         "  swap_s: 2.0               # estimate (see above)",

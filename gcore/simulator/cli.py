@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import NoReturn
 
 from gcore.errors import ConfigError
 from gcore.placement import DynamicPlacement
 from gcore.simulator.asynchronous import DISPATCH, simulate_async
-from gcore.simulator.model import StepResult, Workload, compare, load_workload, plot, summarize
+from gcore.simulator.model import RESAMPLE_DRAWS, StepResult, Workload, compare, load_workload, plot, summarize
 
 
 class _Parser(argparse.ArgumentParser):
@@ -85,6 +86,12 @@ def main(argv: list[str]) -> int:
              "with the batch, as many as the newest keep rate says it needs, instead of in a second round that "
              "waits for the first round's verdicts",
     )
+    parser.add_argument(
+        "--resample-draw", choices=RESAMPLE_DRAWS, default=None,
+        help="how dynamic sampling's dropped samples are drawn, over the workload's resample_draw: 'share' (exactly "
+             "resample_fraction of the first round, drawn again once) or 'binomial' (each group kept with probability "
+             "1 - resample_fraction, further rounds as the trainer's filter draws them)",
+    )
     parser.add_argument("--plot", default="simulate.png",
                         help="PNG path; {devices} is replaced per size; empty (--plot '') for no plot")
     for flag, value in zip(argv, [*argv[1:], ""], strict=True):  # the removed token budget: --partial-rollouts 400
@@ -98,6 +105,8 @@ def main(argv: list[str]) -> int:
     if args.oversample and not args.max_staleness:
         parser.error("--oversample needs --max-staleness >= 1 (it is simulated for the asynchronous rows)")
     work, dynamic_options = load_workload(args.config)
+    if args.resample_draw is not None:
+        work = dataclasses.replace(work, resample_draw=args.resample_draw)
     for devices in args.devices:
         if not 2 <= devices <= 4096:
             raise ConfigError(f"--devices {devices}: expected 2..4096")

@@ -21,6 +21,7 @@ from gcore.errors import ConfigError
 from gcore.placement import DynamicPlacement, PlacementPolicy, StaticPlacement, Telemetry
 
 BATCHING = ("continuous", "static")
+RESAMPLE_DRAWS = ("share", "binomial")
 
 
 @dataclass
@@ -42,6 +43,13 @@ class Workload:
         resample_fraction: share of the samples generated (and judged) again in a second round at
             step 0 (dynamic sampling: groups whose rewards were all equal are dropped and re-drawn).
         resample_drift: change of that share per step (clamped to [0, 1]).
+        resample_draw: how the dropped samples are drawn. ``share``: exactly that share of the first round, drawn
+            again once in a second round that is all kept. ``binomial``: as dynamic sampling does it, each group of
+            ``group_size`` samples is kept with probability 1 - share; rounds follow the trainer's ``filter``
+            (the next round is the shortfall over the keep rate seen so far, at most ``max_rounds`` rounds).
+        group_size: samples per prompt (``--sampling.n``); with ``binomial``, the unit kept or dropped.
+        max_rounds: with ``binomial``, the most generation rounds a step takes (``--algorithm.max_rounds``); a
+            step still short after them trains on the groups it has.
         decode_step_s: one decode step of a device's running batch (the latency floor of the tail).
         generate_token_s: throughput cost per generated token on a device.
         prefill_token_s: prefill cost per prompt token of the policy (and per context token of a
@@ -71,6 +79,9 @@ class Workload:
     length_drift: float = 0.02
     resample_fraction: float = 0.0
     resample_drift: float = 0.0
+    resample_draw: str = "share"
+    group_size: int = 8
+    max_rounds: int = 3
     decode_step_s: float = 0.02
     generate_token_s: float = 0.0006
     prefill_token_s: float = 0.0
@@ -91,7 +102,11 @@ class Workload:
     def __post_init__(self) -> None:
         if self.batching not in BATCHING:
             raise ConfigError(f"workload batching {self.batching!r}: valid choices: {', '.join(BATCHING)}")
-        for name in ("samples_per_device", "median_tokens", "max_tokens", "judge_output_tokens"):
+        if self.resample_draw not in RESAMPLE_DRAWS:
+            raise ConfigError(f"workload resample_draw {self.resample_draw!r}: valid choices: "
+                              f"{', '.join(RESAMPLE_DRAWS)}")
+        for name in ("samples_per_device", "median_tokens", "max_tokens", "judge_output_tokens", "group_size",
+                     "max_rounds"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"workload {name} must be positive, got {getattr(self, name)}")
         drifts = ("length_drift", "resample_drift")
@@ -119,6 +134,27 @@ class StepResult:
 def resample_share(work: Workload, step: int) -> float:
     """The share of step ``step``'s samples that dynamic sampling drops (and draws again)."""
     return min(1.0, max(0.0, work.resample_fraction + work.resample_drift * step))
+
+
+def keep_rounds(work: Workload, step: int, first: int, target: int, rng: random.Random) -> tuple[list[int], int]:
+    """``binomial``: the groups each of step ``step``'s rounds draws, and how many groups are kept in all, the first
+    round drawing ``first`` groups for a batch of ``target``: each group is kept with probability 1 - share, and
+    each further round draws the shortfall over the keep rate seen so far (at most 4x ``target``), as the trainer's
+    ``filter`` does, until ``target`` groups are kept or ``max_rounds`` rounds are drawn."""
+    keep = 1.0 - resample_share(work, step)
+    sizes, drawn, kept = [first], first, sum(rng.random() < keep for _ in range(first))
+    while kept < target and len(sizes) < work.max_rounds:
+        rate = max(kept / drawn, 1.0 / drawn)
+        extra = min(math.ceil((target - kept) / rate), 4 * target)
+        sizes.append(extra)
+        drawn += extra
+        kept += sum(rng.random() < keep for _ in range(extra))
+    return sizes, kept
+
+
+def keep_seed(seed: int) -> random.Random:
+    """The keep draws' own stream, apart from the lengths' (``binomial``)."""
+    return random.Random(f"keep-{seed}")
 
 
 def response_lengths(work: Workload, step: int, count: int, rng: random.Random) -> list[int]:
@@ -379,15 +415,21 @@ def simulate(
     dynamic = isinstance(policy, DynamicPlacement)
     if release_tail and not dynamic:
         raise ConfigError("release_tail needs the dynamic placement")
-    rng = random.Random(seed)
+    rng, keep_rng = random.Random(seed), keep_seed(seed)
     results = []
     for step in range(steps):
         count = work.samples_per_device * devices
-        lengths = response_lengths(work, step, count, rng)
-        share = resample_share(work, step)
-        rounds = [lengths]
-        if round(share * count):
-            rounds.append(response_lengths(work, step, round(share * count), rng))
+        if work.resample_draw == "binomial":
+            target = max(1, count // work.group_size)
+            sizes, kept = keep_rounds(work, step, target, target, keep_rng)
+            rounds = [response_lengths(work, step, size * work.group_size, rng) for size in sizes]
+            lengths = [n for r in rounds for n in r][: min(count, kept * work.group_size)]
+        else:
+            lengths = response_lengths(work, step, count, rng)
+            share = resample_share(work, step)
+            rounds = [lengths]
+            if round(share * count):
+                rounds.append(response_lengths(work, step, round(share * count), rng))
         tokens = sum(lengths) + work.prompt_tokens * len(lengths)
         train_s = work.train_step_s + work.train_token_s * tokens / devices
         g, j = ((cast(DynamicPlacement, policy).generate_devices, cast(DynamicPlacement, policy).judge_devices)

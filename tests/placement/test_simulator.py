@@ -17,6 +17,8 @@ from gcore.simulator.model import (
     Workload,
     compare,
     generation_costs,
+    keep_rounds,
+    keep_seed,
     resample_share,
     serve,
     simulate,
@@ -257,6 +259,8 @@ def test_oversample_sends_the_extra_samples_with_the_batch_and_trains_the_batch_
     work = _work(resample_drift=0.01)
     count = work.samples_per_device * 16
     plain, over = draw_batches(work, 16, 6, seed=3), draw_batches(work, 16, 6, seed=3, oversample_after=2)
+    assert all(trained == count for _, trained in plain + over)
+    plain, over = [rounds for rounds, _ in plain], [rounds for rounds, _ in over]
     assert over[:2] == plain[:2]
     for b in range(2, 6):
         first = prompts_to_draw(count, 1.0 - resample_share(work, b - 2))
@@ -281,3 +285,44 @@ def test_oversample_idles_less_when_the_second_round_waits_for_a_slow_judge(disp
     runs = run_all(16, 8, work, {}, release_tail=False, max_staleness=1, dispatch=dispatch, oversample=True)
     idle = {name: summarize(results, 16)["idle_device_hours"] for name, results in runs.items()}
     assert idle["dynamic K=1 oversample"] < 0.9 * idle["dynamic K=1"], idle
+
+
+def test_binomial_draws_keep_each_group_with_the_keep_rate_and_follow_the_trainers_rounds():
+    """``resample_draw: binomial``: each group of ``group_size`` samples is kept with probability 1 - share; a step
+    draws more rounds as the trainer's ``filter`` does (the shortfall over the keep rate seen, at most
+    ``max_rounds``), and trains on at most the batch. The lengths come from the same stream as ``share``'s."""
+    work = _work(resample_fraction=0.3, resample_draw="binomial", group_size=4, max_rounds=3)
+    target, count = 16 * work.samples_per_device // 4, 16 * work.samples_per_device
+    rng = random.Random(0)
+    drawn = kept = 0
+    for _ in range(200):
+        sizes, k = keep_rounds(work, 0, target, target, rng)
+        assert sizes[0] == target and 1 <= len(sizes) <= 3
+        assert len(sizes) == 1 or all(s <= 4 * target for s in sizes[1:])
+        assert len(sizes) == 3 or k >= target  # only the last round may leave the step short
+        drawn, kept = drawn + sum(sizes), kept + k
+    assert kept / drawn == pytest.approx(0.7, abs=0.01)
+    batches = draw_batches(work, 16, 20, seed=1)
+    assert all(sum(len(r) for r in rounds) % 4 == 0 and trained <= count for rounds, trained in batches)
+    assert sum(len(rounds) > 1 for rounds, _ in batches) >= 18  # a second round almost every step
+    assert [r[0][0] for r, _ in batches][:1] == [r[0][0] for r, _ in draw_batches(_work(), 16, 1, seed=1)]
+    with pytest.raises(ConfigError, match="resample_draw 'fixed': valid choices: share, binomial"):
+        _work(resample_draw="fixed")
+
+
+def test_binomial_oversample_sizes_the_first_round_at_the_keep_rate_seen_and_mostly_needs_no_second():
+    """With ``binomial`` draws, ``--trainer.oversample``'s margin is what it is for: batch ``b``'s first round is
+    ``prompts_to_draw`` at the keep rate batch ``b - oversample_after`` saw, and at confidence 0.9 most batches fill
+    their share in one round (with ``share`` draws the margin is never needed but for the drift)."""
+    work = _work(resample_fraction=0.3, resample_draw="binomial", group_size=4)
+    target = 16 * work.samples_per_device // 4
+    batches = draw_batches(work, 16, 40, seed=2, oversample_after=2)
+    rng = keep_seed(2)
+    seen = []
+    for b, (rounds, _) in enumerate(batches):
+        first = prompts_to_draw(target, seen[b - 2]) if b >= 2 else target
+        sizes, kept = keep_rounds(work, b, first, target, rng)
+        assert [len(r) for r in rounds] == [size * 4 for size in sizes]
+        seen.append(kept / sum(sizes))
+    assert sum(len(rounds) > 1 for rounds, _ in batches[2:]) <= 10  # about one in ten: 3.8 expected
+    assert all(len(rounds) > 1 for rounds, _ in batches[:2])  # no keep rate known yet: the plain rounds
