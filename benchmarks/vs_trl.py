@@ -70,7 +70,7 @@ import tempfile
 import time
 
 VARIANTS = ("gcore", "gcore-all-rows", "gcore-async", "gcore-bf16", "gcore-compile", "gcore-compile-eager",
-            "gcore-dynamic", "gcore-generate", "trl", "trl-compile")
+            "gcore-dynamic", "gcore-packed", "gcore-padded", "gcore-generate", "trl", "trl-compile")
 STAGES = ("generate", "reward", "swap", "prepare", "train", "sync")
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 NEIGHBOURS = ("none", "pinned", "unpinned", "threaded", "gloo")
@@ -257,7 +257,10 @@ def run_gcore(args: argparse.Namespace) -> dict:
     engine's decode step with ``torch.compile`` (``--backend.compile true --engine.compile true``; the one-off
     compilation falls in the first steps, left out of the step times as warm-up, but not out of the whole run's
     time); ``gcore-compile-eager`` the same, training with eager (matmul) attention, which Inductor fuses
-    into the blocks' graphs, instead of SDPA (``--backend.attn_implementation eager``). ``trl-compile`` is TRL with
+    into the blocks' graphs, instead of SDPA (``--backend.attn_implementation eager``); ``gcore-packed`` trains on
+    micro-batches packed into one row each, without padding and without sharing prompts (``--backend.packing
+    true``); ``gcore-padded`` runs the responses of a micro-batch that shares its prompts padded to the longest, as
+    before they were packed (``--backend.pack_responses false``). ``trl-compile`` is TRL with
     ``torch_compile=True`` (transformers compiles the model it trains)."""
     from gcore import (
         GRPO,
@@ -304,10 +307,13 @@ def run_gcore(args: argparse.Namespace) -> dict:
             backend=TorchBackend(lr=args.lr, micro_batch_size=args.micro_batch_size,
                                  skip_inert_rows=args.worker != "gcore-all-rows",
                                  compile=args.worker.startswith("gcore-compile"),
-                                 attn_implementation="eager" if args.worker == "gcore-compile-eager" else None),
+                                 attn_implementation="eager" if args.worker == "gcore-compile-eager" else None,
+                                 packing=True if args.worker == "gcore-packed" else None,
+                                 pack_responses=False if args.worker == "gcore-padded" else None),
             engine=HFEngine(use_generate=args.worker == "gcore-generate",
                             static_cache=args.worker in ("gcore", "gcore-all-rows", "gcore-async", "gcore-bf16",
-                                                         "gcore-compile", "gcore-compile-eager"),
+                                                         "gcore-compile", "gcore-compile-eager", "gcore-packed",
+                                                         "gcore-padded"),
                             dtype="bfloat16" if args.worker == "gcore-bf16" else "auto",
                             compile=args.worker.startswith("gcore-compile")),
             # every setting that TRL is given below, spelled out (gcore's defaults may change)

@@ -16,7 +16,16 @@ from gcore.backends import lora
 from gcore.backends import sequence_parallel as seqpar
 from gcore.backends.base import TrainingBackend
 from gcore.backends.common import OptimizerOptions, check_sequence_parallel_controllers
-from gcore.backends.shared_prompts import distinct_prompts, prompt_keys, shared_prompt_logits, to_batch_layout
+from gcore.backends.shared_prompts import (
+    distinct_prompts,
+    packed_attention,
+    packed_response_logits,
+    packing_saves,
+    prompt_keys,
+    shared_prompt_logits,
+    to_batch_layout,
+    to_response_layout,
+)
 from gcore.balance import micro_batches_by_length, micro_batches_sharing_prompts, padding_fraction
 from gcore.errors import ConfigError
 from gcore.model import ModelSource, causal_lm_class, check_compiler, image_text_to_text
@@ -132,6 +141,11 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             numbers up to float rounding, less work when several samples share a prompt. ``None``: only
             where it saves at least a fifth of a micro-batch's tokens (below that the second model call
             costs about what it saves; measured in BENCHMARKS.md); ``true``: wherever a prompt repeats.
+        pack_responses: where a micro-batch shares its prompts, run its responses as one sequence without
+            padding, each token seeing its own prompt and response (a block mask; ``packed_response_logits``);
+            the same numbers up to float rounding. ``None``: where that does fewer multiply-adds than responses
+            padded to the longest one (``packing_saves``: short, uneven responses); ``true``: always; ``false``:
+            never. SDPA and eager attention only (others get the padded layout).
         lora_rank: train LoRA adapters of this rank (the ``peft`` library, ``pip install gcore[lora]``) instead
             of every weight; 0 (default): full fine-tuning. Only the adapters are trained and given to the
             optimizer; the engines receive the merged weights ``W + (alpha / rank) * B @ A`` under the base
@@ -187,6 +201,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         strategy: Literal["ddp", "fsdp"] = "ddp",
         skip_inert_rows: bool = True,
         share_prompts: bool | None = None,
+        pack_responses: bool | None = None,
         lora_rank: int = 0,
         lora_alpha: int | None = None,
         lora_target_modules: list[str] | None = None,
@@ -199,6 +214,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         self.fsdp = strategy == "fsdp"
         self.sequence_parallel_size, self.sequence_parallel_mode = sequence_parallel_size, sequence_parallel_mode
         self.packing, self.skip_inert_rows, self.share_prompts = packing, skip_inert_rows, share_prompts
+        self.pack_responses = pack_responses
         self.lora_rank, self.lora_alpha, self.lora_target_modules = lora_rank, lora_alpha, lora_target_modules
         self.gradient_checkpointing, self.critic_lr = gradient_checkpointing, critic_lr
         self.attn_implementation, self.compile = attn_implementation, compile
@@ -357,10 +373,19 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             if shared is not None:  # each distinct prompt runs once for all the rows that share it
                 # compiled blocks would recompile for each block's state of the prompts' KV cache: run eagerly
                 eager = torch.compiler.set_stance("force_eager") if self.compile else contextlib.nullcontext()
+                inner = getattr(model, "module", model)
+                pack = self.pack_responses is not False and packed_attention(inner) is not None and (
+                    self.pack_responses or packing_saves(micro, len(shared[0]), inner.config))
                 with self.fabric.autocast(), eager:  # the unwrapped module gets the precision the wrapper gives
-                    logits, targets = shared_prompt_logits(model, micro, *shared, input_ids.device,
-                                                           prefix_model=getattr(model, "module", model))
+                    if pack:
+                        logits, targets, rows, columns = packed_response_logits(model, micro, *shared,
+                                                                                input_ids.device, prefix_model=inner)
+                    else:
+                        logits, targets = shared_prompt_logits(model, micro, *shared, input_ids.device,
+                                                               prefix_model=inner)
                 logprobs, entropy = seqpar.next_token_logprobs(logits, targets, temperature)
+                if pack:
+                    logprobs, entropy = (to_response_layout(v, rows, columns, len(micro)) for v in (logprobs, entropy))
                 return to_batch_layout(logprobs, micro), to_batch_layout(entropy, micro)
             # the last position predicts no token of the batch and, the attention being causal, no other
             # position reads it: leave it out. No KV cache either (HF builds one by default).

@@ -8,7 +8,14 @@ from conftest import assert_same_run
 
 from gcore.backends import sequence_parallel as seqpar
 from gcore.backends import token_logprobs
-from gcore.backends.shared_prompts import distinct_prompts, shared_prompt_logits, to_batch_layout
+from gcore.backends.shared_prompts import (
+    distinct_prompts,
+    packed_response_logits,
+    packing_saves,
+    shared_prompt_logits,
+    to_batch_layout,
+    to_response_layout,
+)
 from gcore.model import ModelConfig, build_tiny_model, char_tokenizer
 from gcore.types import Prompt, Sample, collate
 
@@ -34,8 +41,11 @@ def _samples(tokenizer):
     return samples[::-1][1:] + samples[-1:]  # rows of one prompt need not be adjacent
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed", "packed-eager"])
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_shared_prompt_forward_equals_the_plain_forward(family):
+def test_shared_prompt_forward_equals_the_plain_forward(family, layout):
+    """Padded: the responses right-padded to the longest; packed: one sequence without padding under a block mask
+    (``packed_response_logits``; the mask is boolean for SDPA, added to the scores for eager attention)."""
     tokenizer = char_tokenizer()
     model = build_tiny_model(ModelConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128), tokenizer, 0)
     if family == "llama":
@@ -56,8 +66,16 @@ def test_shared_prompt_forward_equals_the_plain_forward(family):
     plain_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     model.zero_grad()
-    logits, targets = shared_prompt_logits(model, batch, *shared, torch.device("cpu"))
-    logprobs, entropy = seqpar.next_token_logprobs(logits, targets, 0.7)
+    if layout == "padded":
+        logits, targets = shared_prompt_logits(model, batch, *shared, torch.device("cpu"))
+        logprobs, entropy = seqpar.next_token_logprobs(logits, targets, 0.7)
+    else:
+        if layout == "packed-eager":
+            model.config._attn_implementation = "eager"
+        logits, targets, rows, columns = packed_response_logits(model, batch, *shared, torch.device("cpu"))
+        assert len(targets) == int(mask.sum())  # one logit per response token: no padding ran
+        logprobs, entropy = seqpar.next_token_logprobs(logits, targets, 0.7)
+        logprobs, entropy = (to_response_layout(v, rows, columns, len(batch)) for v in (logprobs, entropy))
     logprobs, entropy = to_batch_layout(logprobs, batch), to_batch_layout(entropy, batch)
     (logprobs * mask * torch.linspace(0.5, 2.0, mask.shape[1])).sum().backward()
 
@@ -67,6 +85,22 @@ def test_shared_prompt_forward_equals_the_plain_forward(family):
     assert (logprobs * mask).abs().sum() > 1  # the comparison is not between zeros
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(parameter.grad, plain_grads[name], atol=ATOL, rtol=1e-4, msg=name)
+
+
+def test_packing_is_chosen_where_it_does_fewer_multiply_adds():
+    """Short responses of uneven lengths: packing saves the padding; long ones: its one attention block over the
+    whole micro-batch costs more than the padding it saves."""
+    tokenizer = char_tokenizer()
+    model = build_tiny_model(ModelConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128), tokenizer, 0)
+
+    def batch_of(lengths):
+        prompt = Prompt(index=0, text="12+3=", token_ids=tokenizer("12+3=")["input_ids"])
+        samples = [Sample(prompt=prompt, group=0, response_ids=[7] * n, response_logprobs=[0.0] * n,
+                          response_text="", finished=True) for n in lengths]
+        return collate(samples, tokenizer.pad_token_id, temperature=1.0)
+
+    assert packing_saves(batch_of([2, 3, 24, 4, 5, 3, 2, 6]), 1, model.config)
+    assert not packing_saves(batch_of([2000, 1990, 2010, 2005, 1995, 2000, 2001, 1999]), 1, model.config)
 
 
 def test_nothing_to_share_falls_back():
@@ -91,6 +125,23 @@ def test_training_with_shared_prompts_gives_the_same_run():
                                    backend=TorchBackend(share_prompts=share, micro_batch_size=6),
                                    algorithm=GRPO(kl_coef=0.05, epochs=2))
                    for share in (True, False)}
+    assert_same_run(results[True], results[False])
+
+
+def test_training_with_packed_responses_gives_the_same_run(monkeypatch):
+    """The packed responses through the trainer: the same rewards, losses and final weights as padded ones."""
+    from gcore import GRPO, TorchBackend
+    from gcore.backends import torch as torch_backend
+    from gcore.testing import tiny_fit
+
+    calls = []
+    packed = torch_backend.packed_response_logits
+    monkeypatch.setattr(torch_backend, "packed_response_logits", lambda *a, **k: calls.append(1) or packed(*a, **k))
+    results = {pack: tiny_fit(steps=3, save_final=True,
+                              backend=TorchBackend(share_prompts=True, pack_responses=pack, micro_batch_size=6),
+                              algorithm=GRPO(kl_coef=0.05, epochs=2))
+               for pack in (True, False)}
+    assert calls  # the packed run ran packed
     assert_same_run(results[True], results[False])
 
 
