@@ -108,9 +108,15 @@ def shared_prompt_logits(model: torch.nn.Module, micro: RolloutBatch, first_row:
 
 def packed_attention(model: torch.nn.Module) -> str | None:
     """The mask ``packed_response_logits`` gives ``model``'s attention: ``bool`` for SDPA, ``float`` (added to the
-    scores) for eager attention; ``None`` for any other implementation, which gets the padded layout."""
-    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    return {"sdpa": "bool", "eager": "float"}.get(str(implementation))
+    scores) for eager attention; ``None`` for any other implementation, and for models with sliding-window layers
+    (the block mask has no window), which get the padded layout."""
+    config = getattr(model, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    sliding = (any("sliding" in str(t) for t in layer_types) if layer_types
+               else getattr(config, "sliding_window", None) is not None)
+    if sliding:
+        return None
+    return {"sdpa": "bool", "eager": "float"}.get(str(getattr(config, "_attn_implementation", None)))
 
 
 def packing_saves(micro: RolloutBatch, distinct: int, config: object) -> bool:

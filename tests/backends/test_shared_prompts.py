@@ -103,6 +103,27 @@ def test_packing_is_chosen_where_it_does_fewer_multiply_adds():
     assert not packing_saves(batch_of([2000, 1990, 2010, 2005, 1995, 2000, 2001, 1999]), 1, model.config)
 
 
+def test_packing_needs_sdpa_or_eager_attention_without_sliding_windows():
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config
+
+    from gcore.backends.shared_prompts import packed_attention
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    llama = LlamaForCausalLM(LlamaConfig(**small))
+    assert packed_attention(llama) == "bool"
+    llama.config._attn_implementation = "eager"
+    assert packed_attention(llama) == "float"
+    llama.config._attn_implementation = "flex_attention"
+    assert packed_attention(llama) is None
+    assert packed_attention(MistralForCausalLM(MistralConfig(sliding_window=16, **small))) is None
+    qwen = build_tiny_model(ModelConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128),
+                            char_tokenizer(), 0)
+    assert isinstance(qwen.config, Qwen2Config) and packed_attention(qwen) == "bool"  # its window is switched off
+    qwen.config.layer_types = ["sliding_attention", "full_attention"]
+    assert packed_attention(qwen) is None
+
+
 def test_nothing_to_share_falls_back():
     tokenizer = char_tokenizer()
     samples = [s for s in _samples(tokenizer) if s.group in (0, 9)][:1] + [
