@@ -253,9 +253,7 @@ class Controller:
         kept = self._keep_groups(record.samples)
         while len(kept) < target * n and record.rounds < self.algorithm.max_rounds and self.draw_prompts is not None:
             samples = record.samples
-            missing = target - len(kept) // n
-            keep_rate = max(len(kept) / len(samples), 1.0 / (len(samples) // n))  # at worst, one group in all
-            extra = self.draw_prompts(min(math.ceil(missing / keep_rate), 4 * target))
+            extra = self.draw_prompts(next_round(target, len(kept) // n, len(samples) // n))
             more = self.rollout(record, extra, first_group=len(samples) // n)
             record.samples, kept, record.rounds = samples + more, kept + self._keep_groups(more), record.rounds + 1
         record.groups_accepted = len(kept) // n
@@ -557,6 +555,14 @@ class Controller:
         if self.fabric.world_size == 1:
             return tensor
         return _tensor(self.fabric.all_reduce(tensor, reduce_op=op))
+
+
+def next_round(target: int, kept: int, drawn: int) -> int:
+    """How many prompts dynamic sampling's next round draws when ``kept`` of the ``drawn`` groups so far were kept
+    and ``target`` are needed: the shortfall over the keep rate seen (at worst one group in all), at most 4x
+    ``target``."""
+    keep_rate = max(kept / drawn, 1.0 / drawn)
+    return min(math.ceil((target - kept) / keep_rate), 4 * target)
 
 
 def prompts_to_draw(target: int, keep_rate: float, confidence: float = 0.9) -> int:

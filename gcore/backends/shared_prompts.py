@@ -156,13 +156,17 @@ def packed_response_logits(model: torch.nn.Module, micro: RolloutBatch, first_ro
     lengths = micro.attention_mask.sum(-1)
     rows = row_to_prompt.to(device)
     prompt_cache, first_logits, prompt_mask = _prompt_pass(prefix_model or model, micro, first_row, rows, device)
-    first_targets, inputs, positions, segment = [], [], [], []
+    # per row: its first response token (predicted by the prompt pass), the tokens but the last (inputs here),
+    # their positions, and the tokens they predict with their columns in the response
+    first_targets, inputs, positions, segment, columns, rest_targets = [], [], [], [], [], []
     for row in range(len(micro)):
         start, stop = int(prompt_lengths[row]), int(lengths[row])
         response = micro.input_ids[row, start:stop]
         first_targets.append(response[:1])
         inputs.append(response[:-1])
+        rest_targets.append(response[1:])
         positions.append(torch.arange(start, stop - 1))
+        columns.append(torch.arange(1, stop - start))
         segment.append(torch.full((stop - start - 1,), row))
     targets_first = torch.cat(first_targets).to(device)
     index_rows = torch.arange(len(micro), device=device)
@@ -170,10 +174,7 @@ def packed_response_logits(model: torch.nn.Module, micro: RolloutBatch, first_ro
     packed = torch.cat(inputs)
     if not len(packed):
         return first_logits, targets_first, index_rows, index_columns
-    seg = torch.cat(segment).to(device)
-    column = torch.cat([torch.arange(len(p)) for p in positions]).to(device) + 1  # the token each input predicts
-    targets_rest = torch.cat([micro.input_ids[r, int(prompt_lengths[r]) + 1: int(lengths[r])]
-                              for r in range(len(micro))]).to(device)
+    seg, column, targets_rest = (torch.cat(parts).to(device) for parts in (segment, columns, rest_targets))
     # every prompt's keys and values side by side on one row: [1, heads, distinct x width, head_dim]
     cache = DynamicCache(config=model.config)  # type: ignore[arg-type]  # an HF model: its PretrainedConfig
     for layer_index, layer in enumerate(prompt_cache.layers):  # type: ignore[attr-defined]  # a transformers Cache

@@ -63,10 +63,10 @@ from gcore.simulator.model import (
     DeviceCosts,
     StepResult,
     Workload,
+    binomial_step,
     generation_costs,
     judge_costs,
     judge_each,
-    keep_rounds,
     keep_seed,
     record,
     resample_share,
@@ -138,15 +138,13 @@ def _draw_binomial(work: Workload, devices: int, steps: int, rng: random.Random,
     """``draw_batches`` with ``resample_draw: binomial``."""
     batches: list[tuple[list[list[int]], int]] = []
     seen: list[float] = []  # each batch's keep rate, as the trainer measures it
+    count = work.samples_per_device * devices
     for step in range(steps):
-        count = work.samples_per_device * devices
-        target = max(1, count // work.group_size)
         known = step - oversample_after if oversample_after is not None else -1
-        first = prompts_to_draw(target, seen[known]) if known >= 0 else target
-        sizes, kept = keep_rounds(work, step, first, target, keep_rng)
-        seen.append(kept / sum(sizes))
-        rounds = [response_lengths(work, step, size * work.group_size, rng) for size in sizes]
-        batches.append((rounds, min(count, kept * work.group_size)))
+        first = prompts_to_draw(max(1, count // work.group_size), seen[known]) if known >= 0 else None
+        rounds, trained, rate = binomial_step(work, step, count, first, rng, keep_rng)
+        seen.append(rate)
+        batches.append((rounds, trained))
     return batches
 
 

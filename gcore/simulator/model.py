@@ -17,6 +17,7 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import cast
 
+from gcore.controller import next_round
 from gcore.errors import ConfigError
 from gcore.placement import DynamicPlacement, PlacementPolicy, StaticPlacement, Telemetry
 
@@ -139,17 +140,27 @@ def resample_share(work: Workload, step: int) -> float:
 def keep_rounds(work: Workload, step: int, first: int, target: int, rng: random.Random) -> tuple[list[int], int]:
     """``binomial``: the groups each of step ``step``'s rounds draws, and how many groups are kept in all, the first
     round drawing ``first`` groups for a batch of ``target``: each group is kept with probability 1 - share, and
-    each further round draws the shortfall over the keep rate seen so far (at most 4x ``target``), as the trainer's
-    ``filter`` does, until ``target`` groups are kept or ``max_rounds`` rounds are drawn."""
+    each further round is the trainer's (``controller.next_round``), until ``target`` groups are kept or
+    ``max_rounds`` rounds are drawn."""
     keep = 1.0 - resample_share(work, step)
     sizes, drawn, kept = [first], first, sum(rng.random() < keep for _ in range(first))
     while kept < target and len(sizes) < work.max_rounds:
-        rate = max(kept / drawn, 1.0 / drawn)
-        extra = min(math.ceil((target - kept) / rate), 4 * target)
+        extra = next_round(target, kept, drawn)
         sizes.append(extra)
         drawn += extra
         kept += sum(rng.random() < keep for _ in range(extra))
     return sizes, kept
+
+
+def binomial_step(work: Workload, step: int, count: int, first: int | None, rng: random.Random,
+                  keep_rng: random.Random) -> tuple[list[list[int]], int, float]:
+    """``binomial``: step ``step``'s rounds of response lengths for a batch of ``count`` samples, the first round
+    drawing ``first`` groups (default: the batch's), how many samples are trained on (the batch, or fewer where the
+    rounds fell short) and the keep rate the step saw (kept over drawn groups, as the trainer measures it)."""
+    target = max(1, count // work.group_size)
+    sizes, kept = keep_rounds(work, step, target if first is None else first, target, keep_rng)
+    rounds = [response_lengths(work, step, size * work.group_size, rng) for size in sizes]
+    return rounds, min(count, kept * work.group_size), kept / sum(sizes)
 
 
 def keep_seed(seed: int) -> random.Random:
@@ -420,10 +431,8 @@ def simulate(
     for step in range(steps):
         count = work.samples_per_device * devices
         if work.resample_draw == "binomial":
-            target = max(1, count // work.group_size)
-            sizes, kept = keep_rounds(work, step, target, target, keep_rng)
-            rounds = [response_lengths(work, step, size * work.group_size, rng) for size in sizes]
-            lengths = [n for r in rounds for n in r][: min(count, kept * work.group_size)]
+            rounds, trained, _ = binomial_step(work, step, count, None, rng, keep_rng)
+            lengths = [n for r in rounds for n in r][:trained]
         else:
             lengths = response_lengths(work, step, count, rng)
             share = resample_share(work, step)
