@@ -100,16 +100,22 @@ def micro_batches_by_length(lengths: Sequence[int], size: int) -> list[list[int]
 
 
 def micro_batches_sharing_prompts(lengths: Sequence[int], prompt_lengths: Sequence[int], prompts: Sequence[Hashable],
-                                  size: int) -> list[list[int]]:
+                                  size: int, packed: bool = False) -> list[list[int]]:
     """Rows grouped into micro-batches of ``size`` for a forward that runs each distinct prompt of a micro-batch
-    once and pads the replies to the micro-batch's longest (``share_prompts``): the cheaper, in positions run, of
-    the rows cut in order of length (``micro_batches_by_length``: less reply padding, but a prompt's rows may be
-    spread over several micro-batches, each running the prompt again) and the rows cut in order of prompt (a
-    prompt's rows together, the prompts in order of their longest reply). ``lengths`` are whole rows (prompt and
+    once and the replies on top (``share_prompts``): the cheaper, in positions run, of the rows cut in order of
+    length (``micro_batches_by_length``: less reply padding, but a prompt's rows may be spread over several
+    micro-batches, each running the prompt again) and the rows cut in order of prompt (a prompt's rows together,
+    the prompts in order of their longest reply). The replies count padded to the micro-batch's longest, or, with
+    ``packed`` (``--backend.pack_responses``: the replies run as one sequence), as their own tokens: then both cuts
+    run the same reply positions and only the prompts run again decide. ``lengths`` are whole rows (prompt and
     reply), ``prompts`` any key that is equal for rows of the same prompt."""
     def positions(micro_batches: list[list[int]]) -> int:
-        return sum(sum({prompts[i]: prompt_lengths[i] for i in rows}.values())
-                   + len(rows) * max(lengths[i] - prompt_lengths[i] for i in rows) for rows in micro_batches)
+        total = 0
+        for rows in micro_batches:
+            replies = [lengths[i] - prompt_lengths[i] for i in rows]
+            total += sum({prompts[i]: prompt_lengths[i] for i in rows}.values())
+            total += sum(replies) if packed else len(rows) * max(replies)
+        return total
 
     by_length = micro_batches_by_length(lengths, size)
     longest: dict[Hashable, int] = {}

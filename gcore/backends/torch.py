@@ -514,7 +514,9 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             # each micro-batch runs each of its prompts once: fewer prompts per micro-batch against less reply padding
             prompt_lengths = batch.prompt_lengths[rows].tolist()
             prompts = prompt_keys(batch.input_ids[rows], prompt_lengths)
-            groups = micro_batches_sharing_prompts(lengths, prompt_lengths, prompts, self.micro_batch_size)
+            # packed replies (the forward's choice, unless the model's attention has no block mask) cost no padding
+            packed = self.pack_responses is not False and packed_attention(self.hf_model) is not None
+            groups = micro_batches_sharing_prompts(lengths, prompt_lengths, prompts, self.micro_batch_size, packed)
         else:  # similar lengths in a micro-batch: less padding
             groups = micro_batches_by_length(lengths, self.micro_batch_size)
         micro_rows = [rows[torch.tensor(g, dtype=torch.long)] for g in groups] or [torch.tensor([], dtype=torch.long)]

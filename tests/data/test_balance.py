@@ -60,17 +60,19 @@ def test_length_predictor_learns_per_prompt_and_per_bucket():
     assert q.expected(0, 5) == p.expected(0, 5) and q.expected(1, 7) == p.expected(1, 7)
 
 
-@pytest.mark.parametrize(("prompt_length", "by_prompt"), [(50, True), (2, False)])
-def test_micro_batches_sharing_prompts_take_the_cheaper_cut(prompt_length, by_prompt):
+@pytest.mark.parametrize(("prompt_length", "packed", "by_prompt"),
+                         [(50, False, True), (2, False, False), (2, True, True)])
+def test_micro_batches_sharing_prompts_take_the_cheaper_cut(prompt_length, packed, by_prompt):
     """Four prompts of eight rows, every prompt with replies of 10, 9, 8, 7, 4, 3, 2, 1 tokens, in micro-batches of
     16. Cut by length, each micro-batch holds all four prompts (run twice each) and pads to 10 and to 4 tokens;
     cut by prompt, each holds two prompts and pads to 10. With 50-token prompts running them once saves more than
     the padding costs (by prompt: 2 x (100 + 16 x 10) = 520 positions, by length: 400 + 160 + 64 = 624); with
-    2-token prompts it does not (328 against 240)."""
+    2-token prompts it does not (328 against 240), unless the replies run packed: no padding either way (176
+    reply positions), so the prompts decide (8 positions by prompt against 16)."""
     replies = [10, 9, 8, 7, 4, 3, 2, 1]
     prompts = [p for p in "abcd" for _ in replies]
     lengths = [prompt_length + r for _ in "abcd" for r in replies]
-    groups = micro_batches_sharing_prompts(lengths, [prompt_length] * 32, prompts, 16)
+    groups = micro_batches_sharing_prompts(lengths, [prompt_length] * 32, prompts, 16, packed)
     assert sorted(i for g in groups for i in g) == list(range(32)) and [len(g) for g in groups] == [16, 16]
     held = [{prompts[i] for i in g} for g in groups]
     if by_prompt:
