@@ -22,6 +22,14 @@ the decode batch for generate, a micro-batch's tokens for train). Small ``M`` (a
 below the square-matrix peak; the gap between the two floors is the matmul shapes, the gap above ``x shapes``
 is everything but the matmuls (attention, norms, softmax, sampling, padding, rows decoded after they finished).
 
+A third, ``x roofline``, adds what the matmul peak leaves out: the weights must be read from memory. A decode step
+reads every weight once whatever its rows, so a step's generation reads them once per decode step (as many as its
+longest reply: ``response_length/max``); training reads them about three times per micro-batch (the forward, the
+backward's input gradients, the gradient accumulation) and eight times in the optimizer (clipping, then AdamW's
+parameter, gradient and two moments read, three written). The floor is then the larger of the FLOPs at the peak
+and those bytes at the machine's measured read rate (``torch.sum`` over 512 MB), with the optimizer's bytes added
+after the forward and backward (it runs after them); it assumes ``--weight-bytes`` per parameter (4: float32).
+
 ``prepare`` runs no model where the engine's log-probabilities are used and there is no KL term: its floor is
 nothing, and the table prints its time and share of the step instead. These are estimates of useful work; the
 achieved rate is a lower bound where a stage also pads or recomputes. The prompt length is the logged
@@ -93,11 +101,36 @@ def copy_gb_per_s(megabytes: int = 512, repeats: int = 5) -> float:
     return src.numel() * 4 / best / 1e9
 
 
+def read_gb_per_s(megabytes: int = 512, repeats: int = 5) -> float:
+    """The best of ``repeats`` sums over a ``megabytes`` float32 tensor, in GB read per second."""
+    src = torch.randn(megabytes * 2**20 // 4)
+    src.sum()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - start)
+    return src.numel() * 4 / best / 1e9
+
+
+def roofline_seconds(stage: str, flops: float, row: dict, weight_gb: float, peak: float, read_rate: float,
+                     micro_batch_size: int) -> float:
+    """The ``x roofline`` floor of one step's ``stage`` (seconds): its FLOPs at ``peak`` or the weights' reads at
+    ``read_rate``, whichever is longer, plus the optimizer's reads and writes for train (module docstring)."""
+    compute = flops / peak / 1e9
+    if stage == "generate":
+        return max(compute, float(row["response_length/max"]) * weight_gb / read_rate)
+    micro_batches = -(-float(row["samples/trained"]) * float(row["trained_rows_frac"]) // micro_batch_size)
+    return max(compute, 3 * micro_batches * weight_gb / read_rate) + 8 * weight_gb / read_rate
+
+
 def stage_table(rows: list[dict], params: int, head: int, peak: float, shaped: dict[str, float], copy_rate: float,
-                prompt_tokens: float | None) -> None:
+                prompt_tokens: float | None, roofline: dict[str, float] | None = None) -> None:
     """Print each stage's median time, work per step, achieved rate and time over its floor for ``rows``
-    (``params``: the model's parameters, ``head``: those of its output head)."""
+    (``params``: the model's parameters, ``head``: those of its output head; ``roofline``: the weights' GB, the read
+    rate and the micro-batch size for the ``x roofline`` column)."""
     work: dict[str, list[tuple[float, float]]] = {"generate": [], "train": [], "sync": []}
+    roof: dict[str, list[float]] = {"generate": [], "train": []}
     prepare, steps = [], []
     for r in rows:
         samples, groups = float(r["samples/total"]), float(r["filter/groups_trained"]) or 1.0
@@ -112,9 +145,14 @@ def stage_table(rows: list[dict], params: int, head: int, peak: float, shaped: d
             seconds = float(r[f"time/{stage}"])
             if seconds > 0 and amount > 0:
                 work[stage].append((amount, seconds))
+                if roofline is not None and stage in roof:
+                    floor = roofline_seconds(stage, amount, r, roofline["weight_gb"], peak, roofline["read_rate"],
+                                             int(roofline["micro_batch_size"]))
+                    roof[stage].append(seconds / floor)
         prepare.append(float(r["time/prepare"]))
         steps.append(float(r["time/step"]))
-    print(f"{'stage':<10}{'median s':>10}{'work/step':>14}{'rate':>14}{'x floor':>9}{'x shapes':>10}")
+    print(f"{'stage':<10}{'median s':>10}{'work/step':>14}{'rate':>14}{'x floor':>9}{'x shapes':>10}"
+          f"{'x roofline':>12}")
     for stage, pairs in work.items():
         if not pairs:
             print(f"{stage:<10}{'-':>10}")
@@ -124,8 +162,9 @@ def stage_table(rows: list[dict], params: int, head: int, peak: float, shaped: d
         rate = sum(w for w, _ in pairs) / sum(s for _, s in pairs) / 1e9
         floor_rate, unit = (copy_rate, "GB") if stage == "sync" else (peak, "GFLOP")
         near = f"{shaped[stage] / rate:>9.1f}x" if stage in shaped else ""
+        over = f"{statistics.median(roof[stage]):>11.1f}x" if roof.get(stage) else ""
         print(f"{stage:<10}{seconds:>10.3f}{amount / 1e9:>10.2f} {unit:<3}{rate:>9.1f} {unit}/s"
-              f"{floor_rate / rate:>8.1f}x{near}")
+              f"{floor_rate / rate:>8.1f}x{near}{over}")
     print(f"{'prepare':<10}{statistics.median(prepare):>10.3f}  (no model work: "
           f"{sum(prepare) / sum(steps):.1%} of the step)")
     print(f"{'step':<10}{statistics.median(steps):>10.3f}")
@@ -142,6 +181,8 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=2, help="first steps left out (warm-up)")
     parser.add_argument("--micro-batch-size", type=int, default=16,
                         help="rows per training micro-batch (a --json file's own setting wins)")
+    parser.add_argument("--weight-bytes", type=int, default=4,
+                        help="bytes per parameter for the roofline's weight reads (4: float32, 2: bfloat16)")
     args = parser.parse_args()
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -152,14 +193,17 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once: as the output head
     head = model.get_output_embeddings().weight.numel()
     peak, bf16_peak, copy_rate = matmul_peak_gflops(), matmul_peak_gflops(dtype=torch.bfloat16), copy_gb_per_s()
+    read_rate = read_gb_per_s()
     print(f"model {args.model_path}: {params / 1e6:.1f}M parameters; with {torch.get_num_threads()} torch threads "
           f"the matmul peak here is {peak:.1f} GFLOP/s float32 ({bf16_peak:.1f} bfloat16), a copy "
-          f"{copy_rate:.1f} GB/s")
+          f"{copy_rate:.1f} GB/s, a read {read_rate:.1f} GB/s")
+    weight_gb = params * args.weight_bytes / 1e9
     if args.metrics:
         rows = [r for r in csv.DictReader(open(args.metrics)) if r.get("time/step")][args.skip:]
         print(f"{args.metrics}: {len(rows)} steps")
         stage_table(rows, params, head, peak, shape_rates(model, rows, args.micro_batch_size), copy_rate,
-                    args.prompt_tokens)
+                    args.prompt_tokens, {"weight_gb": weight_gb, "read_rate": read_rate,
+                                         "micro_batch_size": args.micro_batch_size})
         return
     with open(args.json) as f:
         data = json.load(f)
@@ -170,7 +214,8 @@ def main() -> None:
         rows = [m for run in kinds["none"].get("gcore", []) for m in run.get("metrics", [])[args.skip:]]
         print(f"\n## {task}: {len(kinds['none'].get('gcore', []))} gcore runs, {len(rows)} steps")
         if rows:
-            stage_table(rows, params, head, peak, shape_rates(model, rows, micro), copy_rate, args.prompt_tokens)
+            stage_table(rows, params, head, peak, shape_rates(model, rows, micro), copy_rate, args.prompt_tokens,
+                        {"weight_gb": weight_gb, "read_rate": read_rate, "micro_batch_size": micro})
 
 
 if __name__ == "__main__":
