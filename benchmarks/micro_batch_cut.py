@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-from shared_prompts import batch_of, packed
+from shared_prompts import batch_of, packed, step_seconds
 
 from gcore.balance import micro_batches_by_length
 
@@ -44,18 +43,10 @@ def main() -> None:
     for name, groups in cuts.items():
         print(f"by {name}: prompts per micro-batch {[len({r // args.n for r in g}) for g in groups]}")
 
-    def seconds(groups: list[list[int]]) -> float:
-        start = time.process_time()
-        for group in groups:
-            micro = batch.select(torch.tensor(group))
-            (packed(model, micro) * micro.response_mask).sum().backward()
-        model.zero_grad(set_to_none=True)
-        return time.process_time() - start
-
     times: dict[str, list[float]] = {name: [] for name in cuts}
     for _ in range(args.repeats):
         for name, groups in cuts.items():
-            times[name].append(seconds(groups))
+            times[name].append(step_seconds(model, batch, packed, size, groups))
     for name, values in times.items():
         print(f"by {name}: median {statistics.median(values):.2f} s CPU ({', '.join(f'{v:.2f}' for v in values)})")
     print(f"by prompt / by length: {statistics.median(times['prompt']) / statistics.median(times['length']):.2f}")

@@ -65,9 +65,12 @@ def packed(model, micro):
     return to_batch_layout(to_response_layout(logprobs, rows, columns, len(micro)), micro)
 
 
-def step_seconds(model, batch, forward, micro_batch_size: int) -> float:
+def step_seconds(model, batch, forward, micro_batch_size: int, groups: list[list[int]] | None = None) -> float:
+    """CPU seconds of one step's forward+backward over ``batch`` in micro-batches of ``micro_batch_size`` rows in
+    order, or in the micro-batches ``groups`` (lists of rows) where given."""
     start = time.process_time()
-    for rows in torch.arange(len(batch)).split(micro_batch_size):
+    cuts = torch.arange(len(batch)).split(micro_batch_size) if groups is None else [torch.tensor(g) for g in groups]
+    for rows in cuts:
         micro = batch.select(rows)
         (forward(model, micro) * micro.response_mask).sum().backward()
     model.zero_grad(set_to_none=True)

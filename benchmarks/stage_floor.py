@@ -44,22 +44,40 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import statistics
 import time
+from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
 
 import torch
+
+
+class Roofline(NamedTuple):
+    """What the ``x roofline`` floor needs besides a step's FLOPs: the weights' size, the machine's read rate and
+    the training micro-batch size."""
+
+    weight_gb: float
+    read_rate: float  # GB/s
+    micro_batch_size: int
+
+
+def best_seconds(work: Callable[[], object], repeats: int) -> float:
+    """The shortest of ``repeats`` timed calls of ``work``, after one untimed warm-up call."""
+    work()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def matmul_peak_gflops(size: int = 2048, repeats: int = 10, dtype: torch.dtype = torch.float32) -> float:
     """The best of ``repeats`` ``size x size`` matmuls in ``dtype``, in GFLOP/s."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    torch.mm(a, b)  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e9
+    return 2 * size**3 / best_seconds(partial(torch.mm, a, b), repeats) / 1e9
 
 
 def layer_shapes_gflops(model: torch.nn.Module, rows: int, repeats: int = 10) -> float:
@@ -69,13 +87,7 @@ def layer_shapes_gflops(model: torch.nn.Module, rows: int, repeats: int = 10) ->
     flops = seconds = 0.0
     for inputs, outputs in sorted(shapes):
         a, b = torch.randn(rows, inputs), torch.randn(inputs, outputs)
-        a @ b  # warm-up
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - start)
-        flops, seconds = flops + 2 * rows * inputs * outputs, seconds + best
+        flops, seconds = flops + 2 * rows * inputs * outputs, seconds + best_seconds(partial(torch.mm, a, b), repeats)
     return flops / seconds / 1e9
 
 
@@ -91,44 +103,31 @@ def shape_rates(model: torch.nn.Module, rows: list[dict], micro_batch_size: int)
 def copy_gb_per_s(megabytes: int = 512, repeats: int = 5) -> float:
     """The best of ``repeats`` copies of a ``megabytes`` float32 tensor into another, in GB copied per second."""
     src = torch.randn(megabytes * 2**20 // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm-up: the pages are touched
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return src.numel() * 4 / best / 1e9
+    dst = torch.empty_like(src)  # its pages are touched by the warm-up copy
+    return src.numel() * 4 / best_seconds(lambda: dst.copy_(src), repeats) / 1e9
 
 
 def read_gb_per_s(megabytes: int = 512, repeats: int = 5) -> float:
     """The best of ``repeats`` sums over a ``megabytes`` float32 tensor, in GB read per second."""
     src = torch.randn(megabytes * 2**20 // 4)
-    src.sum()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        src.sum()
-        best = min(best, time.perf_counter() - start)
-    return src.numel() * 4 / best / 1e9
+    return src.numel() * 4 / best_seconds(src.sum, repeats) / 1e9
 
 
-def roofline_seconds(stage: str, flops: float, row: dict, weight_gb: float, peak: float, read_rate: float,
-                     micro_batch_size: int) -> float:
-    """The ``x roofline`` floor of one step's ``stage`` (seconds): its FLOPs at ``peak`` or the weights' reads at
-    ``read_rate``, whichever is longer, plus the optimizer's reads and writes for train (module docstring)."""
-    compute = flops / peak / 1e9
+def roofline_seconds(stage: str, flops: float, row: dict, trained: float, roof: Roofline, peak: float) -> float:
+    """The ``x roofline`` floor of one step's ``stage`` (seconds; ``trained``: the rows that train): its FLOPs at
+    ``peak`` or the weights' reads, whichever is longer, plus the optimizer's reads and writes for train (module
+    docstring)."""
+    compute, weights = flops / peak / 1e9, roof.weight_gb / roof.read_rate
     if stage == "generate":
-        return max(compute, float(row["response_length/max"]) * weight_gb / read_rate)
-    micro_batches = -(-float(row["samples/trained"]) * float(row["trained_rows_frac"]) // micro_batch_size)
-    return max(compute, 3 * micro_batches * weight_gb / read_rate) + 8 * weight_gb / read_rate
+        return max(compute, float(row["response_length/max"]) * weights)
+    return max(compute, 3 * math.ceil(trained / roof.micro_batch_size) * weights) + 8 * weights
 
 
 def stage_table(rows: list[dict], params: int, head: int, peak: float, shaped: dict[str, float], copy_rate: float,
-                prompt_tokens: float | None, roofline: dict[str, float] | None = None) -> None:
+                prompt_tokens: float | None, roofline: Roofline | None = None) -> None:
     """Print each stage's median time, work per step, achieved rate and time over its floor for ``rows``
-    (``params``: the model's parameters, ``head``: those of its output head; ``roofline``: the weights' GB, the read
-    rate and the micro-batch size for the ``x roofline`` column)."""
+    (``params``: the model's parameters, ``head``: those of its output head; ``roofline``: for the ``x roofline``
+    column)."""
     work: dict[str, list[tuple[float, float]]] = {"generate": [], "train": [], "sync": []}
     roof: dict[str, list[float]] = {"generate": [], "train": []}
     prepare, steps = [], []
@@ -146,9 +145,7 @@ def stage_table(rows: list[dict], params: int, head: int, peak: float, shaped: d
             if seconds > 0 and amount > 0:
                 work[stage].append((amount, seconds))
                 if roofline is not None and stage in roof:
-                    floor = roofline_seconds(stage, amount, r, roofline["weight_gb"], peak, roofline["read_rate"],
-                                             int(roofline["micro_batch_size"]))
-                    roof[stage].append(seconds / floor)
+                    roof[stage].append(seconds / roofline_seconds(stage, amount, r, trained, roofline, peak))
         prepare.append(float(r["time/prepare"]))
         steps.append(float(r["time/step"]))
     print(f"{'stage':<10}{'median s':>10}{'work/step':>14}{'rate':>14}{'x floor':>9}{'x shapes':>10}"
@@ -197,13 +194,12 @@ def main() -> None:
     print(f"model {args.model_path}: {params / 1e6:.1f}M parameters; with {torch.get_num_threads()} torch threads "
           f"the matmul peak here is {peak:.1f} GFLOP/s float32 ({bf16_peak:.1f} bfloat16), a copy "
           f"{copy_rate:.1f} GB/s, a read {read_rate:.1f} GB/s")
-    weight_gb = params * args.weight_bytes / 1e9
+    weights = params * args.weight_bytes / 1e9
     if args.metrics:
         rows = [r for r in csv.DictReader(open(args.metrics)) if r.get("time/step")][args.skip:]
         print(f"{args.metrics}: {len(rows)} steps")
         stage_table(rows, params, head, peak, shape_rates(model, rows, args.micro_batch_size), copy_rate,
-                    args.prompt_tokens, {"weight_gb": weight_gb, "read_rate": read_rate,
-                                         "micro_batch_size": args.micro_batch_size})
+                    args.prompt_tokens, Roofline(weights, read_rate, args.micro_batch_size))
         return
     with open(args.json) as f:
         data = json.load(f)
@@ -215,7 +211,7 @@ def main() -> None:
         print(f"\n## {task}: {len(kinds['none'].get('gcore', []))} gcore runs, {len(rows)} steps")
         if rows:
             stage_table(rows, params, head, peak, shape_rates(model, rows, micro), copy_rate, args.prompt_tokens,
-                        {"weight_gb": weight_gb, "read_rate": read_rate, "micro_batch_size": micro})
+                        Roofline(weights, read_rate, micro))
 
 
 if __name__ == "__main__":

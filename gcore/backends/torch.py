@@ -374,7 +374,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
                 # compiled blocks would recompile for each block's state of the prompts' KV cache: run eagerly
                 eager = torch.compiler.set_stance("force_eager") if self.compile else contextlib.nullcontext()
                 inner = getattr(model, "module", model)
-                pack = self.pack_responses is not False and packed_attention(inner) is not None and (
+                pack = self._may_pack(inner) and (
                     self.pack_responses or packing_saves(micro, len(shared[0]), inner.config))
                 with self.fabric.autocast(), eager:  # the unwrapped module gets the precision the wrapper gives
                     if pack:
@@ -497,6 +497,11 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         self.critic_optimizer.zero_grad(set_to_none=True)
         return {"critic/grad_norm": grad_norm, "critic/skipped_updates": skipped}
 
+    def _may_pack(self, model: torch.nn.Module) -> bool:
+        """Whether a micro-batch that shares its prompts may run its replies packed on ``model``: not with
+        ``--backend.pack_responses false``, nor where its attention takes no block mask (``packed_attention``)."""
+        return self.pack_responses is not False and packed_attention(model) is not None
+
     def train_mini_batch(self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm) -> dict[str, float]:
         """Accumulate the gradients of one mini-batch over micro-batches; returns its global metrics."""
         fabric, world = self.fabric, self.fabric.world_size
@@ -514,9 +519,8 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             # each micro-batch runs each of its prompts once: fewer prompts per micro-batch against less reply padding
             prompt_lengths = batch.prompt_lengths[rows].tolist()
             prompts = prompt_keys(batch.input_ids[rows], prompt_lengths)
-            # packed replies (the forward's choice, unless the model's attention has no block mask) cost no padding
-            packed = self.pack_responses is not False and packed_attention(self.hf_model) is not None
-            groups = micro_batches_sharing_prompts(lengths, prompt_lengths, prompts, self.micro_batch_size, packed)
+            groups = micro_batches_sharing_prompts(lengths, prompt_lengths, prompts, self.micro_batch_size,
+                                                   packed=self._may_pack(self.hf_model))
         else:  # similar lengths in a micro-batch: less padding
             groups = micro_batches_by_length(lengths, self.micro_batch_size)
         micro_rows = [rows[torch.tensor(g, dtype=torch.long)] for g in groups] or [torch.tensor([], dtype=torch.long)]
