@@ -12,6 +12,13 @@ One trajectory decides nothing: a seed, or another CPU's numerics, can give a sl
   gains: GRPO 0.29, 0.20, 0.31; DAPO 0.33, 0.27, 0.19; RLOO 0.30, 0.12, 0.22; PPO 0.19 (seed 0), so a
   seed's gain is about 0.25 +- 0.07 (and 0.053 for the slow run); a 3-seed mean below 0.08 would take
   several such slow runs at once.
+
+PPO learns slower in 30 steps (its critic starts at zero) and spreads wider, so its mean gain has its own
+threshold, ``PPO_MIN_MEAN_GAIN``. Measured 2026-11-28 (seeds 0-9, 30 steps, quiet): per-seed gains with one thread
+0.096, 0.119, 0.025, 0.036, 0.184, 0.172, 0.146, 0.139, 0.113, 0.019 (seeds 0-2: mean 0.080, which CI's
+one-thread run failed against 0.08), with two 0.127, 0.059, 0.145, 0.100, 0.096, 0.095, 0.225, 0.183, 0.111,
+0.094. Over every 3 of those 20 runs the mean gain is below 0.04 in 0.3% of the triples (lowest 0.027, from the
+three slow one-thread seeds together); a policy that does not learn gains about 0.
 """
 
 import pytest
@@ -24,6 +31,7 @@ SEEDS = (0, 1, 2)
 pytestmark = pytest.mark.timeout(1800)
 MIN_RATIO = 2.0
 MIN_MEAN_GAIN = 0.08
+PPO_MIN_MEAN_GAIN = 0.04
 
 
 def _runs(tmp_path, make_algorithm, steps=30):
@@ -39,7 +47,7 @@ def _runs(tmp_path, make_algorithm, steps=30):
     return histories
 
 
-def _assert_rises(histories):
+def _assert_rises(histories, min_mean_gain=MIN_MEAN_GAIN):
     firsts, lasts = [], []
     for history in histories:
         rewards = [m["reward/mean"] for m in history]
@@ -48,7 +56,7 @@ def _assert_rises(histories):
     summary = [f"{f:.3f} -> {last:.3f}" for f, last in zip(firsts, lasts, strict=False)]
     print("first-5 -> last-5 mean reward per seed:", summary)  # shown with pytest -s
     assert all(last > MIN_RATIO * first for first, last in zip(firsts, lasts, strict=False)), summary
-    assert sum(last - first for first, last in zip(firsts, lasts, strict=False)) / len(SEEDS) > MIN_MEAN_GAIN, summary
+    assert sum(last - first for first, last in zip(firsts, lasts, strict=False)) / len(SEEDS) > min_mean_gain, summary
 
 
 @pytest.mark.slow
@@ -59,7 +67,7 @@ def test_grpo_reward_rises_on_the_embedded_task(tmp_path):
 @pytest.mark.slow
 def test_ppo_reward_rises_on_the_embedded_task(tmp_path):
     histories = _runs(tmp_path, PPO)
-    _assert_rises(histories)
+    _assert_rises(histories, PPO_MIN_MEAN_GAIN)
     # the critic learned: its mean value rose with the reward, over the seeds. Not per seed, nor the last step
     # against the first: a slow seed's value can fall (seed 2 with one thread: first-5 mean 0.068, last-5 0.036,
     # its reward 0.014 -> 0.039). Measured mean rise over seeds 0-2: 0.066 (one thread), 0.089 (two).
