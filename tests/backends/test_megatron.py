@@ -457,18 +457,28 @@ def test_checkpoint_gather_without_a_peer_fails_within_the_timeout(tmp_path):
 
 @pytest.mark.slow
 def test_grpo_reward_rises_with_the_megatron_backend(tmp_path):
+    """GRPO learns the embedded task through the Megatron backend, judged over seeds 0-2 as tests/trainer's
+    learning tests are. Measured 2026-11-28 (30 steps, first-5 -> last-5 mean reward, one and two threads alike
+    to 0.015): seeds 42, 0, 1, 2, 3 gained 0.286, 0.140-0.154, 0.207-0.209, 0.072, 0.110 (ratios 5.9-22.9); one
+    seed decides nothing (seed 2 alone would fail a 0.1 gain), so: every seed's last-5 mean above 3x its first-5,
+    and the mean gain over the seeds above 0.08 (seeds 0-2 measured 0.140-0.145)."""
     backend_class = _megatron()
     from gcore import Trainer, TrainerConfig
 
-    result = Trainer(
-        trainer=TrainerConfig(max_steps=30, default_root_dir=str(tmp_path), enable_progress_bar=False,
-                              save_final=False),
-        model=ModelConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128),
-        backend=backend_class(),
-    ).fit()
-    rewards = [m["reward/mean"] for m in result.history]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > 3 * first and last - first > 0.1, rewards
+    firsts, lasts = [], []
+    for seed in (0, 1, 2):
+        result = Trainer(
+            trainer=TrainerConfig(max_steps=30, seed=seed, default_root_dir=str(tmp_path / str(seed)),
+                                  enable_progress_bar=False, save_final=False),
+            model=ModelConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128),
+            backend=backend_class(),
+        ).fit()
+        rewards = [m["reward/mean"] for m in result.history]
+        firsts.append(sum(rewards[:5]) / 5)
+        lasts.append(sum(rewards[-5:]) / 5)
+    summary = [f"{f:.3f} -> {last:.3f}" for f, last in zip(firsts, lasts, strict=True)]
+    assert all(last > 3 * first for first, last in zip(firsts, lasts, strict=True)), summary
+    assert sum(last - first for first, last in zip(firsts, lasts, strict=True)) / 3 > 0.08, summary
 
 
 @pytest.mark.integration
