@@ -41,14 +41,16 @@ if TYPE_CHECKING:
 
 
 class ValueModel(torch.nn.Module):
-    """The critic: the policy checkpoint's transformer trunk (``AutoModel``, no LM head) and a linear
-    head from the last hidden state to one value per position, initialised to zero."""
+    """The critic: the policy checkpoint's transformer trunk (its base model, no LM head) and a linear
+    head from the last hidden state to one value per position, initialised to zero.
+
+    The trunk is the base model of the checkpoint loaded as the policy is (``causal_lm_class``), not
+    ``AutoModel``'s: transformers 5 loads an image-text-to-text checkpoint's ``model.visual.*`` weights into
+    ``AutoModel`` under other names and initialises its vision encoder at random."""
 
     def __init__(self, source: ModelSource, attn_implementation: str | None = None) -> None:
         super().__init__()
-        from transformers import AutoModel
-
-        self.trunk = _load(AutoModel, source, attn_implementation)
+        self.trunk = cast("PreTrainedModel", _load(causal_lm_class(source), source, attn_implementation).base_model)
         self.head = torch.nn.Linear(self.trunk.config.get_text_config().hidden_size, 1, dtype=source.dtype)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
@@ -254,12 +256,12 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
     def validate_images(self) -> None:
         """Refuse the options not yet tested with image prompts (one line naming the flag)."""
         clash = {f"--backend.sequence_parallel_size {self.sequence_parallel_size}": self.sequence_parallel_size > 1,
-                 "--backend.packing true": bool(self.packing), "--backend.strategy fsdp": self.fsdp,
-                 "--backend.compile true": self.compile}
+                 "--backend.packing true": bool(self.packing), "--backend.compile true": self.compile}
         for flag, on in clash.items():
             if on:
                 raise ConfigError(f"{flag} does not take image prompts yet (untested: the visual inputs are not "
-                                  "split, packed or sharded); leave it at its default for image prompts")
+                                  "split or packed, nor run through compiled blocks); leave it at its default for "
+                                  "image prompts")
 
     def strategy(self, world_size: int, device_type: str, timeout: timedelta = default_pg_timeout) -> str | Strategy:
         if not self.fsdp:

@@ -90,6 +90,19 @@ def test_ppo_trains_policy_and_critic_on_image_prompts_with_a_frozen_vision_enco
         assert torch.equal(tensor, trained[name]), name
 
 
+def test_the_critic_starts_from_the_checkpoints_weights_vision_encoder_included(vlm):
+    """Every weight of the critic's trunk is the policy's (transformers 5's ``AutoModel`` loaded this checkpoint's
+    vision encoder under other names and left it random, so the critic saw noise in place of the images)."""
+    config, _, path, _, _ = vlm
+    backend = TorchBackend()
+    backend.setup(Fabric(accelerator="cpu", devices=1), config.source(path), PPO(), embedded=True)
+    policy = dict(backend.hf_model.base_model.named_parameters())
+    trunk = dict(backend.critic.module.trunk.named_parameters())
+    assert trunk.keys() == policy.keys() and any(name.startswith("visual.") for name in trunk)
+    for name, tensor in trunk.items():
+        assert torch.equal(tensor, policy[name]), name
+
+
 def test_lora_adapts_the_language_part_and_the_engine_follows_the_sync(vlm):
     """LoRA on an image-text-to-text model: adapters on the language part's linear layers only, the vision encoder
     frozen; after a training step and a weight sync, the engine's log-probabilities are again the trainer's."""

@@ -82,7 +82,7 @@ def test_the_tiny_vlm_learns_shape_colour_from_its_images_and_not_from_blank_one
     ({"placement": "tokens_only"}, r"--placement _TokensOnly does not hand its engines the prompts' images"),
     ({"backend": {"sequence_parallel_size": 2}}, r"--backend.sequence_parallel_size 2 does not take image prompts"),
     ({"backend": {"packing": True}}, r"--backend.packing true does not take image prompts"),
-    ({"backend": {"strategy": "fsdp"}}, r"--backend.strategy fsdp does not take image prompts"),
+    ({"backend": {"compile": True}}, r"--backend.compile true does not take image prompts"),
     ({"env": "reveal"}, r"multi-turn episodes \(--env RevealEnvironment\) do not carry images"),
     ({"megatron": True}, r"--backend MegatronBackend does not train on image prompts"),
 ])
