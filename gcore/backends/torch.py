@@ -45,8 +45,8 @@ class ValueModel(torch.nn.Module):
     head from the last hidden state to one value per position, initialised to zero.
 
     The trunk is the base model of the checkpoint loaded as the policy is (``causal_lm_class``), not
-    ``AutoModel``'s: transformers 5 loads an image-text-to-text checkpoint's ``model.visual.*`` weights into
-    ``AutoModel`` under other names and initialises its vision encoder at random."""
+    ``AutoModel``'s: transformers 5 loads a Qwen2-VL checkpoint's ``model.visual.*`` weights into ``AutoModel``
+    under other names and initialises its vision encoder at random (a Llava one loads right either way)."""
 
     def __init__(self, source: ModelSource, attn_implementation: str | None = None) -> None:
         super().__init__()

@@ -90,15 +90,20 @@ def test_ppo_trains_policy_and_critic_on_image_prompts_with_a_frozen_vision_enco
         assert torch.equal(tensor, trained[name]), name
 
 
-def test_the_critic_starts_from_the_checkpoints_weights_vision_encoder_included(vlm):
-    """Every weight of the critic's trunk is the policy's (transformers 5's ``AutoModel`` loaded this checkpoint's
-    vision encoder under other names and left it random, so the critic saw noise in place of the images)."""
+@pytest.mark.parametrize("checkpoint", ["embedded", "llava"])
+def test_the_critic_starts_from_the_checkpoints_weights_vision_encoder_included(vlm, checkpoint, tmp_path):
+    """Every weight of the critic's trunk is the policy's (transformers 5's ``AutoModel`` loaded the embedded
+    checkpoint's vision encoder under other names and left it random, so the critic saw noise in place of the
+    images)."""
+    from gcore.model import ModelSource
+
     config, _, path, _, _ = vlm
+    source = config.source(path) if checkpoint == "embedded" else ModelSource(_tiny_llava(str(tmp_path / "llava")))
     backend = TorchBackend()
-    backend.setup(Fabric(accelerator="cpu", devices=1), config.source(path), PPO(), embedded=True)
+    backend.setup(Fabric(accelerator="cpu", devices=1), source, PPO(), embedded=checkpoint == "embedded")
     policy = dict(backend.hf_model.base_model.named_parameters())
     trunk = dict(backend.critic.module.trunk.named_parameters())
-    assert trunk.keys() == policy.keys() and any(name.startswith("visual.") for name in trunk)
+    assert trunk.keys() == policy.keys() and any(name.startswith(("visual.", "vision_tower.")) for name in trunk)
     for name, tensor in trunk.items():
         assert torch.equal(tensor, policy[name]), name
 
