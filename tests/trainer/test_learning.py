@@ -14,8 +14,8 @@ One trajectory decides nothing: a seed, or another CPU's numerics, can give a sl
   several such slow runs at once.
 
 PPO learns slower in 30 steps (its critic starts at zero) and spreads wider, so its mean gain has its own
-threshold, ``PPO_MIN_MEAN_GAIN``. Measured 2026-11-28 (seeds 0-9, 30 steps, quiet): per-seed gains with one thread
-0.096, 0.119, 0.025, 0.036, 0.184, 0.172, 0.146, 0.139, 0.113, 0.019 (seeds 0-2: mean 0.080, which CI's
+threshold, ``PPO_MIN_MEAN_GAIN``. Measured 2026-11-28 (``benchmarks/learning_spread.py --algorithm ppo --seeds 0-9``,
+quiet): per-seed gains with one thread 0.096, 0.119, 0.025, 0.036, 0.184, 0.172, 0.146, 0.139, 0.113, 0.019 (seeds 0-2: mean 0.080, which CI's
 one-thread run failed against 0.08), with two 0.127, 0.059, 0.145, 0.100, 0.096, 0.095, 0.225, 0.183, 0.111,
 0.094. Over every 3 of those 20 runs the mean gain is below 0.04 in 0.3% of the triples (lowest 0.027, from the
 three slow one-thread seeds together); a policy that does not learn gains about 0.
