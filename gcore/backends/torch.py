@@ -55,6 +55,11 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
+    def _values(self, hidden: torch.Tensor) -> torch.Tensor:
+        """One float32 value per position. A tensor of its own, not a view of the head's output: FSDP2 warns that a
+        view returned by the module it wraps could lose its pre-backward hook."""
+        return self.head(hidden)[..., 0].to(torch.float32, copy=True)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, sp_layout: seqpar.ShardLayout | None = None,
                 visual: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
@@ -68,17 +73,17 @@ class ValueModel(torch.nn.Module):
             positions = {} if rope is None else {"position_ids": rope[0]}
             hidden = self.trunk(input_ids=ids, attention_mask=mask, use_cache=False, **positions,
                                 **visual).last_hidden_state
-            return self.head(hidden).squeeze(-1).float()
+            return self._values(hidden)
         if sp_layout is not None:
             hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 sp_layout=sp_layout, use_cache=False).last_hidden_state
-            return self.head(hidden).squeeze(-1).float()
+            return self._values(hidden)
         # the last position is never valued and (causal attention) never read: leave it out
         hidden = self.trunk(input_ids=input_ids[:, :-1],
                             attention_mask=None if attention_mask is None else attention_mask[:, :-1],
                             position_ids=None if position_ids is None else position_ids[:, :-1],
                             use_cache=False).last_hidden_state
-        return self.head(hidden).squeeze(-1).float()
+        return self._values(hidden)
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
