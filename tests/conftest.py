@@ -167,6 +167,21 @@ def assert_same_run(result, reference) -> None:
         torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=2e-5, msg=name)
 
 
+def assert_rewards_rise(histories, min_ratio: float, min_mean_gain: float) -> None:
+    """The learning tests' judgement over seeds: each run's last-5 mean reward above ``min_ratio`` times its
+    first-5 mean, and the mean gain (last-5 minus first-5) over the runs above ``min_mean_gain``."""
+    firsts, lasts = [], []
+    for history in histories:
+        rewards = [m["reward/mean"] for m in history]
+        firsts.append(sum(rewards[:5]) / 5)
+        lasts.append(sum(rewards[-5:]) / 5)
+    summary = [f"{first:.3f} -> {last:.3f}" for first, last in zip(firsts, lasts, strict=True)]
+    print("first-5 -> last-5 mean reward per seed:", summary)  # shown with pytest -s
+    assert all(last > min_ratio * first for first, last in zip(firsts, lasts, strict=True)), summary
+    assert sum(last - first for first, last in zip(firsts, lasts, strict=True)) / len(histories) > min_mean_gain, \
+        summary
+
+
 def engine_logprob_gap(engine, backend, tokenizer, params, prompts=None):
     """Largest |engine logprob - trainer logprob| over the engine's samples for ``prompts`` (default:
     the embedded task's ``0=`` .. ``3=``), and the batch of those samples (engine parity tests)."""

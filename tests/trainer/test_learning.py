@@ -13,15 +13,16 @@ One trajectory decides nothing: a seed, or another CPU's numerics, can give a sl
   seed's gain is about 0.25 +- 0.07 (and 0.053 for the slow run); a 3-seed mean below 0.08 would take
   several such slow runs at once.
 
-PPO learns slower in 30 steps (its critic starts at zero) and spreads wider, so its mean gain has its own
-threshold, ``PPO_MIN_MEAN_GAIN``. Measured 2026-11-28 (``benchmarks/learning_spread.py --algorithm ppo --seeds 0-9``,
-quiet): per-seed gains with one thread 0.096, 0.119, 0.025, 0.036, 0.184, 0.172, 0.146, 0.139, 0.113, 0.019 (seeds 0-2: mean 0.080, which CI's
-one-thread run failed against 0.08), with two 0.127, 0.059, 0.145, 0.100, 0.096, 0.095, 0.225, 0.183, 0.111,
-0.094. Over every 3 of those 20 runs the mean gain is below 0.04 in 0.3% of the triples (lowest 0.027, from the
-three slow one-thread seeds together); a policy that does not learn gains about 0.
+PPO learns slower in 30 steps (its critic starts at zero) and spreads wider, so its mean gain has its own threshold,
+``PPO_MIN_MEAN_GAIN``. Measured 2026-11-28 (``benchmarks/learning_spread.py --algorithm ppo --seeds 0-9``, quiet):
+per-seed gains with one thread 0.096, 0.119, 0.025, 0.036, 0.184, 0.172, 0.146, 0.139, 0.113, 0.019 (seeds 0-2: mean
+0.080, which CI's one-thread run failed against 0.08), with two 0.127, 0.059, 0.145, 0.100, 0.096, 0.095, 0.225,
+0.183, 0.111, 0.094. Over every 3 of those 20 runs the mean gain is below 0.04 in 0.3% of the triples (lowest 0.027,
+from the three slow one-thread seeds together); a policy that does not learn gains about 0.
 """
 
 import pytest
+from conftest import assert_rewards_rise
 
 from gcore import DAPO, GRPO, PPO, RLOO, Trainer, TrainerConfig
 
@@ -48,15 +49,7 @@ def _runs(tmp_path, make_algorithm, steps=30):
 
 
 def _assert_rises(histories, min_mean_gain=MIN_MEAN_GAIN):
-    firsts, lasts = [], []
-    for history in histories:
-        rewards = [m["reward/mean"] for m in history]
-        firsts.append(sum(rewards[:5]) / 5)
-        lasts.append(sum(rewards[-5:]) / 5)
-    summary = [f"{f:.3f} -> {last:.3f}" for f, last in zip(firsts, lasts, strict=False)]
-    print("first-5 -> last-5 mean reward per seed:", summary)  # shown with pytest -s
-    assert all(last > MIN_RATIO * first for first, last in zip(firsts, lasts, strict=False)), summary
-    assert sum(last - first for first, last in zip(firsts, lasts, strict=False)) / len(SEEDS) > min_mean_gain, summary
+    assert_rewards_rise(histories, MIN_RATIO, min_mean_gain)
 
 
 @pytest.mark.slow
