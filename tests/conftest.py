@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -125,6 +126,13 @@ def _fresh_launch_environment(monkeypatch):
     shell) left in the environment."""
     for key in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
         monkeypatch.delenv(key, raising=False)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, for a test's own rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_gcore(*args: str, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:

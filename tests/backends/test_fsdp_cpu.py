@@ -14,11 +14,11 @@ log-probabilities and values within atol 1e-5.
 """
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import free_port
 from lightning.fabric import Fabric
 
 from gcore import GRPO, PPO, ModelConfig, TorchBackend
@@ -142,11 +142,6 @@ def _worker(rank, port, model_dir, algorithm_name, out_dir):
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(autouse=True)
 def _fresh_env(monkeypatch):
@@ -162,7 +157,7 @@ def _close(a, b, rel=METRIC_REL):
 def test_fsdp_step_matches_ddp_on_two_cpu_ranks(tmp_path, algorithm_name):
     model_dir = materialize(ModelConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64), char_tokenizer(),
                             0, str(tmp_path / "model"))
-    mp.start_processes(_worker, args=(_free_port(), model_dir, algorithm_name, str(tmp_path)), nprocs=2,
+    mp.start_processes(_worker, args=(free_port(), model_dir, algorithm_name, str(tmp_path)), nprocs=2,
                        start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for rank, results in enumerate(ranks):

@@ -6,12 +6,11 @@ rank 1 runs an image padding pass. Tolerances as in test_fsdp_cpu.py.
 """
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import image_prompts
+from conftest import free_port, image_prompts
 from lightning.fabric import Fabric
 
 from gcore import PPO, HFEngine, ModelConfig, SamplingParams, TorchBackend
@@ -87,11 +86,6 @@ def _worker(rank, port, path, out_dir):
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _close(a, b):
     return abs(a - b) <= METRIC_REL * max(abs(a), abs(b)) + METRIC_ATOL
@@ -99,7 +93,7 @@ def _close(a, b):
 
 def test_fsdp_ppo_step_on_image_prompts_matches_ddp(tmp_path):
     path = materialize(CONFIG, load_tokenizer(CONFIG, vision=True), 0, str(tmp_path / "model"), vision=True)
-    mp.start_processes(_worker, args=(_free_port(), path, str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), path, str(tmp_path)), nprocs=2, start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for rank, results in enumerate(ranks):
         ddp, fsdp = results["ddp"], results["fsdp"]

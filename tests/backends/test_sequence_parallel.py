@@ -5,13 +5,13 @@ on gradients and parameter updates (float32; the split only reorders sums).
 """
 
 import os
-import socket
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port
 
 from gcore.backends import sequence_parallel as seqpar
 from gcore.backends.common import concat_batches
@@ -21,11 +21,6 @@ from gcore.testing import make_batch
 ATOL, RTOL = 2e-5, 1e-4
 GRAD_ATOL, GRAD_RTOL = 1e-5, 1e-3
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, fn, args, out_dir):
@@ -42,7 +37,7 @@ def _worker(rank, world, port, fn, args, out_dir):
 def run_ranks(fn, *args, world: int = 2):
     """Run ``fn(rank, *args)`` on ``world`` gloo ranks; return the results by rank."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world, _free_port(), fn, args, out_dir), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), fn, args, out_dir), nprocs=world, join=True)
         return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
 
 

@@ -3,13 +3,12 @@
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import FAST, RECORDING_REWARD, spawn
+from conftest import FAST, RECORDING_REWARD, free_port, spawn
 from lightning.fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
@@ -121,14 +120,9 @@ def test_a_failing_controller_brings_the_run_down_with_its_message(tmp_path):
     assert "controller 0: controller 1 failed" in result.stderr  # the survivor names the failed controller
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_two_nodes_on_loopback(tmp_path):
-    port = str(_free_port())
+    port = str(free_port())
     args = [sys.executable, "-m", "gcore", "fit", *FAST, "--trainer.num_nodes", "2", "--trainer.devices", "1",
             "--trainer.accelerator", "cpu", "--trainer.collective_timeout", "120",
             "--trainer.default_root_dir", str(tmp_path / "runs"), "--data.prompts_per_step", "5"]
