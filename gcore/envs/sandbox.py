@@ -297,10 +297,11 @@ def _bwrap_command(executable: str, limits: SandboxLimits, code_fd: int, info_fd
         executable,
         "--unshare-all", "--unshare-user", "--disable-userns", "--uid", "65534", "--gid", "65534",
         "--hostname", "sandbox", "--die-with-parent", "--new-session",
+        # /tmp first: a Python installation under /tmp (a CI's virtual environment) is mounted on top of it
+        "--size", scratch_bytes, "--tmpfs", _INSIDE_SCRATCH,
         *_system_mounts(),
         "--proc", "/proc",
         "--dev", "/dev", "--size", scratch_bytes, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-        "--size", scratch_bytes, "--tmpfs", _INSIDE_SCRATCH,
         "--ro-bind-data", str(code_fd), _INSIDE_CODE,
         "--remount-ro", "/",
         "--chdir", _INSIDE_SCRATCH,
@@ -315,7 +316,7 @@ def _bwrap_command(executable: str, limits: SandboxLimits, code_fd: int, info_fd
 
 
 def _memfd(name: str, data: bytes) -> int:
-    fd = os.memfd_create(name, 0)  # not inheritable; passed on through pass_fds
+    fd = os.memfd_create(name)  # close-on-exec: another thread's sandbox must not inherit it (pass_fds passes it)
     os.write(fd, data)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
