@@ -413,7 +413,7 @@ def _run(executable: str, code: str, limits: SandboxLimits) -> SandboxResult:
             raise SandboxUnavailable(_unusable_message(executable, str(err))) from None
         os.close(info_write)
         fds.remove(info_write)
-        result, returncode = _supervise(proc, limits, cpu_limit, bwrap=True)
+        result = _supervise(proc, limits, cpu_limit, bwrap=True)
         os.set_blocking(info_read, False)
         try:
             started = bool(os.read(info_read, 4096))
@@ -450,7 +450,7 @@ def _run_unisolated(code: str, limits: SandboxLimits) -> SandboxResult:
             env=_environment(scratch),
             start_new_session=True,
         )
-        return _supervise(proc, limits, cpu_limit, bwrap=False)[0]
+        return _supervise(proc, limits, cpu_limit, bwrap=False)
     finally:
         if proc is not None:
             _cleanup(proc)
@@ -507,11 +507,11 @@ def _describe(returncode: int, cpu_used: float, stderr: str, limits: SandboxLimi
 
 
 def _supervise(proc: subprocess.Popen[bytes], limits: SandboxLimits, cpu_limit: int,
-               bwrap: bool) -> tuple[SandboxResult, int]:
+               bwrap: bool) -> SandboxResult:
     """Read the output with its cap until the code exits or a limit is hit; kill the group; reap; describe.
 
     With ``bwrap``, the process is bubblewrap: killing its group kills its PID namespace (``--die-with-parent``),
-    and a code killed by signal N is its exit status 128 + N. Returns the result and the raw exit status."""
+    and a code killed by signal N is its exit status 128 + N."""
     assert proc.stdout is not None and proc.stderr is not None
     chunks: dict[int, list[bytes]] = {proc.stdout.fileno(): [], proc.stderr.fileno(): []}
     kept = 0
@@ -570,4 +570,4 @@ def _supervise(proc: subprocess.Popen[bytes], limits: SandboxLimits, cpu_limit: 
     if bwrap and 128 < returncode <= 128 + 64:  # bwrap's init passes a signal on as 128 + N
         returncode = 128 - returncode
     error = killed or _describe(returncode, cpu_used, stderr, limits, cpu_limit)
-    return SandboxResult(stdout, stderr, error), proc.returncode
+    return SandboxResult(stdout, stderr, error)
