@@ -13,15 +13,19 @@ raises or runs past ``--env.tool_timeout_s`` become an error result that the mod
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from typing import Any, Literal
 
 from gcore.envs import tools as builtin
 from gcore.envs.base import Environment, Turn
+from gcore.envs.sandbox import SandboxUnavailable, check_sandbox
 from gcore.envs.tools import ToolCall, ToolCallError, call_tool, get_parser, tool_schema
 from gcore.errors import ConfigError
 from gcore.registry import load_callable
 from gcore.types import Prompt
+
+log = logging.getLogger(__name__)
 
 #: the built-in tools, by the name ``--env.tools`` takes
 BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": builtin.calculator, "python": builtin.python}
@@ -45,12 +49,17 @@ class ToolEnvironment(Environment):
             tools, so each example's results are the tools' own.
         tool_timeout_s: a call that does not return in this time is an error result.
         max_result_chars: a tool's result is cut to this many characters.
+        python_sandbox: how the ``python`` tool isolates its code: ``bwrap`` (bubblewrap: namespaces of its
+            own, a read-only minimal file system, no network; docs/agents.md), or ``none``: a plain
+            subprocess, UNSAFE (the code can read and write whatever the trainer can). With ``bwrap``, a
+            missing or unusable bubblewrap is an error when the environment is made.
         max_turns, max_tokens, workers, timeout_s, overlap: as for every environment.
     """
 
     def __init__(self, tools: list[str] | None = None, parser: str = "hermes",
                  tool_prompt: Literal["auto", "template", "system"] = "auto", system_prompt: str = "",
                  examples: str | None = None, tool_timeout_s: float = 10.0, max_result_chars: int = 2000,
+                 python_sandbox: Literal["bwrap", "none"] = "bwrap",
                  max_turns: int = 4, max_tokens: int = 0, workers: int = 16, timeout_s: float = 120.0,
                  overlap: bool = True) -> None:
         super().__init__(max_turns, max_tokens, workers, timeout_s, overlap)
@@ -60,7 +69,18 @@ class ToolEnvironment(Environment):
                               f"{', '.join(BUILTIN_TOOLS)}; or pkg.module:function, file.py:function)")
         self.parser, self.tool_prompt, self.system_prompt = parser, tool_prompt, system_prompt
         self.tool_timeout_s, self.max_result_chars = tool_timeout_s, max_result_chars
-        self._functions = {name: fn for name, fn in map(_load_tool, self.tools)}
+        self.python_sandbox = python_sandbox
+        if python_sandbox not in ("bwrap", "none"):
+            raise ConfigError(f"--env.python_sandbox {python_sandbox!r}: valid choices: bwrap, none")
+        if "python" in self.tools:
+            try:
+                check_sandbox(python_sandbox)
+            except SandboxUnavailable as err:
+                raise ConfigError(f"--env.tools python: {err}") from None
+            if python_sandbox == "none":
+                log.warning("--env.python_sandbox none: the python tool runs the model's code without isolation; "
+                            "it can read and write whatever this process can")
+        self._functions = {name: fn for name, fn in (_load_tool(spec, python_sandbox) for spec in self.tools)}
         self._schemas = [tool_schema(fn) for fn in self._functions.values()]
         self._parser = get_parser(parser)
         self.examples = examples
@@ -172,7 +192,9 @@ class ToolEnvironment(Environment):
         return self.tokenizer
 
 
-def _load_tool(spec: str) -> tuple[str, Callable[..., Any]]:
+def _load_tool(spec: str, python_sandbox: str = "bwrap") -> tuple[str, Callable[..., Any]]:
+    if spec == "python":
+        return spec, builtin.python_tool(python_sandbox)
     if spec in BUILTIN_TOOLS:
         return spec, BUILTIN_TOOLS[spec]
     if ":" not in spec:

@@ -13,6 +13,7 @@ subprocess sandbox of :mod:`gcore.envs.sandbox`).
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import json
@@ -28,7 +29,7 @@ from typing import Any, Literal
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
-from gcore.envs.sandbox import run_python
+from gcore.envs.sandbox import SandboxUnavailable, run_python
 from gcore.errors import ConfigError
 
 
@@ -347,10 +348,30 @@ def python(code: str) -> str:
     Returns:
         Its standard output, then its standard error (if any).
     """
-    result = run_python(code)
+    return _run_tool(code, "bwrap")
+
+
+def _run_tool(code: str, sandbox: str) -> str:
+    try:
+        result = run_python(code, sandbox=sandbox)
+    except SandboxUnavailable as err:
+        raise ToolError(str(err)) from None
     if result.error is not None:
         raise ToolError(result.error)
     if not result.stderr:
         return result.stdout
     separator = "" if not result.stdout or result.stdout.endswith("\n") else "\n"
     return f"{result.stdout}{separator}[stderr]\n{result.stderr}"
+
+
+def python_tool(sandbox: str = "bwrap") -> Callable[[str], str]:
+    """The ``python`` tool for ``sandbox`` (:data:`gcore.envs.sandbox.SANDBOXES`): :func:`python` itself for
+    ``"bwrap"``; for ``"none"`` the same tool (name, schema, docstring) with its code run without isolation."""
+    if sandbox == "bwrap":
+        return python
+
+    @functools.wraps(python)
+    def unisolated(code: str) -> str:
+        return _run_tool(code, sandbox)
+
+    return unisolated

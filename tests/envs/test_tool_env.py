@@ -32,6 +32,7 @@ def _call(name, **arguments):
     return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
 
 
+@pytest.mark.usefixtures("needs_bwrap")
 def test_the_prompt_describes_the_tools_in_a_system_message_when_the_template_cannot():
     env = _env(tools=["calculator", "python"])
     prompt = Prompt(0, "rendered", [1], "5", content="What is 2+3?")
@@ -71,6 +72,7 @@ def test_a_bad_call_is_an_error_the_model_sees(response, kind, shown):
     assert shown in turn.observation
 
 
+@pytest.mark.usefixtures("needs_bwrap")
 def test_python_tool_runs_sandboxed_code():
     turn = _env(tools=["python"]).step({}, _call("python", code="print(sum(range(10)))"))
     assert "<tool_response>\n45\n" in turn.observation and turn.metrics["tool_errors"] == 0

@@ -272,11 +272,13 @@ def test_calculator_division_by_zero_reaches_the_model_as_a_raised_outcome():
     assert outcome == ToolOutcome("ZeroDivisionError: division by zero", "raised")
 
 
+@pytest.mark.usefixtures("needs_bwrap")
 def test_the_python_tool_returns_stdout_and_stderr():
     assert python("print(2 + 3)") == "5\n"
     assert python("import sys\nprint('a')\nprint('b', file=sys.stderr)") == "a\n[stderr]\nb\n"
 
 
+@pytest.mark.usefixtures("needs_bwrap")
 def test_the_python_tool_raises_a_tool_error_with_the_sandbox_error():
     with pytest.raises(ToolError, match="exit code 1: NameError"):
         python("print(undefined_name)")
