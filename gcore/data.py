@@ -141,50 +141,64 @@ def read_rows(path: str) -> list[tuple[dict, str]]:
         raise DataError(f"--data.path {path}: {kind}, not a regular file; give a .jsonl or .parquet file (or a "
                         "folder saved with datasets' save_to_disk)")
     if os.path.isdir(path):
-        try:
-            import datasets
-        except ImportError:
-            raise DataError(f"--data.path {path}: a dataset folder needs the datasets package: "
-                            "pip install datasets") from None
-        try:
-            dataset = datasets.load_from_disk(path)
-        except Exception as err:  # noqa: BLE001  datasets raises many error types; reported as a DataError
-            raise DataError(f"--data.path {path}: not a folder saved with datasets' save_to_disk: {err}") from None
-        if isinstance(dataset, datasets.DatasetDict):
-            if "train" not in dataset:
-                raise DataError(f"--data.path {path}: a DatasetDict without a 'train' split ({', '.join(dataset)})")
-            dataset = dataset["train"]
-        return [(row, f"{path}:row {i + 1}") for i, row in enumerate(dataset)]
+        return _read_dataset_folder(path)
     if path.endswith((".jsonl", ".json")):
-        rows = []
-        try:
-            # undecodable bytes become lone surrogates here, found per line below: an error names the line
-            with open(path, encoding="utf-8", errors="surrogateescape") as f:
-                for line_no, line in enumerate(f, start=1):
-                    _check_utf8(path, line_no, line)
-                    if line_no == 1:
-                        line = line.removeprefix("\ufeff")  # a UTF-8 byte order mark
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise DataError(f"{path}:{line_no}: malformed JSON line: {err.msg}") from None
-                    if not isinstance(row, dict):
-                        raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
-                    rows.append((row, f"{path}:{line_no}"))
-        except OSError as err:
-            raise DataError(f"--data.path {path}: cannot read: {err}") from None
-        return rows
+        return _read_jsonl(path)
     if path.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-
-            table = pq.read_table(path)
-        except Exception as err:  # noqa: BLE001  pyarrow raises many error types; reported as a DataError
-            raise DataError(f"--data.path {path}: cannot read parquet: {err}") from None
-        return [(row, f"{path}:row {i + 1}") for i, row in enumerate(table.to_pylist())]
+        return _read_parquet(path)
     raise DataError(f"--data.path {path}: unknown format; expected .jsonl or .parquet")
+
+
+def _read_dataset_folder(path: str) -> list[tuple[dict, str]]:
+    """The rows of a folder saved with datasets' ``save_to_disk`` (a ``DatasetDict``'s ``train`` split)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"--data.path {path}: a dataset folder needs the datasets package: "
+                        "pip install datasets") from None
+    try:
+        dataset = datasets.load_from_disk(path)
+    except Exception as err:  # noqa: BLE001  datasets raises many error types; reported as a DataError
+        raise DataError(f"--data.path {path}: not a folder saved with datasets' save_to_disk: {err}") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        if "train" not in dataset:
+            raise DataError(f"--data.path {path}: a DatasetDict without a 'train' split ({', '.join(dataset)})")
+        dataset = dataset["train"]
+    return [(row, f"{path}:row {i + 1}") for i, row in enumerate(dataset)]
+
+
+def _read_jsonl(path: str) -> list[tuple[dict, str]]:
+    """The JSON objects of a jsonl file, one a line (blank lines skipped); an error names the line."""
+    rows = []
+    try:
+        # undecodable bytes become lone surrogates here, found per line below: an error names the line
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
+            for line_no, line in enumerate(f, start=1):
+                _check_utf8(path, line_no, line)
+                if line_no == 1:
+                    line = line.removeprefix("\ufeff")  # a UTF-8 byte order mark
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{path}:{line_no}: malformed JSON line: {err.msg}") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+                rows.append((row, f"{path}:{line_no}"))
+    except OSError as err:
+        raise DataError(f"--data.path {path}: cannot read: {err}") from None
+    return rows
+
+
+def _read_parquet(path: str) -> list[tuple[dict, str]]:
+    try:
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+    except Exception as err:  # noqa: BLE001  pyarrow raises many error types; reported as a DataError
+        raise DataError(f"--data.path {path}: cannot read parquet: {err}") from None
+    return [(row, f"{path}:row {i + 1}") for i, row in enumerate(table.to_pylist())]
 
 
 _ESCAPED_BYTE = re.compile("[\udc80-\udcff]")

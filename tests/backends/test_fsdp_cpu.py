@@ -124,7 +124,7 @@ def _worker(rank, port, model_dir, algorithm_name, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
                       LOCAL_RANK=str(rank), RANK=str(rank))
     torch.set_num_threads(1)
-    import gcore.backends.torch as torch_backend
+    import gcore.backends.torch.forward as torch_backend  # the module that calls it
 
     shared_forward = torch_backend.shared_prompt_logits
     calls = []

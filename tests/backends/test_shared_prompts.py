@@ -152,7 +152,7 @@ def test_training_with_shared_prompts_gives_the_same_run():
 def test_training_with_packed_responses_gives_the_same_run(monkeypatch):
     """The packed responses through the trainer: the same rewards, losses and final weights as padded ones."""
     from gcore import GRPO, TorchBackend
-    from gcore.backends import torch as torch_backend
+    from gcore.backends.torch import forward as torch_backend  # the module that calls it
     from gcore.testing import tiny_fit
 
     calls = []

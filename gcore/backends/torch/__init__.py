@@ -1,8 +1,22 @@
-"""``torch`` backend: a transformers model trained under Lightning Fabric (DDP or FSDP2, on CPU and GPU)."""
+"""``torch`` backend: a transformers model trained under Lightning Fabric (DDP or FSDP2, on CPU and GPU).
+
+One module per job, in the order a step uses them:
+
+- this file: ``TorchBackend``, the ``TrainingBackend`` (flags, setup, PREPARE, TRAIN, SYNC, checkpoints), each job
+  delegated to the modules below;
+- ``options.py``: the refusal tables, the combinations of flags that are invalid or untested;
+- ``model.py``: the models and how they are built: the critic (``ValueModel``), loading with
+  ``attn_implementation``, the transformer blocks that ``compile`` compiles and FSDP2 shards, ``freeze_vision``;
+- ``forward.py``: the forward passes (``ForwardPasses``): log-probabilities and values of a micro-batch through
+  images, shared prompts (replies padded or packed), sequence parallelism, and PREPARE's per-row pass;
+- ``microbatch.py``: the micro-batch cut of TRAIN and the sums and maxima the ranks agree on;
+- ``optim.py``: AdamW (fused where it runs) and the gradient norm as a float;
+- the other modules of ``gcore/backends/``: ``common.py`` (the optimizer options and the log-probabilities both
+  backends share), ``shared_prompts.py``, ``sequence_parallel.py``, ``lora.py``.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
@@ -16,107 +30,31 @@ from gcore.backends import lora
 from gcore.backends import sequence_parallel as seqpar
 from gcore.backends.base import TrainingBackend
 from gcore.backends.common import OptimizerOptions, check_sequence_parallel_controllers
-from gcore.backends.shared_prompts import (
-    distinct_prompts,
-    packed_attention,
-    packed_response_logits,
-    packing_saves,
-    prompt_keys,
-    shared_prompt_logits,
-    to_batch_layout,
-    to_response_layout,
+from gcore.backends.torch import microbatch
+from gcore.backends.torch.forward import SHARE_PROMPTS_MIN_SAVING, ForwardPasses, to_device
+from gcore.backends.torch.microbatch import global_max, global_sums
+from gcore.backends.torch.model import (
+    ValueModel,
+    compile_blocks,
+    freeze_vision,
+    load_model,
+    shard_per_layer,
+    transformer_blocks,
 )
-from gcore.balance import micro_batches_by_length, micro_batches_sharing_prompts, padding_fraction
-from gcore.errors import ConfigError
+from gcore.backends.torch.optim import adamw, norm_value
+from gcore.backends.torch.options import check_images, check_options
+from gcore.balance import padding_fraction
 from gcore.model import ModelSource, causal_lm_class, check_compiler, image_text_to_text
-from gcore.types import RolloutBatch, concat_visual
-from gcore.vision import multimodal_positions, vision_parameters
+from gcore.types import RolloutBatch
 
 if TYPE_CHECKING:
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import Strategy
     from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
-    from torch.distributed.device_mesh import DeviceMesh
-    from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
+    from transformers import PreTrainedModel
 
-
-class ValueModel(torch.nn.Module):
-    """The critic: the policy checkpoint's transformer trunk (its base model, no LM head) and a linear
-    head from the last hidden state to one value per position, initialised to zero.
-
-    The trunk is the base model of the checkpoint loaded as the policy is (``causal_lm_class``), not
-    ``AutoModel``'s: transformers 5 loads a Qwen2-VL checkpoint's ``model.visual.*`` weights into ``AutoModel``
-    under other names and initialises its vision encoder at random (a Llava one loads right either way)."""
-
-    def __init__(self, source: ModelSource, attn_implementation: str | None = None) -> None:
-        super().__init__()
-        self.trunk = cast("PreTrainedModel", _load(causal_lm_class(source), source, attn_implementation).base_model)
-        self.head = torch.nn.Linear(self.trunk.config.get_text_config().hidden_size, 1, dtype=source.dtype)
-        torch.nn.init.zeros_(self.head.weight)
-        torch.nn.init.zeros_(self.head.bias)
-
-    def _values(self, hidden: torch.Tensor) -> torch.Tensor:
-        """One float32 value per position. A tensor of its own, not a view of the head's output: FSDP2 warns that a
-        view returned by the module it wraps could lose its pre-backward hook."""
-        return self.head(hidden)[..., 0].to(torch.float32, copy=True)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, sp_layout: seqpar.ShardLayout | None = None,
-                visual: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """Values ``[B, L-1]``: position ``t`` values the state that predicts token ``t+1``. With
-        ``sp_layout`` (sequence parallelism): one value per token of this rank's share, ``[R, S/K]``.
-        ``visual``: the rows' images (``concat_visual``), for an image-text-to-text checkpoint's trunk."""
-        if visual:
-            assert attention_mask is not None  # the backend passes one with images
-            ids, mask = input_ids[:, :-1], attention_mask[:, :-1]
-            rope = multimodal_positions(self.trunk, ids, mask, visual)
-            positions = {} if rope is None else {"position_ids": rope[0]}
-            hidden = self.trunk(input_ids=ids, attention_mask=mask, use_cache=False, **positions,
-                                **visual).last_hidden_state
-            return self._values(hidden)
-        if sp_layout is not None:
-            hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                sp_layout=sp_layout, use_cache=False).last_hidden_state
-            return self._values(hidden)
-        # the last position is never valued and (causal attention) never read: leave it out
-        hidden = self.trunk(input_ids=input_ids[:, :-1],
-                            attention_mask=None if attention_mask is None else attention_mask[:, :-1],
-                            position_ids=None if position_ids is None else position_ids[:, :-1],
-                            use_cache=False).last_hidden_state
-        return self._values(hidden)
-
-
-def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's transformer blocks (transformers names their classes ``*DecoderLayer``)."""
-    return [m for m in model.modules() if m is not model and type(m).__name__.endswith("DecoderLayer")]
-
-
-def compile_blocks(model: torch.nn.Module) -> None:
-    """``--backend.compile``: each transformer block's forward through ``torch.compile`` (in place)."""
-    blocks = transformer_blocks(model)
-    if not blocks:
-        raise ConfigError(f"--backend.compile true: {type(model).__name__} has no *DecoderLayer blocks to compile; "
-                          "use --backend.compile false")
-    for block in blocks:
-        block.compile(dynamic=True)
-
-
-def shard_per_layer(model: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
-    """``ModelParallelStrategy``'s ``parallelize_fn``: FSDP2 ``fully_shard`` on every transformer block
-    (transformers names them ``*DecoderLayer``), then on the root, which holds the rest (embeddings,
-    final norm, LM or value head; tied embeddings stay one parameter). Each block's parameters are
-    gathered just before it runs and freed after; gradients are reduce-scattered block by block."""
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = device_mesh["data_parallel"]
-    for module in transformer_blocks(model):
-        fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-#: ``share_prompts=None`` shares a micro-batch's prompts when that saves at least this share of its tokens
-SHARE_PROMPTS_MIN_SAVING = 0.2
+__all__ = ["SHARE_PROMPTS_MIN_SAVING", "ForwardPasses", "TorchBackend", "ValueModel", "compile_blocks",
+           "shard_per_layer", "transformer_blocks"]
 
 
 class TorchBackend(OptimizerOptions, TrainingBackend):
@@ -197,6 +135,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
     reference: torch.nn.Module | None  # only for algorithms that need a reference model
     critic: _FabricModule | None  # the Fabric-wrapped ValueModel, only for algorithms with a critic
     critic_optimizer: _FabricOptimizer  # only with a critic
+    passes: ForwardPasses  # the forward passes of the models above
 
     def __init__(
         self,
@@ -225,7 +164,10 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         self.lora_rank, self.lora_alpha, self.lora_target_modules = lora_rank, lora_alpha, lora_target_modules
         self.gradient_checkpointing, self.critic_lr = gradient_checkpointing, critic_lr
         self.attn_implementation, self.compile = attn_implementation, compile
-        self._check_options(strategy)
+        check_options(strategy, sequence_parallel_size=sequence_parallel_size, packing=packing, lora_rank=lora_rank,
+                      lora_alpha=lora_alpha, lora_target_modules=lora_target_modules,
+                      attn_implementation=attn_implementation, compile=compile,
+                      gradient_checkpointing=gradient_checkpointing)
         super().__init__(**optimizer)  # the optimizer options: lr, ..., micro_batch_size, warmup_steps (checked there)
         self.sp: seqpar.SequenceParallelGroup | None = None  # set by setup when sequence parallel
         self._lora_synced: list[str] = []  # LoRA: the linear modules the engine sync sends
@@ -233,40 +175,9 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         #: ``freeze_vision``: the names of the frozen vision weights, which ``named_weights`` leaves out
         self._frozen: frozenset[str] = frozenset()
 
-    def _check_options(self, strategy: str) -> None:
-        """Refuse an invalid or untested combination of the options (one ``ConfigError`` naming the flags)."""
-        if strategy not in ("ddp", "fsdp"):
-            raise ConfigError(f"--backend.strategy {strategy!r}: valid choices: ddp, fsdp")
-        size = self.sequence_parallel_size
-        if size < 1:
-            raise seqpar.ConfigError(f"--backend.sequence_parallel_size {size} must be >= 1")
-        if self.fsdp and size > 1:
-            raise ConfigError(
-                f"--backend.strategy fsdp does not support --backend.sequence_parallel_size {size} "
-                "(untested: the sequence-parallel groups' collectives would interleave with FSDP's over all ranks); "
-                "use --backend.strategy ddp with sequence parallelism, or --backend.sequence_parallel_size 1 with fsdp"
-            )
-        lora.check_options(self.lora_rank, self.lora_alpha, self.lora_target_modules)
-        if self.lora_rank and (self.fsdp or size > 1):
-            flag = "--backend.strategy fsdp" if self.fsdp else "--backend.sequence_parallel_size > 1"
-            raise ConfigError(f"--backend.lora_rank {self.lora_rank} does not support {flag} (untested); use "
-                              "--backend.strategy ddp and --backend.sequence_parallel_size 1, or --backend.lora_rank 0")
-        if self.attn_implementation is not None and (size > 1 or self.packing):
-            flag = f"--backend.sequence_parallel_size {size}" if size > 1 else "--backend.packing true"
-            raise ConfigError(f"--backend.attn_implementation {self.attn_implementation} does not apply with {flag}: "
-                              "it brings its own attention; leave --backend.attn_implementation unset")
-        if self.compile:
-            _check_compile(strategy, size, self.packing, self.lora_rank, self.gradient_checkpointing)
-
     def validate_images(self) -> None:
         """Refuse the options not yet tested with image prompts (one line naming the flag)."""
-        clash = {f"--backend.sequence_parallel_size {self.sequence_parallel_size}": self.sequence_parallel_size > 1,
-                 "--backend.packing true": bool(self.packing), "--backend.compile true": self.compile}
-        for flag, on in clash.items():
-            if on:
-                raise ConfigError(f"{flag} does not take image prompts yet (untested: the visual inputs are not "
-                                  "split or packed, nor run through compiled blocks); leave it at its default for "
-                                  "image prompts")
+        check_images(self.sequence_parallel_size, self.packing, self.compile)
 
     def strategy(self, world_size: int, device_type: str, timeout: timedelta = default_pg_timeout) -> str | Strategy:
         if not self.fsdp:
@@ -285,9 +196,9 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
     def setup(self, fabric: Fabric, source: ModelSource, algorithm: Algorithm, embedded: bool) -> None:
         self.fabric = fabric
         model_class = causal_lm_class(source)
-        self.hf_model = _load(model_class, source, self.attn_implementation)
+        self.hf_model = load_model(model_class, source, self.attn_implementation)
         if self.freeze_vision:
-            _freeze_vision(self.hf_model)
+            freeze_vision(self.hf_model)
             self._frozen = frozenset(name for name, p in self.hf_model.named_parameters() if not p.requires_grad)
         if self.lora_rank:
             self._lora_synced = lora.add_adapters(self.hf_model, self.lora_rank, self.lora_alpha,
@@ -302,7 +213,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             check_compiler("--backend.compile", fabric.device)
             compile_blocks(self.hf_model)
         self.policy, self.optimizer = self._setup_trained(
-            self.hf_model, lambda params: _adamw((p for p in params if p.requires_grad)
+            self.hf_model, lambda params: adamw((p for p in params if p.requires_grad)
                                                  if self.lora_rank or self.freeze_vision else params,
                                                  lr=lr, betas=self.betas, weight_decay=self.weight_decay)
         )
@@ -312,7 +223,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         self.reference = None
         hf_models = [self.hf_model]  # the HF models this backend runs
         if algorithm.needs_reference:
-            reference = _load(model_class, source, self.attn_implementation)
+            reference = load_model(model_class, source, self.attn_implementation)
             reference.eval().requires_grad_(False)
             # under FSDP sharded like the policy (ModelParallelStrategy moves no unsharded module to the device)
             self.reference = fabric.setup_module(reference) if self.fsdp else fabric.to_device(reference)
@@ -321,18 +232,21 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         if algorithm.needs_critic:
             critic = ValueModel(source, self.attn_implementation)
             if self.freeze_vision:
-                _freeze_vision(critic.trunk)
+                freeze_vision(critic.trunk)
             if self.gradient_checkpointing:
                 critic.trunk.gradient_checkpointing_enable()
             critic.train()
             critic_lr = self.critic_lr if self.critic_lr is not None else lr
             self.critic, self.critic_optimizer = self._setup_trained(
                 critic,
-                lambda params: _adamw((p for p in params if p.requires_grad), lr=critic_lr, betas=self.betas,
+                lambda params: adamw((p for p in params if p.requires_grad), lr=critic_lr, betas=self.betas,
                                       weight_decay=self.weight_decay),
             )
             hf_models.append(critic.trunk)
         self._setup_sequence_parallel(hf_models)
+        self.passes = ForwardPasses(fabric, self.sp, micro_batch_size=self.micro_batch_size,
+                                    share_prompts=self.share_prompts, pack_responses=self.pack_responses,
+                                    packing=self.packing, fsdp=self.fsdp, compile=self.compile)
 
     def _setup_trained(
         self, module: torch.nn.Module, make_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -360,81 +274,6 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         for model in hf_models:
             seqpar.use_sequence_parallel_attention(model)
 
-    def _forward_logprobs(self, model: torch.nn.Module, micro: RolloutBatch,
-                          temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``token_logprobs`` of a micro-batch, through sequence parallelism / packing when set up."""
-        input_ids = self.fabric.to_device(micro.input_ids)
-        if micro.visual is not None:  # image prompts: the plain forward with the visual inputs (``validate_images``)
-            ids, mask = input_ids[:, :-1], self.fabric.to_device(micro.attention_mask)[:, :-1]
-            visual = {k: self.fabric.to_device(v) for k, v in concat_visual(micro.visual).items()}
-            rope = multimodal_positions(model, ids, mask, visual)
-            positions = {} if rope is None else {"position_ids": rope[0]}
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False, **positions, **visual).logits
-            return seqpar.next_token_logprobs(logits, input_ids[:, 1:], temperature)
-        if self.sp is None:
-            shared = None
-            if self.share_prompts is not False:  # auto: where it saves a fifth of the tokens or more
-                shared = distinct_prompts(micro, min_saving=0.0 if self.share_prompts else SHARE_PROMPTS_MIN_SAVING)
-                if self.fsdp and self.fabric.world_size > 1 and self._global_max(int(shared is None)):
-                    shared = None  # FSDP: every rank must make the same model calls (each gathers the weights)
-            if shared is not None:  # each distinct prompt runs once for all the rows that share it
-                # compiled blocks would recompile for each block's state of the prompts' KV cache: run eagerly
-                eager = torch.compiler.set_stance("force_eager") if self.compile else contextlib.nullcontext()
-                inner = getattr(model, "module", model)
-                pack = self._may_pack(inner) and (
-                    self.pack_responses or packing_saves(micro, len(shared[0]), inner.config))
-                with self.fabric.autocast(), eager:  # the unwrapped module gets the precision the wrapper gives
-                    if pack:
-                        logits, targets, rows, columns = packed_response_logits(model, micro, *shared,
-                                                                                input_ids.device, prefix_model=inner)
-                    else:
-                        logits, targets = shared_prompt_logits(model, micro, *shared, input_ids.device,
-                                                               prefix_model=inner)
-                logprobs, entropy = seqpar.next_token_logprobs(logits, targets, temperature)
-                if pack:
-                    logprobs, entropy = (to_response_layout(v, rows, columns, len(micro)) for v in (logprobs, entropy))
-                return to_batch_layout(logprobs, micro), to_batch_layout(entropy, micro)
-            # the last position predicts no token of the batch and, the attention being causal, no other
-            # position reads it: leave it out. No KV cache either (HF builds one by default).
-            attention_mask = self.fabric.to_device(micro.attention_mask)
-            logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], use_cache=False).logits
-            return seqpar.next_token_logprobs(logits, input_ids[:, 1:], temperature)
-        return seqpar.sequence_parallel_logprobs(model, input_ids, micro.attention_mask, temperature, self.sp,
-                                                 self._pack(self.sp))
-
-    def _forward_values(self, critic: torch.nn.Module, micro: RolloutBatch) -> torch.Tensor:
-        """The critic's values ``[B, L-1]`` of a micro-batch, through sequence parallelism / packing when set up."""
-        input_ids = self.fabric.to_device(micro.input_ids)
-        if micro.visual is not None:
-            visual = {k: self.fabric.to_device(v) for k, v in concat_visual(micro.visual).items()}
-            return critic(input_ids=input_ids, attention_mask=self.fabric.to_device(micro.attention_mask),
-                          visual=visual)
-        if self.sp is None:
-            return critic(input_ids=input_ids, attention_mask=self.fabric.to_device(micro.attention_mask))
-        return seqpar.sequence_parallel_values(critic, input_ids, micro.attention_mask, self.sp, self._pack(self.sp))
-
-    def _pack(self, sp: seqpar.SequenceParallelGroup) -> bool:
-        return self.packing if self.packing is not None else sp.size > 1
-
-    def _per_row_pass(self, batch: RolloutBatch, forward: Callable[[RolloutBatch], torch.Tensor]) -> torch.Tensor:
-        """``forward(micro)`` over the batch in micro-batches, masked to the response: ``[B, L-1]``. Under
-        sequence parallelism the group runs on the union of its members' batches; each rank gets its own rows."""
-        own, offset, count = batch, 0, len(batch)
-        if self.sp is not None:
-            batch, offset, count = seqpar.gather_group_batch(batch, self.sp)
-        out = torch.zeros_like(batch.response_mask)
-        chunks = list(torch.arange(len(batch)).split(self.micro_batch_size))
-        # under FSDP a forward is a collective (it gathers the weights): every rank makes as many, padding
-        # passes last (as in training, so that the real passes pair up)
-        padding = self._global_max(len(chunks)) - len(chunks) if self.fsdp else 0
-        for rows in chunks:
-            micro = batch.select(rows)
-            values = forward(micro)
-            out[rows, : values.shape[1]] = values.cpu() * micro.response_mask
-        for _ in range(padding):
-            forward(batch.select(torch.tensor([0])))
-        return out[offset: offset + count, : own.response_mask.shape[1]]
-
     # PREPARE ---------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -442,31 +281,16 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         model = self.policy if role == "policy" else self.reference
         if model is None:
             raise RuntimeError(f"no {role} model: it was not set up")
-        return self._per_row_pass(batch, lambda micro: self._forward_logprobs(model, micro, batch.temperature)[0])
+        return self.passes.per_row(batch, lambda micro: self.passes.logprobs(model, micro, batch.temperature)[0])
 
     @torch.no_grad()
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         critic = self.critic
         if critic is None:
             raise RuntimeError("no critic: it was not set up (the algorithm's needs_critic was False)")
-        return self._per_row_pass(batch, lambda micro: self._forward_values(critic, micro))
+        return self.passes.per_row(batch, lambda micro: self.passes.values(critic, micro))
 
     # TRAIN -----------------------------------------------------------------------------------
-
-    def _all_reduce(self, values: torch.Tensor, reduce_op: Literal["sum", "max"]) -> torch.Tensor:
-        reduced = self.fabric.all_reduce(values, reduce_op=reduce_op)
-        assert isinstance(reduced, torch.Tensor)  # a tensor in, a tensor out
-        return reduced
-
-    def _global_sums(self, values: list[float]) -> list[float]:
-        if self.fabric.world_size == 1:
-            return [float(v) for v in values]
-        return self._all_reduce(torch.tensor(values, dtype=torch.float64), "sum").tolist()
-
-    def _global_max(self, value: int) -> int:
-        if self.fabric.world_size == 1:
-            return int(value)
-        return int(self._all_reduce(torch.tensor(float(value)), "max"))
 
     def train(self, batch: RolloutBatch, algorithm: Algorithm) -> dict[str, float]:
         if self.sp is not None:  # the group trains on the union of its members' batches
@@ -474,7 +298,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         return super().train(batch, algorithm)
 
     def optimizer_step(self, stats: dict[str, float], loss_finite: bool) -> tuple[float, bool]:
-        grad_norm = _norm_value(self.fabric.clip_gradients(
+        grad_norm = norm_value(self.fabric.clip_gradients(
             self.policy, self.optimizer, max_norm=self.max_grad_norm or math.inf,
             error_if_nonfinite=False,
         ))
@@ -492,7 +316,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
 
     def _critic_step(self, critic: _FabricModule, stats: dict[str, float]) -> dict[str, float]:
         """Clip and apply the critic's accumulated gradients (skipped when non-finite)."""
-        grad_norm = _norm_value(self.fabric.clip_gradients(
+        grad_norm = norm_value(self.fabric.clip_gradients(
             critic, self.critic_optimizer, max_norm=self.max_grad_norm or math.inf,
             error_if_nonfinite=False,
         ))
@@ -504,48 +328,34 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         self.critic_optimizer.zero_grad(set_to_none=True)
         return {"critic/grad_norm": grad_norm, "critic/skipped_updates": skipped}
 
-    def _may_pack(self, model: torch.nn.Module) -> bool:
-        """Whether a micro-batch that shares its prompts may run its replies packed on ``model``: not with
-        ``--backend.pack_responses false``, nor where its attention takes no block mask (``packed_attention``)."""
-        return self.pack_responses is not False and packed_attention(model) is not None
-
     def train_mini_batch(self, batch: RolloutBatch, rows: torch.Tensor, algorithm: Algorithm) -> dict[str, float]:
         """Accumulate the gradients of one mini-batch over micro-batches; returns its global metrics."""
         fabric, world = self.fabric, self.fabric.world_size
         replicas = self.sp.size if self.sp is not None else 1  # each group holds its rows K times
         # the denominators count every row; only the rows whose loss is not exactly zero are run
         trained = rows[algorithm.rows_to_train(batch)[rows]] if self.skip_inert_rows else rows
-        totals = self._global_sums([batch.response_mask[rows].sum().item(), len(rows),
-                                    batch.response_mask[trained].sum().item(), len(trained)])
+        totals = global_sums(fabric, [batch.response_mask[rows].sum().item(), len(rows),
+                                      batch.response_mask[trained].sum().item(), len(trained)])
         tokens, sequences, trained_tokens, trained_rows = (total / replicas for total in totals)
         scale = algorithm.loss_scale(tokens, sequences)
-        rows = trained
-        lengths = batch.attention_mask[rows].sum(-1).tolist()
         sharing = self.sp is None and self.share_prompts is not False and batch.visual is None
-        if sharing and batch.prompt_lengths is not None:
-            # each micro-batch runs each of its prompts once: fewer prompts per micro-batch against less reply padding
-            prompt_lengths = batch.prompt_lengths[rows].tolist()
-            prompts = prompt_keys(batch.input_ids[rows], prompt_lengths)
-            groups = micro_batches_sharing_prompts(lengths, prompt_lengths, prompts, self.micro_batch_size,
-                                                   packed=self._may_pack(self.hf_model))
-        else:  # similar lengths in a micro-batch: less padding
-            groups = micro_batches_by_length(lengths, self.micro_batch_size)
-        micro_rows = [rows[torch.tensor(g, dtype=torch.long)] for g in groups] or [torch.tensor([], dtype=torch.long)]
-        n_micro = self._global_max(len(micro_rows))  # every rank runs as many backward passes
+        lengths, groups, micro_rows = microbatch.cut(batch, trained, self.micro_batch_size, sharing,
+                                                     packed=self.passes.may_pack(self.hf_model))
+        n_micro = global_max(fabric, len(micro_rows))  # every rank runs as many backward passes
         local: dict[str, float] = {}
         for i in range(n_micro):
             real = i < len(micro_rows) and len(micro_rows[i]) > 0
             micro = batch.select(micro_rows[i] if real else torch.tensor([0]))
             with fabric.no_backward_sync(self.policy, enabled=i < n_micro - 1):
-                logprobs, entropy = self._forward_logprobs(self.policy, micro, batch.temperature)
-                micro = _to_device(micro, fabric)
+                logprobs, entropy = self.passes.logprobs(self.policy, micro, batch.temperature)
+                micro = to_device(micro, fabric)
                 loss, shares = algorithm.loss(logprobs, micro, scale, entropy)
                 if not real:
                     loss = loss * 0.0  # a rank with fewer micro-batches still joins the gradient all-reduce
                 fabric.backward(loss * world)  # DDP averages over ranks; the loss is already a global sum
             if self.critic is not None:
                 with fabric.no_backward_sync(self.critic, enabled=i < n_micro - 1):
-                    predicted = self._forward_values(self.critic, micro)
+                    predicted = self.passes.values(self.critic, micro)
                     value_loss, value_shares = algorithm.value_loss(predicted, micro, scale)
                     fabric.backward(value_loss * (world if real else 0.0))
                 shares.update(value_shares)
@@ -558,7 +368,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         keys = sorted(set(local) | {"loss", "entropy"})
         values = [local.get(k, 0.0) for k in keys]
         if world > 1:
-            values = [v / replicas for v in self._all_reduce(torch.tensor(values), "sum").tolist()]
+            values = [v / replicas for v in microbatch.all_reduce(fabric, torch.tensor(values), "sum").tolist()]
         metrics = dict(zip(keys, values, strict=False))
         # token means over the rows that ran (the shares were divided by every row's tokens); 0 when no
         # row ran (trained_rows_frac 0), so that every metric stays finite and comparable across resumes
@@ -634,86 +444,3 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         if self.critic is not None:
             set_state_dict(self.critic.module, self.critic_optimizer.optimizer,
                            model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
-
-
-def _load(auto_class: type[AutoModel] | type[AutoModelForCausalLM], source: ModelSource,
-          attn_implementation: str | None) -> PreTrainedModel:
-    """``auto_class.from_pretrained`` of the checkpoint, with ``--backend.attn_implementation`` when set."""
-    kwargs: dict[str, Any] = dict(dtype=source.dtype, trust_remote_code=source.trust_remote_code)
-    if attn_implementation is None:
-        return auto_class.from_pretrained(source.path, **kwargs)
-    try:
-        return auto_class.from_pretrained(source.path, attn_implementation=attn_implementation, **kwargs)
-    except (ValueError, ImportError) as error:  # transformers' message names the implementations it knows
-        if isinstance(error, ValueError) and "attn_implementation" not in str(error):
-            raise  # another fault of the checkpoint: not this option's
-        reason = " ".join(str(error).split())
-        raise ConfigError(f"--backend.attn_implementation {attn_implementation}: {reason}") from None
-
-
-def _freeze_vision(model: torch.nn.Module) -> None:
-    """``--backend.freeze_vision``: no gradient for the vision encoder and its projector."""
-    frozen = vision_parameters(model)
-    if not frozen:
-        raise ConfigError(f"--backend.freeze_vision true: {type(model).__name__} has no vision encoder to freeze; "
-                          "use --backend.freeze_vision false")
-    for parameter in frozen:
-        parameter.requires_grad_(False)
-
-
-def _check_compile(strategy: str, sequence_parallel_size: int, packing: bool | None, lora_rank: int,
-                   gradient_checkpointing: bool) -> None:
-    """Refuse ``--backend.compile true`` where it is untested."""
-    clash = {"--backend.strategy fsdp": strategy == "fsdp",
-             f"--backend.sequence_parallel_size {sequence_parallel_size}": sequence_parallel_size > 1,
-             "--backend.packing true": bool(packing), f"--backend.lora_rank {lora_rank}": lora_rank > 0,
-             "--backend.gradient_checkpointing true": gradient_checkpointing}
-    for flag, on in clash.items():
-        if on:
-            raise ConfigError(f"--backend.compile true does not support {flag} (untested); use --backend.compile false")
-
-
-def _adamw(params: Iterable[torch.nn.Parameter], *, lr: float, betas: tuple[float, float],
-           weight_decay: float) -> torch.optim.AdamW:
-    """AdamW with torch's fused kernel where it has one (floating-point parameters on CPU or CUDA): one
-    op per parameter instead of a dozen, the default of transformers' Trainer (and so of TRL). Under FSDP
-    the parameters are DTensors, which torch's fused AdamW takes (it runs on each rank's shard; checked
-    on torch 2.13, CPU); where a torch lacks the DTensor rule, the default (foreach) implementation runs."""
-    parameters = list(params)
-    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in parameters)
-    if fused and any(hasattr(p, "full_tensor") for p in parameters):
-        fused = _fused_adamw_takes_dtensor()
-    return torch.optim.AdamW(parameters, fused=True if fused else None, lr=lr, betas=betas, weight_decay=weight_decay)
-
-
-def _norm_value(norm: torch.Tensor | None) -> float:
-    """A gradient norm (``Fabric.clip_gradients``'s, which is ``None`` only with ``clip_val``) as a float. Under
-    FSDP ``clip_grad_norm_`` returns a replicated DTensor: the global norm over every rank's shards (torch reduces
-    the per-shard norms), the same value on every rank."""
-    assert norm is not None  # clipped by max_norm
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
-
-
-def _to_device(batch: RolloutBatch, fabric: Fabric) -> RolloutBatch:
-    from dataclasses import fields, replace
-
-    moved = {
-        f.name: fabric.to_device(getattr(batch, f.name))
-        for f in fields(batch)
-        if isinstance(getattr(batch, f.name), torch.Tensor)
-    }
-    return replace(batch, **moved)
-
-
-def _fused_adamw_takes_dtensor() -> bool:
-    """Whether this torch has a DTensor sharding rule for the fused AdamW kernel."""
-    try:
-        from torch.distributed.tensor import DTensor
-
-        propagator = DTensor._op_dispatcher.sharding_propagator
-        rules = (getattr(propagator, name, {}) for name in ("op_strategy_funcs", "op_single_dim_strategy_funcs"))
-        return any(torch.ops.aten._fused_adamw_.default in rule for rule in rules)
-    except Exception:  # noqa: BLE001  an internal that moved may fail in any way: take the safe path
-        return False
