@@ -1,37 +1,4 @@
-"""Engine worker processes: the "devices" that placement policies assign roles to (CPU cores, or shares of a GPU).
-
-An engine runtime: ``PoolEngine`` is an ``Engine`` whose ``generate`` runs on worker processes.
-Which worker holds which role, and when, is decided by a placement policy; the policies start a
-pool through ``gcore/placement/launch.py``.
-
-A ``WorkerPool`` owns ``size`` worker processes (``torch.multiprocessing`` spawn, each with its own
-``torch.set_num_threads`` budget, started with ``OMP_NUM_THREADS`` and a passive OpenMP wait policy unless the
-user set them: ``gcore/threads.py``). Their engines run on the pool's ``device``: the CPU, or the controller's
-GPU, which the workers then share (each holds its own copy of its role's model there).
-Every worker holds one awake *role* at a time: the policy engine (``policy``), the judge engine
-(``judge``), both built from the configured, not yet set-up ``Engine`` objects the trainer was
-given, or a rule-based reward (``reward``, any ``Scorer``) that scores samples.
-Changing a worker's role is a real swap: the old engine is
-put to sleep and, with ``release=True`` (the CPU default), shut down so its memory is freed; the new
-one wakes up, or is loaded again from its checkpoint (the policy then takes the latest weights from
-shared memory).
-
-One pool serves every controller of a machine (``Peers``): the first controller there (its *owner*)
-starts the workers, and every controller, the owner too, connects to each worker and sends it
-requests itself; there is no process in between. Requests travel over ``multiprocessing.connection``
-(a socket per controller and worker on the loopback interface, authenticated with a key the owner
-draws and shares through ``torch.distributed``), a transport that runs across machines as it is (a
-worker would listen on a routable address); today each machine's pool serves that machine's
-controllers, since the weights reach the workers through the machine's shared memory. A worker serves
-its controllers' requests one at a time, in the order they come. Policy weights go from the owner to
-the workers through one shared-memory file in ``/dev/shm`` (no disk): the owner copies its tensors in
-once (every controller holds the same weights after a step), every worker copies them into its engine.
-
-Faults: a worker that dies, answers with an error, or does not answer within ``job_timeout_s`` (it
-is then killed) has its request sent again to another worker of the same role, or to a respawned
-one; after ``retries`` further attempts the request fails with a ``GcoreError`` and no result of it
-is used.
-"""
+"""``WorkerPool``: this controller's side of the engine-worker pool (processes, connections, the dispatcher)."""
 
 # the role names and request kinds are Literal types: comparing one with another spelling is an error
 # mypy: strict-equality
@@ -39,127 +6,32 @@ is used.
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import logging
 import math
 import os
 import pickle
 import time
-import traceback
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal, Protocol, SupportsInt, TypeAlias, assert_never, cast
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Literal, SupportsInt, cast
 
 import torch
 
-from gcore.engines.base import JUDGE, POLICY, REWARD, Engine, Role
+from gcore.engines.base import POLICY, Role
+from gcore.engines.pool.environment import clean_environment, describe_exit
+from gcore.engines.pool.jobs import Job, JobKind, Peers, Reply, RoleSpec
+from gcore.engines.pool.transport import Address, connect
+from gcore.engines.pool.weights import SharedWeights, create_shared, remove
+from gcore.engines.pool.worker import worker_main
 from gcore.errors import GcoreError
-from gcore.model import ModelSource
 from gcore.threads import spawning, worker_threads
-from gcore.types import Generation, Sample, SamplingParams, VisualInputs
+from gcore.types import Generation, SamplingParams, VisualInputs
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
 log = logging.getLogger(__name__)
-
-__all__ = ["JUDGE", "POLICY", "REWARD", "Job", "JobKind", "Peers", "PoolEngine", "Reply", "Role", "RoleSpec",
-           "Scorer", "SharedWeights", "WorkerPool", "worker_devices"]
-
-#: what a request asks of a worker (``_worker_main``): sample with its engine, read next-token log-probabilities
-#: from it, score with its reward, take a role, load the shared weights; ``stop`` (no ``Job``) ends the worker
-JobKind: TypeAlias = Literal["generate", "logprobs", "score", "role", "sync"]
-#: what a worker answers: it started, it could not start, a request's result, a request's error
-ReplyKind: TypeAlias = Literal["ready", "fatal", "result", "error"]
-#: a worker's answer: (kind, worker index, job id or ``None``, payload: (result, busy seconds) or a traceback)
-Reply: TypeAlias = tuple[ReplyKind, int, int | None, object]
-
-
-class Scorer(Protocol):
-    """What a worker needs of a rule-based reward (a ``gcore.rewards.RewardModel`` is one)."""
-
-    last_errors: int
-
-    def setup(self, device: torch.device) -> None: ...
-
-    def score(self, samples: Sequence[Sample]) -> list[float]: ...
-
-
-@dataclass
-class RoleSpec:
-    """How a worker builds the engine of one role (or, with ``reward``, the reward it scores with)."""
-
-    engine: Engine | None  # configured but not set up: it is pickled into every worker
-    source: ModelSource | None = None  # what the engine loads
-    reward: Scorer | None = None  # a rule-based reward: the role scores samples instead of generating
-
-
-@dataclass
-class SharedWeights:
-    """Policy weights in one shared-memory file: ``layout`` is (name, dtype, shape, byte offset)."""
-
-    path: str
-    nbytes: int
-    layout: list[tuple[str, torch.dtype, tuple[int, ...], int]]
-    version: int = 0
-
-    def views(self) -> list[tuple[str, torch.Tensor]]:
-        storage = torch.UntypedStorage.from_file(self.path, shared=True, nbytes=self.nbytes)
-        out = []
-        for name, dtype, shape, offset in self.layout:
-            item = torch.empty((), dtype=dtype).element_size()
-            # torch's stub lists set_(storage, offset, size) only with a stride; without one torch takes the
-            # contiguous strides
-            view = torch.empty(0, dtype=dtype).set_(storage, offset // item, shape)  # type: ignore[call-overload]
-            out.append((name, view))
-        return out
-
-    def ref(self) -> tuple[str, int, list, int]:
-        return (self.path, self.nbytes, self.layout, self.version)
-
-
-@dataclass
-class Peers:
-    """The controllers that share one pool: those of this machine, found through ``torch.distributed``.
-
-    ``owner``: this controller starts and stops the workers and sends them the weights (the first
-    controller of the machine). ``clients``: how many controllers connect to each worker.
-    ``gather(value)``: every controller of the machine's ``value``, the owner's first (a collective of all
-    controllers). ``barrier()``: every controller has reached it. ``machines``: how many machines run
-    controllers (each with a pool of its own). ``index``: this controller's place among the machine's.
-    """
-
-    owner: bool
-    clients: int
-    gather: Callable[[object], list[object]]
-    barrier: Callable[[], None]
-    machines: int = 1
-    index: int = 0  # this controller's place among the machine's (the owner's is 0)
-
-    def share(self, value: object) -> object:
-        """The owner's ``value``, on every controller of the machine (a collective)."""
-        return self.gather(value if self.owner else None)[0]
-
-    @classmethod
-    def of_this_machine(cls) -> Peers | None:
-        """The controllers of this machine, or ``None`` when this process is the only controller."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return None
-        rank, world = dist.get_rank(), dist.get_world_size()
-        node = os.environ.get("NODE_RANK") or os.environ.get("GROUP_RANK") or "0"
-        nodes: list[object] = [None] * world
-        dist.all_gather_object(nodes, node)
-        mine = [r for r, n in enumerate(nodes) if n == node]
-
-        def gather(value: object) -> list[object]:
-            gathered: list[object] = [None] * world
-            dist.all_gather_object(gathered, value)
-            return [gathered[r] for r in mine]
-
-        return cls(owner=rank == mine[0], clients=len(mine), gather=gather, barrier=dist.barrier,
-                   machines=len(set(nodes)), index=mine.index(rank))
 
 
 def worker_devices(device: str, size: int, visible: int) -> list[str]:
@@ -168,265 +40,6 @@ def worker_devices(device: str, size: int, visible: int) -> list[str]:
     if device.startswith("cuda") and visible > 1:
         return [f"cuda:{i % visible}" for i in range(size)]
     return [device] * size
-
-
-@dataclass(eq=False)
-class Job:
-    """One request to a worker; ``workers`` are the ones allowed to serve it."""
-
-    id: int
-    kind: JobKind
-    args: tuple
-    workers: tuple[int, ...]
-    role: Role | Literal[""] = ""  # "": a request that serves no role (a weight sync)
-    worker: int | None = None
-    sent: float = 0.0
-    attempts: int = 0
-    done: bool = False
-    ok: bool = False
-    result: object = None
-    busy_s: float = 0.0
-    errors: list[str] = field(default_factory=list)
-    failed_on: set[int] = field(default_factory=set)
-
-
-def _worker_main(index: int, threads: int, seed: int, specs: bytes, role: Role, weights: tuple | None,
-                 release: bool, device: str, clients: int, authkey: bytes, startup: Connection) -> None:
-    """The worker's life: build its engine, say on ``startup`` (the owner's pipe) that it is ready and
-    where it listens, take its ``clients`` controllers' connections, then serve their requests one at a
-    time until told to stop or every controller is gone. A request is ``(kind, job id, *args)``
-    (``("stop", None)`` ends the worker); each is answered on the connection it came on."""
-    from multiprocessing.connection import Listener, wait
-
-    torch.set_num_threads(threads)
-    torch.manual_seed(seed)
-    try:
-        import transformers
-
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-        runtime = _WorkerRuntime(pickle.loads(specs), release, torch.device(device))
-        runtime.switch(role, weights)
-        listener = Listener(("127.0.0.1", 0), authkey=authkey)
-    except BaseException:  # noqa: BLE001  report why it could not start, whatever it was, then exit
-        _send(startup, ("fatal", index, None, traceback.format_exc()))
-        return
-    try:  # the engines are shut down however the worker ends: an engine's own processes (SGLang's) would
-        # otherwise keep it alive (multiprocessing joins them at exit)
-        _send(startup, ("ready", index, None, listener.address))
-        controllers = [listener.accept() for _ in range(clients)]
-        listener.close()
-        while controllers:
-            for conn in cast("list[Connection]", wait(controllers)):
-                try:
-                    message = conn.recv()
-                except (EOFError, OSError):  # that controller is gone
-                    controllers.remove(conn)
-                    continue
-                if message[0] == "stop":
-                    return
-                kind: JobKind = message[0]
-                job_id: int = message[1]
-
-                def take_sync(conn: Connection = conn) -> None:
-                    """A partial rollout's weight update, sent while its generation ran: load it and answer it."""
-                    update = conn.recv()
-                    if update[0] != "sync":
-                        raise GcoreError(f"engine worker {index}: a {update[0]!r} request came during a partial "
-                                         "rollout (only a weight sync may)")
-                    started = time.perf_counter()
-                    try:
-                        loaded = runtime.sync(*update[2:])
-                    except Exception:  # answered, or the controller waits for this sync forever; the generate fails
-                        _send(conn, ("error", index, update[1], traceback.format_exc()))
-                        raise
-                    _send(conn, ("result", index, update[1], (loaded, time.perf_counter() - started)))
-
-                try:
-                    started = time.perf_counter()
-                    result = _serve(runtime, kind, message[2:], conn.poll, take_sync)
-                    reply: Reply = ("result", index, job_id, (result, time.perf_counter() - started))
-                except Exception:  # noqa: BLE001  an engine may fail in any way: the pool retries or reports it
-                    reply = ("error", index, job_id, traceback.format_exc())
-                try:
-                    _send(conn, reply)
-                except OSError:  # that controller is gone
-                    controllers.remove(conn)
-    finally:
-        runtime.shutdown()
-
-
-def _send(replies: Connection, reply: Reply) -> None:
-    """Answer the pool (a ``Reply``: its kind is checked where it is written)."""
-    replies.send(reply)
-
-
-def _serve(runtime: _WorkerRuntime, kind: JobKind, args: tuple, pending: Callable[[], bool] = lambda: False,
-           take_sync: Callable[[], None] = lambda: None) -> object:
-    """One request in the worker: its result, which the pool reads as ``kind`` says. ``pending``: whether another
-    request came meanwhile; ``take_sync``: serve it, a weight update (partial rollouts: ``generate`` with
-    ``partial``)."""
-    if kind == "generate":  # (role, prompts, params[, seed or None[, each prompt's visual inputs or None[, partial]]])
-        role, prompts, params, *extra = args
-        seed, visual, partial = (*extra, None, None, False)[:3]
-        if partial:
-            return runtime.generate_partial(role, prompts, params, seed, visual, pending, take_sync)
-        return runtime.generate(role, prompts, params, seed, visual)
-    if kind == "logprobs":  # (role, prompts, candidates[, each prompt's visual inputs or None])
-        role, prompts, candidates, *extra = args
-        visual = extra[0] if extra else None
-        return runtime.next_token_logprobs(role, prompts, candidates, visual)
-    if kind == "score":
-        return runtime.score(*args)
-    if kind == "role":
-        return runtime.switch(*args)
-    if kind == "sync":
-        (weights,) = args
-        return runtime.sync(weights)
-    assert_never(kind)
-
-
-class _WorkerRuntime:
-    """Inside a worker: its engines, which one is awake, and how roles are swapped."""
-
-    def __init__(self, specs: dict[Role, RoleSpec], release: bool, device: torch.device) -> None:
-        self.specs, self.release, self.device = specs, release, device
-        self.engines: dict[Role, Engine | Scorer] = {}
-        self.role: Role | None = None
-        self.weights: tuple | None = None  # the latest policy weights sent (a ``SharedWeights.ref()``)
-
-    def _engine(self, role: Role) -> Engine:
-        """The engine ``role`` holds (not a rule-based reward's)."""
-        held = self.engines[role]
-        if not isinstance(held, Engine):
-            raise RuntimeError(f"the {role} role holds a rule-based reward, not an engine")
-        return held
-
-    def _load(self, role: Role, weights: tuple | None) -> Engine | Scorer:
-        spec = self.specs[role]
-        if spec.reward is not None:
-            reward = pickle.loads(pickle.dumps(spec.reward))
-            reward.setup(torch.device("cpu"))  # rule-based: Python on the CPU
-            return reward
-        engine = pickle.loads(pickle.dumps(spec.engine))  # a fresh copy of the configured engine
-        assert spec.source is not None, f"the {role} role has an engine but no ModelSource"
-        engine.setup(spec.source, self.device)
-        if role == POLICY and weights is not None:
-            engine.update_weights(SharedWeights(*weights).views())
-        return engine
-
-    def switch(self, role: Role, weights: tuple | None) -> tuple[Role, ...]:
-        """Make ``role`` the awake engine (sleep/release the other one); returns the engines held.
-        ``weights``: the latest policy weights (``None``: the latest this worker was sent)."""
-        self.weights = weights or self.weights
-        weights = self.weights
-        if role == self.role:
-            return tuple(sorted(self.engines))
-        if self.role is not None:
-            old = self.engines[self.role]
-            if isinstance(old, Engine):
-                old.sleep()
-            if self.release:
-                if isinstance(old, Engine):
-                    old.shutdown()
-                del self.engines[self.role]
-        if role in self.engines:
-            held = self.engines[role]
-            if isinstance(held, Engine):
-                held.wake_up()
-            if role == POLICY and weights is not None:
-                self._engine(role).update_weights(SharedWeights(*weights).views())
-        else:
-            self.engines[role] = self._load(role, weights)
-        self.role = role
-        return tuple(sorted(self.engines))
-
-    def _take(self, role: Role) -> None:
-        """A request for another role than the awake one swaps first. The controllers change roles with ``role``
-        requests where none of them has requests in flight; a request still on its way when another controller
-        changed the split (rollouts that overlap training) is served, not refused."""
-        if role != self.role:
-            log.info("engine worker holds the %s role, swapping to serve a %s request", self.role, role)
-            self.switch(role, None)
-
-    def generate(self, role: Role, prompts: list[list[int]], params: SamplingParams,
-                 seed: int | None = None, visual: list[VisualInputs | None] | None = None) -> list[list[Generation]]:
-        """Sample with the ``role`` engine; with a ``seed``, from a random state drawn from it alone (not from
-        what this worker sampled before), so that a request samples the same wherever and whenever it runs.
-        ``visual``: each prompt's images (image prompts)."""
-        self._take(role)
-        if seed is not None:
-            torch.manual_seed(seed)
-        if visual is None:
-            return self._engine(role).generate(prompts, params)
-        return self._engine(role).generate(prompts, params, visual=visual)  # type: ignore[call-arg]  # supports_images
-
-    def generate_partial(self, role: Role, prompts: list[list[int]], params: SamplingParams, seed: int | None,
-                         visual: list[VisualInputs | None] | None, pending: Callable[[], bool],
-                         take_sync: Callable[[], None]) -> list[list[Generation]]:
-        """``generate`` as a partial rollout: when a weight update comes during it (``pending``), the engine stops
-        between tokens, the update is loaded (``take_sync``), and every unfinished generation continues from its
-        tokens with the new weights (its prompt and tokens prefilled again: the KV cache of the old weights is not
-        kept), one more version per update (``Generation.versions``). No token is thrown away."""
-        self._take(role)
-        engine = self._engine(role)
-        if not engine.supports_interrupt:
-            return self.generate(role, prompts, params, seed, visual)
-        engine.interrupt = pending
-        try:
-            out = self.generate(role, prompts, params, seed, visual)
-            budget, loads = params.max_new_tokens, 0
-
-            def cut_short(g: Generation) -> bool:  # stopped by an update: neither finished nor at the budget
-                return not g.finished and len(g.token_ids) < budget
-
-            cut = [(i, j) for i, row in enumerate(out) for j, g in enumerate(row) if cut_short(g)]
-            while cut:
-                take_sync()  # the update is there: it is what stopped the engine
-                loads += 1
-                for left in sorted({budget - len(out[i][j].token_ids) for i, j in cut}):
-                    group = [(i, j) for i, j in cut if budget - len(out[i][j].token_ids) == left]
-                    more = self.generate(role, [prompts[i] + out[i][j].token_ids for i, j in group],
-                                         replace(params, n=1, max_new_tokens=left), None,
-                                         None if visual is None else [visual[i] for i, _ in group])
-                    for (i, j), (extra,) in zip(group, more, strict=True):
-                        g = out[i][j]
-                        versions = (g.versions or [0] * len(g.token_ids)) + [loads] * len(extra.token_ids)
-                        out[i][j] = Generation(g.token_ids + extra.token_ids, g.logprobs + extra.logprobs,
-                                               extra.finished, versions)
-                cut = [(i, j) for i, j in cut if cut_short(out[i][j])]
-            return out
-        finally:
-            engine.interrupt = None
-
-    def next_token_logprobs(self, role: Role, prompts: list[list[int]], candidates: list[int],
-                            visual: list[VisualInputs | None] | None = None) -> list[list[float]]:
-        """The ``role`` engine's next-token log-probabilities of ``candidates``; ``visual``: each prompt's images
-        (a VLM judge's ``probability`` verdict on image prompts), passed only when given, as ``generate`` does."""
-        self._take(role)
-        if visual is None:
-            return self._engine(role).next_token_logprobs(prompts, candidates)
-        return self._engine(role).next_token_logprobs(prompts, candidates, visual=visual)  # type: ignore[call-arg]
-
-    def score(self, role: Role, samples: list[Sample]) -> tuple[list[float], int]:
-        """The reward of each sample, and how many failed (``Scorer.last_errors``)."""
-        self._take(role)
-        reward = self.engines[role]
-        if isinstance(reward, Engine):
-            raise RuntimeError(f"the {role} role holds an engine, not a rule-based reward")
-        return reward.score(samples), reward.last_errors
-
-    def shutdown(self) -> None:
-        """Shut down every engine held (the worker ends)."""
-        for held in self.engines.values():
-            if isinstance(held, Engine):
-                held.shutdown()
-
-    def sync(self, weights: tuple) -> int:
-        self.weights = weights
-        if POLICY not in self.engines:  # released: it loads the latest weights when it wakes up
-            return 0
-        return self._engine(POLICY).update_weights(SharedWeights(*weights).views())
 
 
 class WorkerPool:
@@ -448,11 +61,14 @@ class WorkerPool:
             workers spread over them (``worker_devices``), with one they share it.
         peers: the controllers that share this pool (``Peers.of_this_machine``); ``None``: this one alone.
             Every controller of the machine builds its ``WorkerPool`` with the same arguments at the same point.
+        liveness_timeout_s: the deadline of every connect, authentication handshake and started read between a
+            controller and a worker (``transport``); 30 s, as ``--trainer.heartbeat_timeout``'s default.
     """
 
     def __init__(self, size: int, specs: dict[Role, RoleSpec], roles: Sequence[Role], threads: int = 0, seed: int = 0,
                  release: bool = True, job_timeout_s: float = 600.0, retries: int = 2,
-                 startup_timeout_s: float = 900.0, device: str = "cpu", peers: Peers | None = None) -> None:
+                 startup_timeout_s: float = 900.0, device: str = "cpu", peers: Peers | None = None,
+                 liveness_timeout_s: float = 30.0) -> None:
         if size < 1 or len(roles) != size:
             raise GcoreError(f"a worker pool needs >= 1 worker and one role per worker, got {size} and {list(roles)}")
         for role in roles:
@@ -462,6 +78,9 @@ class WorkerPool:
 
         self.size, self.threads, self.seed, self.release = size, threads or worker_threads(size), seed, release
         self.job_timeout_s, self.retries, self.startup_timeout_s = job_timeout_s, retries, startup_timeout_s
+        if liveness_timeout_s <= 0:
+            raise GcoreError(f"a worker pool's liveness_timeout_s must be > 0 seconds, got {liveness_timeout_s}")
+        self.liveness_timeout_s = liveness_timeout_s
         self.peers = peers
         self.owner = peers is None or peers.owner
         self._first = peers.index * size // peers.clients if peers is not None else 0  # where ``_dispatch`` looks first
@@ -476,6 +95,7 @@ class WorkerPool:
         self._conns: list[Connection | None] = [None] * size
         self._startup: list[Connection | None] = [None] * size  # the owner's: each worker's ready/fatal message
         self._addresses: list[object] = [None] * size
+        self.pids: list[int | None] = [None] * size  # each worker's process id (every controller knows them)
         self.roles: list[Role] = list(roles)
         self.processes: list = [None] * size
         self._ready = [False] * size
@@ -505,22 +125,40 @@ class WorkerPool:
 
     # -- processes ---------------------------------------------------------------------------
     def _start(self, indices: list[int]) -> None:
-        """The owner starts workers ``indices``; then every controller connects to them."""
+        """The owner starts workers ``indices``; then every controller connects to them (``transport.connect``:
+        each connect and handshake within ``liveness_timeout_s``; a worker that dies meanwhile is named at once)."""
         if self.owner:
             self._spawn(indices)
             self._wait_ready(indices)
         share = self.peers.share if self.peers is not None else (lambda value: value)
-        self._authkey, addresses = cast("tuple[bytes, list[object]]",
-                                        share((self._authkey, [self._addresses[i] for i in indices])))
-        from multiprocessing.connection import Client
-
-        for i, address in zip(indices, addresses, strict=True):
+        self._authkey, addresses, pids = cast(
+            "tuple[bytes, list[Address], list[int | None]]",
+            share((self._authkey, [self._addresses[i] for i in indices], [self.pids[i] for i in indices])))
+        for i, address, pid in zip(indices, addresses, pids, strict=True):
             old = self._conns[i]
             if old is not None:
                 old.close()
-            self._conns[i] = Client(address, authkey=self._authkey)  # type: ignore[arg-type]  # an (host, port)
+            self.pids[i] = pid
+            self._conns[i] = connect(address, self._authkey, self.liveness_timeout_s, f"engine worker {i} (pid {pid})",
+                                     gone=functools.partial(self._exited, i))
             self._ready[i] = True
             self.held[i] = (self.roles[i],)
+
+    def _exited(self, i: int) -> str | None:
+        """How worker ``i``'s process ended (``was killed by SIGKILL``), or ``None`` while it runs (or, on a
+        controller other than the owner, which does not hold the process, when that is not known)."""
+        process = self.processes[i] if self.owner else None
+        if process is None or process.is_alive():
+            return None
+        return describe_exit(process.exitcode)
+
+    def _death(self, i: int) -> str:
+        """How worker ``i`` was lost: ``was killed by SIGKILL``, ``exited with status 1``; on a controller other than
+        the owner (which alone holds the process) ``closed its connection``."""
+        exited = self._exited(i)
+        if exited is not None:
+            return exited
+        return "stopped answering on its connection" if self.owner else "closed its connection (it is gone)"
 
     def _spawn(self, indices: Iterable[int]) -> None:
         clients = self.peers.clients if self.peers is not None else 1
@@ -530,14 +168,17 @@ class WorkerPool:
             self._startup[i] = startup
             weights = self.weights.ref() if self.weights is not None else None
             process = self._ctx.Process(
-                target=_worker_main, name=f"gcore-engine-worker-{i}", daemon=self._daemon,
+                target=worker_main, name=f"gcore-engine-worker-{i}", daemon=self._daemon,
                 args=(i, self.threads, self.seed + i, self._specs, self.roles[i], weights, self.release,
-                      self.devices[i], clients, self._authkey, writer),
+                      self.devices[i], clients, self._authkey, writer, self.liveness_timeout_s),
             )
-            with spawning(self.threads):  # its OpenMP reads these when it imports torch
+            # a clean environment (``environment.py``: no secret of the trainer's), with the thread settings its
+            # OpenMP reads when it imports torch
+            with clean_environment(), spawning(self.threads):
                 process.start()
             writer.close()  # the worker holds the only writing end: its death reads as end of file
             self.processes[i] = process
+            self.pids[i] = process.pid
 
     def _wait_ready(self, indices: Iterable[int]) -> None:
         """Wait for each worker's ``ready`` (with the address it listens on) on its startup pipe."""
@@ -561,8 +202,10 @@ class WorkerPool:
                     self.processes[i].join(timeout=10)
                     why = str(payload).strip().splitlines()[-1:] or ["no error reported"]
                     log.error("engine worker %d failed to start:\n%s", i, payload)
-                    raise GcoreError(f"engine worker {i} exited while starting (exit code "
-                                     f"{self.processes[i].exitcode}): {why[0]}")
+                    code = self.processes[i].exitcode
+                    raise GcoreError(f"engine worker {i} (pid {self.pids[i]}) "
+                                     f"{describe_exit(code) if code is not None else 'failed'} while starting "
+                                     f"(exit code {code}): {why[0]}")
                 self._addresses[i] = payload
                 waiting.discard(i)
 
@@ -600,8 +243,8 @@ class WorkerPool:
         atexit.unregister(self.close)
         # first: a worker that maps the file keeps its pages, and a close cut short (a second Ctrl-C during the joins
         # below, an engine slow to stop) must not leave the file in /dev/shm
-        if self.weights is not None and os.path.exists(self.weights.path):
-            os.unlink(self.weights.path)
+        if self.weights is not None:
+            remove(self.weights.path)
         for i, conn in enumerate(self._conns):
             if conn is not None and self.owner and self.alive(i):
                 try:
@@ -721,7 +364,7 @@ class WorkerPool:
             return {"bytes": 0.0, "shm_bytes": 0.0, "copy_s": 0.0, "load_s": 0.0, "s": time.perf_counter() - started}
         named = [(name, tensor.detach()) for name, tensor in named]
         if self.weights is None:
-            self.weights = _create_shared(named)
+            self.weights = create_shared(named)
         self.wait(self._syncs)
         views = dict(self.weights.views())
         if set(views) != {name for name, _ in named}:
@@ -804,9 +447,11 @@ class WorkerPool:
                 continue
             if not self.alive(i):
                 self._receive(0)  # its last reply may still be in its pipe
-                if self._busy_with[i] is job:
-                    code = self.processes[i].exitcode if self.owner and self.processes[i] is not None else None
-                    self._fail_worker(i, "it died" + (f" (exit code {code})" if code is not None else ""))
+                if self._busy_with[i] is job:  # said in one line, the moment it is seen
+                    what = self._death(i)
+                    log.warning("engine worker %d (pid %s) %s while this controller waited on its %s request", i,
+                                self.pids[i], what, job.kind)
+                    self._fail_worker(i, f"pid {self.pids[i]} {what}")
             elif self.job_timeout_s and now - job.sent > self.job_timeout_s:
                 log.warning("engine worker %d did not answer in %.0fs: dropping it", i, self.job_timeout_s)
                 if self.owner:
@@ -912,57 +557,3 @@ class WorkerPool:
                 self.revive()
                 return
 
-
-def _create_shared(named: list[tuple[str, torch.Tensor]]) -> SharedWeights:
-    layout, offset = [], 0
-    for name, tensor in named:
-        offset = (offset + 63) // 64 * 64
-        layout.append((name, tensor.dtype, tuple(tensor.shape), offset))
-        offset += tensor.numel() * tensor.element_size()
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    if root is None:
-        raise GcoreError("weight sync to engine workers needs /dev/shm (shared memory) on this machine")
-    path = os.path.join(root, f"gcore-weights-{os.getpid()}-{id(named):x}")
-    with open(path, "wb") as f:
-        f.truncate(max(offset, 1))
-    return SharedWeights(path, max(offset, 1), layout)
-
-
-class PoolEngine(Engine):
-    """The ``Engine`` a controller (or a generative reward) calls: one role on a set of pool workers.
-
-    ``workers`` is the current partition of that role (a placement policy changes it between
-    steps). ``generate`` splits the prompts over them; ``update_weights`` syncs the policy through
-    shared memory to every worker that holds it.
-    """
-
-    def __init__(self, pool: WorkerPool, role: Role, workers: Sequence[int]) -> None:
-        self.pool, self.role, self.workers = pool, role, list(workers)
-        self.last_sync: dict[str, float] = {}
-
-    def setup(self, source: ModelSource, device: torch.device) -> None:
-        """The workers loaded the engine already."""
-
-    #: the workers' engines take image prompts where the configured engine does (the trainer checks that one)
-    supports_images = True
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 visual: Sequence[VisualInputs | None] | None = None) -> list[list[Generation]]:
-        return self.pool.generate(self.role, prompts, params, self.workers, visual)
-
-    def next_token_logprobs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int],
-                            visual: Sequence[VisualInputs | None] | None = None) -> list[list[float]]:
-        """Split over the role's workers like ``generate``; the results in the order of ``prompts``. ``visual``: each
-        prompt's images, which go with its request to the workers' engines (an engine there whose
-        ``next_token_logprobs`` takes none fails the request: ``GenerativeReward`` refuses that before)."""
-        jobs = self.pool.submit_split("logprobs", self.role, prompts, list(candidates), self.workers, visual=visual)
-        return cast("list[list[float]]", self.pool.collect(jobs))
-
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        if self.role != POLICY:
-            raise GcoreError(f"weight sync goes to the policy engine, not the {self.role} engine")
-        self.last_sync = self.pool.sync_weights(weights)
-        return int(self.last_sync["bytes"])
-
-    def shutdown(self) -> None:
-        self.pool.close()
