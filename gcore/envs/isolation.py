@@ -324,8 +324,17 @@ _RUNNERS: weakref.WeakSet[ProcessRunner] = weakref.WeakSet()
 
 @atexit.register
 def _close_all() -> None:
+    """At exit: every runner's children killed, then the forkserver stopped and waited for (it would leave on its
+    own once this process is gone, a moment later: a finished run leaves no process behind)."""
     for runner in list(_RUNNERS):
         try:
             runner.close()
         except Exception:  # noqa: BLE001  at exit: the children die with the forkserver anyway
+            pass
+    if _PRELOADED:  # a forkserver was started for environments
+        try:
+            from multiprocessing import forkserver
+
+            forkserver._forkserver._stop()  # type: ignore[attr-defined]  # CPython's own (for its tests)
+        except Exception:  # noqa: BLE001  another Python's forkserver: it leaves with this process
             pass
