@@ -210,7 +210,9 @@ def _reset(pool: CallPool, env: Environment, runner: ProcessRunner | None, episo
     turn is still generated, with its prompt's others), a ``GcoreError`` (a prompt the environment cannot take)
     ends the run as before."""
     futures = {pool.submit(_call, env, runner, "reset", (e.prompt,)): e for e in episodes}
-    done, late = wait(list(futures), timeout=None if runner is not None else env.timeout_s)
+    # a process-mode call ends by its own deadline; in threads, the queue could take every call's full timeout
+    rounds = -(-len(episodes) // env.workers)
+    done, late = wait(list(futures), timeout=None if runner is not None else env.timeout_s * rounds)
     name = type(env).__name__
     for future, episode in futures.items():
         if future in late:

@@ -180,3 +180,26 @@ def test_a_run_whose_environment_hangs_finishes_and_exits(tmp_path, isolation):
     marked = _marks(marks)  # (the process that ran the step, its parent: the forkserver, or this test)
     pids = {pid for pid, _ in marked} | ({parent for _, parent in marked} if isolation == "process" else set())
     assert pids and os.getpid() not in pids and not [pid for pid in pids if _alive(pid)]
+
+
+@pytest.mark.parametrize("env, error", [
+    (lambda: Huge(chars=200_000), None),
+    (lambda: NanReward(), RewardError),
+    (lambda: BadIds(), ConfigError),
+], ids=["huge", "nan-reward", "bad-ids"])
+def test_through_the_trainer(tmp_path, env, error):
+    """Whole runs: a huge observation ends its episodes and the run trains on (``env/oversized``); a NaN turn
+    reward and out-of-vocabulary ids stop it with the one-line error (before: memory without bound, tracebacks)."""
+    from gcore import Trainer, TrainerConfig
+    from gcore.data import DataConfig
+
+    trainer = Trainer(trainer=TrainerConfig(max_steps=2, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                                            save_final=False),
+                      model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
+                      data=DataConfig(prompts_per_step=2), sampling=SamplingParams(n=2, max_new_tokens=4), env=env())
+    if error is None:
+        history = trainer.fit().history
+        assert len(history) == 2 and all(m["env/oversized"] == 4 and m["env/errors"] == 4 for m in history)
+    else:
+        with pytest.raises(error, match="--env hostile_envs"):
+            trainer.fit()
