@@ -65,7 +65,10 @@ class DataConfig:
             are placed before the prompt's text through the processor's chat template; the model must be an
             image-text-to-text checkpoint (unset ``--model.path``: the embedded tiny VLM). See docs/multimodal.md.
         max_image_pixels: refuse (one line naming the file and row) an image of more pixels than this.
-        resize_images: scale an image of more than ``max_image_pixels`` pixels down to fit instead of refusing it.
+        resize_images: scale an image of more than ``max_image_pixels`` pixels down to fit instead of refusing it
+            (up to ``resize_max_pixels``). Image sizes are read from the file's header, before decoding.
+        resize_max_pixels: with ``resize_images``, the most pixels gcore decodes to scale an image down; a larger
+            image is refused in one line (a possible decompression bomb: a 20000x20000 PNG can be 48 kB).
         blank_images: replace every image by a uniform grey one of the same size (the control that shows whether
             a policy uses its images: the prompts' tokens are the same, the images tell nothing).
         synthetic_feature_mb: attach to every prompt a synthetic per-sample feature of this many MB (an
@@ -90,6 +93,7 @@ class DataConfig:
     image_key: str | None = None
     max_image_pixels: int = 4096 * 4096
     resize_images: bool = False
+    resize_max_pixels: int = 89_478_485  # gcore.vision.DEFAULT_RESIZE_MAX_PIXELS, Pillow's own bomb limit
     blank_images: bool = False
     synthetic_feature_mb: float = 0.0
     eval_path: str | None = None
@@ -276,7 +280,8 @@ def _row_images(row: dict, config: DataConfig, source: str, base_dir: str) -> li
     values = row[key] if isinstance(row[key], (list, tuple)) else [row[key]]
     if not values:
         raise DataError(f"{source}: {key!r} holds no image")
-    images = [read_image(value, base_dir, source, config.max_image_pixels, config.resize_images) for value in values]
+    images = [read_image(value, base_dir, source, config.max_image_pixels, config.resize_images,
+                         config.resize_max_pixels) for value in values]
     if config.blank_images:
         from PIL import Image
 

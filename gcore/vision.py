@@ -10,6 +10,7 @@ import binascii
 import inspect
 import io
 import os
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,32 +27,77 @@ VISION_MODULES = ("visual", "vision_tower", "vision_model", "multi_modal_project
 QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
-def read_image(value: object, base_dir: str, source: str, max_pixels: int, resize: bool) -> Image:
+#: ``--data.resize_max_pixels``: the most pixels gcore decodes to scale an image down (Pillow's own bomb limit)
+DEFAULT_RESIZE_MAX_PIXELS = 89_478_485
+_PILLOW_LIMIT = threading.Lock()  # Pillow's bomb check is a module global, set aside while gcore opens a file
+
+
+def read_image(value: object, base_dir: str, source: str, max_pixels: int, resize: bool,
+               resize_max_pixels: int = DEFAULT_RESIZE_MAX_PIXELS) -> Image:
     """One image of a data row as an RGB PIL image: a path (relative to ``base_dir``, the data file's folder),
     base64 text (or a ``data:image/...;base64,`` URI), bytes, a ``{"bytes": ..., "path": ...}`` struct (parquet,
-    datasets), or a PIL image. A missing, unreadable or truncated image, or one of more than ``max_pixels`` pixels
-    (unless ``resize``: then scaled down to fit), is a one-line ``DataError`` naming ``source`` (file and row)."""
+    datasets), or a PIL image. A missing, unreadable or truncated image is a one-line ``DataError`` naming
+    ``source`` (file and row). So is one of more than ``max_pixels`` pixels, unless ``resize``: then it is scaled
+    down to fit, if it has at most ``resize_max_pixels`` (the most gcore decodes; a larger one is refused, a
+    possible decompression bomb). The size is read from the file's header, before anything is decoded: a
+    20000x20000 PNG of 48 kB is refused without allocating its 400 million pixels."""
     from PIL import Image as PILImage
-    from PIL import UnidentifiedImageError
 
     if isinstance(value, PILImage.Image):
         image, name = value, "the image"
     else:
         data, name = _image_bytes(value, base_dir, source)
+        image = _open_header(data, name, source)
+    width, height = image.size
+    pixels = width * height
+    target = None
+    if pixels > max_pixels:
+        if not resize:
+            raise DataError(f"{source}: {name} is {width}x{height} = {pixels} pixels, more than "
+                            f"--data.max_image_pixels {max_pixels}; raise it, or --data.resize_images true")
+        if pixels > resize_max_pixels and not _decoded(image):
+            raise DataError(f"{source}: {name} is {width}x{height} = {pixels} pixels, more than "
+                            f"--data.resize_max_pixels {resize_max_pixels}, the most gcore decodes to scale an image "
+                            "down: refused (a possible decompression bomb); raise it if you trust the file")
+        scale = (max_pixels / pixels) ** 0.5
+        target = (max(1, int(width * scale)), max(1, int(height * scale)))
+    if not _decoded(image):
+        if target is not None:
+            image.draft("RGB", target)  # JPEG: decodes at 1/2, 1/4 or 1/8 scale (still >= target); others: no-op
         try:
-            image = PILImage.open(io.BytesIO(data))
             image.load()  # decodes the whole file: a truncated one fails here, not inside a controller later
-        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
+        except (OSError, ValueError, SyntaxError) as err:
             detail = " ".join(str(err).split()) or type(err).__name__
             raise DataError(f"{source}: {name}: not a readable image ({detail})") from None
-    width, height = image.size
-    if width * height > max_pixels:
-        if not resize:
-            raise DataError(f"{source}: {name} is {width}x{height} = {width * height} pixels, more than "
-                            f"--data.max_image_pixels {max_pixels}; raise it, or --data.resize_images true")
-        scale = (max_pixels / (width * height)) ** 0.5
-        image = image.resize((max(1, int(width * scale)), max(1, int(height * scale))))
+    if target is not None:
+        image = image.resize(target)
     return image.convert("RGB")
+
+
+def _open_header(data: bytes, name: str, source: str) -> Image:
+    """``Image.open`` of the bytes: it reads the header only (format, mode, size). Pillow's own
+    decompression-bomb check (``Image.MAX_IMAGE_PIXELS``), which would raise inside ``open`` before gcore sees the
+    size, is set aside meanwhile: gcore's limits apply (``read_image``)."""
+    from PIL import Image as PILImage
+    from PIL import UnidentifiedImageError
+
+    try:
+        with _PILLOW_LIMIT:
+            limit, PILImage.MAX_IMAGE_PIXELS = PILImage.MAX_IMAGE_PIXELS, None
+            try:
+                return PILImage.open(io.BytesIO(data))
+            finally:
+                PILImage.MAX_IMAGE_PIXELS = limit
+    except UnidentifiedImageError:
+        raise DataError(f"{source}: {name}: not a readable image (not a format Pillow reads)") from None
+    except (OSError, ValueError, SyntaxError) as err:
+        detail = " ".join(str(err).split()) or type(err).__name__
+        raise DataError(f"{source}: {name}: not a readable image ({detail})") from None
+
+
+def _decoded(image: Image) -> bool:
+    """Whether the image's pixels are in memory (an image made in Python, or loaded), not only its header."""
+    return getattr(image, "fp", None) is None and getattr(image, "im", None) is not None
 
 
 def _image_bytes(value: object, base_dir: str, source: str) -> tuple[bytes, str]:

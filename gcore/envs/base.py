@@ -13,13 +13,19 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from gcore.errors import ConfigError
 from gcore.types import Prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+
+#: ``--env.max_observation_chars``: one observation's text at most (a tool's whole output, a page of text)
+DEFAULT_MAX_OBSERVATION_CHARS = 100_000
+#: ``--env.max_observation_tokens``: an episode's observation tokens at most (beyond most models' context)
+DEFAULT_MAX_OBSERVATION_TOKENS = 32_768
 
 
 @dataclass
@@ -49,33 +55,59 @@ class Environment(ABC):
     model turn. One object serves all of a controller's episodes at once, so per-episode state lives
     in what ``reset`` returns (handed back to ``step``), not on ``self``.
 
-    ``step`` runs in a thread pool (``workers`` episodes' turns at a time) while the engine goes on
-    generating the other episodes' turns; it may also be ``async def``.
+    ``reset`` and ``step`` run ``workers`` at a time while the engine goes on generating the other
+    episodes' turns, by default each in a child process (``isolation``); ``step`` may be ``async def``.
 
     Args:
         max_turns: model turns per episode at most; an episode still going after them is truncated.
         max_tokens: tokens per trajectory after the prompt at most (model and observation tokens;
             0: no total, only ``max_turns`` turns); a trajectory that reaches it is truncated. Each
             turn generates at most ``--sampling.max_new_tokens``.
-        workers: episode turns the environment runs at once (threads).
-        timeout_s: a ``step`` that does not return in this time ends its episode as an error
-            (counted in ``env/errors``; a thread cannot be killed, so it is left to finish).
+        workers: episode calls (``reset``, ``step``) the environment runs at once.
+        timeout_s: a ``reset`` or ``step`` that does not return in this time ends its episode as an
+            error (counted in ``env/errors`` and ``env/timeouts``); with ``isolation process`` its
+            process is killed.
         overlap: generate the turns of the episodes whose observation is ready while other episodes'
             ``step`` still runs (``false``: every turn waits for all episodes' observations, one
             batch per turn, as a synchronous loop does).
+        isolation: where ``reset`` and ``step`` run: ``process`` (child processes of the controller,
+            up to ``workers``; the environment and each episode's state are pickled to them, and a
+            call past ``timeout_s`` is killed with its process) or ``thread`` (threads of the
+            controller: no pickling, shared objects, but a call past ``timeout_s`` is only
+            abandoned and keeps running). An environment class defined in ``__main__`` runs in
+            threads.
+        max_observation_chars: a text observation longer than this ends its episode as an error
+            (``env/errors``, ``env/oversized``), before it is tokenized (0: no limit).
+        max_observation_tokens: observation tokens per episode at most (text observations
+            tokenized, token-id ones as given); the observation that would pass it ends its
+            episode as an error (``env/errors``, ``env/oversized``) (0: no limit).
     """
 
     #: False for ``SingleTurn``: the rollout is one generation per sample, with no episode loop
     multi_turn: bool = True
 
     def __init__(self, max_turns: int = 4, max_tokens: int = 0, workers: int = 16, timeout_s: float = 120.0,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, isolation: Literal["process", "thread"] = "process",
+                 max_observation_chars: int = DEFAULT_MAX_OBSERVATION_CHARS,
+                 max_observation_tokens: int = DEFAULT_MAX_OBSERVATION_TOKENS) -> None:
         if max_turns < 1 or max_tokens < 0 or workers < 1 or timeout_s <= 0:
             raise ConfigError(f"--env: max_turns and workers must be >= 1, max_tokens >= 0 and timeout_s > 0, got "
                               f"{max_turns}, {workers}, {max_tokens}, {timeout_s}")
+        if isolation not in ("process", "thread"):
+            raise ConfigError(f"--env.isolation {isolation!r}: valid choices: process, thread")
+        if max_observation_chars < 0 or max_observation_tokens < 0:
+            raise ConfigError(f"--env.max_observation_chars and --env.max_observation_tokens must be >= 0 (0: no "
+                              f"limit), got {max_observation_chars}, {max_observation_tokens}")
         self.max_turns, self.max_tokens, self.workers = max_turns, max_tokens, workers
-        self.timeout_s, self.overlap = timeout_s, overlap
+        self.timeout_s, self.overlap, self.isolation = timeout_s, overlap, isolation
+        self.max_observation_chars, self.max_observation_tokens = max_observation_chars, max_observation_tokens
         self.tokenizer: PreTrainedTokenizerBase | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What is pickled to the environment's own processes: not the controller's handle on them."""
+        state = dict(self.__dict__)
+        state.pop("_runner", None)
+        return state
 
     def setup(self, tokenizer: PreTrainedTokenizerBase) -> None:
         """Called once per controller before the first episode, with the policy's tokenizer (for an

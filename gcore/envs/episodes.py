@@ -8,25 +8,35 @@ re-encoded; an observation is tokenized once, when it is appended. So the traine
 the ids and behaviour log-probabilities the engine produced, and ``Sample.response_mask`` tells the
 model's tokens (trained) from the observations' (context).
 
-The environment's ``step`` runs in a thread pool. With ``Environment.overlap`` the loop generates for
+The environment's ``reset`` and ``step`` run on ``workers`` threads, each call in a child process of
+its own by default (``--env.isolation process``, ``gcore/envs/isolation.py``: a call past
+``--env.timeout_s`` is killed with its process). With ``Environment.overlap`` the loop generates for
 the episodes whose observation is back while the others' ``step`` is still running, so the engine is
 not idle behind one slow tool; ``time/env`` is the time it waited with nothing to generate.
+
+What an environment returns is checked before it reaches the engine or the reward: a turn's reward
+as a reward model's is (a finite number within float32's range; else the run stops in one line
+naming the environment and the episode), observation token ids against the vocabulary (the run
+stops), and an observation's size (``--env.max_observation_chars`` per observation,
+``--env.max_observation_tokens`` per episode; over either, the episode ends as an error, counted in
+``env/errors`` and ``env/oversized``, and the run goes on).
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from gcore.envs.base import Environment, Turn
-from gcore.errors import ConfigError
+from gcore.envs.isolation import CallFailed, CallPool, CallTimeout, ProcessRunner, run_call
+from gcore.errors import ConfigError, GcoreError, RewardError
+from gcore.rewards.base import as_reward
 from gcore.types import Generation, Prompt, Sample, SamplingParams
 from gcore.user_code import describe, ending_as
 
@@ -50,6 +60,8 @@ class Episode:
     prompt: Prompt  # its ``token_ids`` are what the episode started from (``Environment.prompt_ids``)
     group: int
     state: Any
+    number: int = 0  # which of its prompt's ``n`` episodes (from 0), for messages
+    of: int = 1  # its prompt's episodes
     ids: list[int] = field(default_factory=list)  # after the prompt: model and observation tokens
     logprobs: list[float] = field(default_factory=list)  # the engine's, 0 at observation tokens
     mask: list[int] = field(default_factory=list)  # 1: the model's token, 0: an observation's
@@ -59,6 +71,12 @@ class Episode:
     done: bool = False  # the environment ended it
     failed: bool = False  # its environment step raised or timed out
     over: bool = False  # no more turns: done, truncated or failed
+    observed: int = 0  # observation tokens appended so far (``--env.max_observation_tokens``)
+
+    def where(self) -> str:
+        """``episode 2 of 4 of prompt data.jsonl:3: '7='``: which sample a message is about."""
+        return (f"episode {self.number + 1} of {self.of} of prompt {self.prompt.source or self.prompt.index}: "
+                f"{_clip(self.prompt.text)!r}")
 
     def sample(self, policy_version: int) -> Sample:
         return Sample(prompt=self.prompt, group=self.group, response_ids=self.ids, response_logprobs=self.logprobs,
@@ -89,19 +107,22 @@ def run_episodes(env: Environment, generate: Generate, prompts: Sequence[Prompt]
     stats = stats if stats is not None else EpisodeStats()
     budget = env.max_tokens or sys.maxsize  # 0: turns of at most max_new_tokens, max_turns of them
     starts = [replace(p, token_ids=list(env.prompt_ids(p))) for p in prompts]
-    episodes = [Episode(p, first_group + g, env.reset(p)) for g, p in enumerate(starts) for _ in range(sampling.n)]
+    episodes = [Episode(p, first_group + g, None, number=k, of=sampling.n)
+                for g, p in enumerate(starts) for k in range(sampling.n)]
     if not episodes:
         return []
-    pending: dict[Future[tuple[Turn, float]], Episode] = {}
-    deadline: dict[Future[tuple[Turn, float]], float] = {}
-    pool = ThreadPoolExecutor(max_workers=env.workers, thread_name_prefix="gcore-env")
+    runner = env_runner(env)
+    pending: dict[Future[tuple[Any, float]], Episode] = {}
+    deadline: dict[Future[tuple[Any, float]], float] = {}
+    pool = CallPool(env.workers)
     try:
+        _reset(pool, env, runner, episodes, stats)
         first = _generate(generate, [p.token_ids for p in starts],
                           replace(sampling, max_new_tokens=min(sampling.max_new_tokens, budget)), stats)
         ready: list[Episode] = []
         for episode, generation in zip(episodes, (g for group in first for g in group), strict=True):
             _take_turn(episode, generation, tokenizer)
-            _ask(pool, env, episode, pending, deadline)
+            _ask(pool, env, runner, episode, pending, deadline)
         while pending or ready:
             if pending:  # take the observations that are back; wait when there is nothing to generate
                 waited = time.perf_counter()
@@ -120,9 +141,9 @@ def run_episodes(env: Environment, generate: Generate, prompts: Sequence[Prompt]
                 outputs = _generate(generate, [e.prompt.token_ids + e.ids for e in members], params, stats)
                 for episode, group in zip(members, outputs, strict=True):
                     _take_turn(episode, group[0], tokenizer)
-                    _ask(pool, env, episode, pending, deadline)
-    finally:  # a step past its deadline keeps its thread; nobody waits for it
-        pool.shutdown(wait=False, cancel_futures=True)
+                    _ask(pool, env, runner, episode, pending, deadline)
+    finally:  # a thread-mode step past its deadline keeps its (daemon) thread; nobody waits for it
+        pool.shutdown()
     samples = [e.sample(policy_version) for e in episodes]
     stats.add("episodes", len(episodes))
     stats.add("turns", sum(e.turns for e in episodes))
@@ -131,6 +152,38 @@ def run_episodes(env: Environment, generate: Generate, prompts: Sequence[Prompt]
         log.warning("%d episode(s) ended on an environment error, their turns so far kept (env/errors); the "
                     "first: %s", sum(e.failed for e in episodes), stats.first_error)
     return samples
+
+
+_RUNNER_LOCK = threading.Lock()
+
+
+def env_runner(env: Environment) -> ProcessRunner | None:
+    """The child processes that run ``env``'s calls (``--env.isolation process``), started on first use and
+    kept on the environment for the run; ``None`` where its calls run in threads (``thread``, or an environment
+    class defined in ``__main__``, which a child process cannot import: a warning says so, once)."""
+    if getattr(env, "isolation", "process") != "process":
+        return None
+    with _RUNNER_LOCK:
+        runner = env.__dict__.get("_runner")
+        if runner is None:
+            if type(env).__module__ in ("__main__", "__mp_main__"):
+                if not env.__dict__.get("_warned_main"):
+                    log.warning("--env %s is defined in __main__, which the environment's own process cannot "
+                                "import: its calls run in threads of the controller (a step past --env.timeout_s "
+                                "cannot be killed); define it in a module for --env.isolation process",
+                                type(env).__name__)
+                    env.__dict__["_warned_main"] = True
+                return None
+            runner = env.__dict__["_runner"] = ProcessRunner(env)
+        return runner
+
+
+def close_runner(env: Environment) -> None:
+    """Stop ``env``'s child processes now (they are stopped at exit anyway); the next episode starts new ones."""
+    with _RUNNER_LOCK:
+        runner = env.__dict__.pop("_runner", None)
+    if runner is not None:
+        runner.close()
 
 
 def _generate(generate: Generate, prompts: list[list[int]], params: SamplingParams,
@@ -151,14 +204,41 @@ def _take_turn(episode: Episode, generation: Generation, tokenizer: Tokenizer) -
     episode.last_text = str(tokenizer.decode(generation.token_ids, skip_special_tokens=True))
 
 
-def _ask(pool: ThreadPoolExecutor, env: Environment, episode: Episode,
-         pending: dict[Future[tuple[Turn, float]], Episode], deadline: dict[Future[tuple[Turn, float]], float]) -> None:
-    """Send the episode's last turn to the environment (in the pool), unless the episode is over."""
+def _reset(pool: CallPool, env: Environment, runner: ProcessRunner | None, episodes: list[Episode],
+           stats: EpisodeStats) -> None:
+    """Each episode's ``reset``, on the pool; one that raises or times out ends its episode as an error (its first
+    turn is still generated, with its prompt's others), a ``GcoreError`` (a prompt the environment cannot take)
+    ends the run as before."""
+    futures = {pool.submit(_call, env, runner, "reset", (e.prompt,)): e for e in episodes}
+    # a process-mode call ends by its own deadline; in threads, the queue could take every call's full timeout
+    rounds = -(-len(episodes) // env.workers)
+    done, late = wait(list(futures), timeout=None if runner is not None else env.timeout_s * rounds)
+    name = type(env).__name__
+    for future, episode in futures.items():
+        if future in late:
+            _fail(episode, stats, f"{name}.reset did not return within --env.timeout_s {env.timeout_s:g} s on "
+                                  f"{episode.where()}", timeout=True)
+            continue
+        try:
+            episode.state, _ = future.result()
+        except GcoreError:
+            raise
+        except CallTimeout as err:
+            _fail(episode, stats, f"{name}.reset did not return within --env.timeout_s {env.timeout_s:g} s on "
+                                  f"{episode.where()}; {err}", timeout=True)
+        except Exception as err:  # noqa: BLE001  an environment's error ends its episode, counted, not the run
+            _fail(episode, stats, f"{name}.reset {_raised(err)} on {episode.where()}")
+
+
+def _ask(pool: CallPool, env: Environment, runner: ProcessRunner | None, episode: Episode,
+         pending: dict[Future[tuple[Any, float]], Episode], deadline: dict[Future[tuple[Any, float]], float]) -> None:
+    """Send the episode's last turn to the environment (on the pool), unless the episode is over."""
     if episode.over:
         return
-    future = pool.submit(_step, env, episode.state, episode.last_text)
+    future = pool.submit(_call, env, runner, "step", (episode.state, episode.last_text))
     pending[future] = episode
-    deadline[future] = time.monotonic() + env.timeout_s
+    if runner is None:  # a process-mode call ends by its deadline itself (its process killed)
+        deadline[future] = time.monotonic() + env.timeout_s
 
 
 class StepError(Exception):
@@ -166,21 +246,20 @@ class StepError(Exception):
     its own code: signals reach the main thread, not this one); an error of that episode, not of the run."""
 
 
-def _step(env: Environment, state: Any, text: str) -> tuple[Turn, float]:  # noqa: ANN401  the episode's state
+def _call(env: Environment, runner: ProcessRunner | None, method: str,
+          args: tuple[Any, ...]) -> tuple[Any, float]:
+    """``env.<method>(*args)`` in this thread or in the runner's child; its result and seconds."""
     started = time.perf_counter()
-    with ending_as(lambda cause: StepError(describe(cause))):  # its episode's error, counted
-        turn = env.step(state, text)
-        if inspect.isawaitable(turn):
-            turn = asyncio.run(_await(turn))
-    return turn, time.perf_counter() - started
+    if runner is None:
+        with ending_as(lambda cause: StepError(describe(cause))):  # its episode's error, counted
+            result = run_call(env, method, args)
+    else:
+        result = runner.call(method, args, env.timeout_s)
+    return result, time.perf_counter() - started
 
 
-async def _await(awaitable: Any) -> Any:  # noqa: ANN401  whatever the environment's coroutine returns
-    return await awaitable
-
-
-def _wait(pending: dict[Future[tuple[Turn, float]], Episode], deadline: dict[Future[tuple[Turn, float]], float],
-          block: bool, everyone: bool) -> list[Future[tuple[Turn, float]]]:
+def _wait(pending: dict[Future[tuple[Any, float]], Episode], deadline: dict[Future[tuple[Any, float]], float],
+          block: bool, everyone: bool) -> list[Future[tuple[Any, float]]]:
     """The environment steps that are done (or past their deadline): at once when ``block`` is
     false; else at least one, or all of them when ``everyone``."""
     if not block:
@@ -192,52 +271,113 @@ def _wait(pending: dict[Future[tuple[Turn, float]], Episode], deadline: dict[Fut
     return [*done, *late]
 
 
-def _observe(env: Environment, episode: Episode, future: Future[tuple[Turn, float]], tokenizer: Tokenizer,
+def _fail(episode: Episode, stats: EpisodeStats, message: str, timeout: bool = False, kind: str = "") -> None:
+    stats.add("errors")
+    if timeout:
+        stats.add("timeouts")
+    if kind:
+        stats.add(kind)
+    stats.first_error = stats.first_error or message
+    episode.over = episode.failed = True
+
+
+def _raised(err: BaseException) -> str:
+    if isinstance(err, CallFailed):
+        text = str(err)
+        return text if text.startswith("its process") else f"raised {text}"
+    return f"raised {type(err).__name__}: {err}"
+
+
+def _observe(env: Environment, episode: Episode, future: Future[tuple[Any, float]], tokenizer: Tokenizer,
              budget: int, stats: EpisodeStats) -> bool:
     """Take the environment's answer to the episode's turn; True when the episode goes on."""
     name = type(env).__name__
     if not future.done():
-        stats.add("errors")
-        stats.add("timeouts")
-        late = f"{name}.step did not return within --env.timeout_s {env.timeout_s:g} s"
-        stats.first_error = stats.first_error or late
-        episode.over = episode.failed = True
+        _fail(episode, stats, f"{name}.step did not return within --env.timeout_s {env.timeout_s:g} s on "
+                              f"{episode.where()} (left running in its thread: --env.isolation thread)", timeout=True)
         return False
     try:
-        turn, seconds = future.result()
-    except Exception as err:  # noqa: BLE001  an environment's error ends its episode, counted, not the run
-        stats.add("errors")
-        stats.first_error = stats.first_error or f"{name}.step raised {type(err).__name__}: {err}"
-        episode.over = episode.failed = True
+        (turn, state), seconds = future.result()
+    except CallTimeout as err:
+        _fail(episode, stats, f"{name}.step did not return within --env.timeout_s {env.timeout_s:g} s on "
+                              f"{episode.where()}; {err}", timeout=True)
         return False
+    except Exception as err:  # noqa: BLE001  an environment's error ends its episode, counted, not the run
+        _fail(episode, stats, f"{name}.step {_raised(err)} on {episode.where()}")
+        return False
+    qualified = f"{type(env).__module__}.{name}"
     if not isinstance(turn, Turn):
-        raise ConfigError(f"--env {type(env).__module__}.{name}: step returned {type(turn).__name__}, not a "
-                          "gcore.envs.Turn")
+        raise ConfigError(f"--env {qualified}: step returned {type(turn).__name__}, not a gcore.envs.Turn")
+    episode.state = state
     stats.env_busy_s += seconds
     stats.add("steps")
     for key, value in turn.metrics.items():
         stats.add(key, float(value))
-    episode.reward += float(turn.reward)
+    try:  # the checks a reward model's score goes through, for this turn's and the episode's sum
+        reward = as_reward(turn.reward)
+        episode.reward = as_reward(episode.reward + reward)
+    except (TypeError, ValueError) as err:
+        raise RewardError(f"--env {qualified}: turn {episode.turns}'s reward: {err}, on {episode.where()}") from None
     if turn.done:
         episode.done = episode.over = True
         return False
-    observation = _observation_ids(env, turn.observation, tokenizer)
-    if episode.turns >= env.max_turns or len(episode.ids) + len(observation) >= budget:
+    observation = turn.observation
+    limit = env.max_observation_chars
+    if isinstance(observation, str) and limit and len(observation) > limit:
+        _fail(episode, stats, f"{name}.step gave an observation of {len(observation)} characters, more than "
+                              f"--env.max_observation_chars {limit}, on {episode.where()}: the episode ended",
+              kind="oversized")
+        return False
+    ids = _observation_ids(env, observation, tokenizer, episode)
+    limit = env.max_observation_tokens
+    if limit and episode.observed + len(ids) > limit:
+        _fail(episode, stats, f"{name}.step gave an observation of {len(ids)} tokens, after {episode.observed} "
+                              f"observation tokens in the episode: more than --env.max_observation_tokens {limit} "
+                              f"per episode, on {episode.where()}: the episode ended", kind="oversized")
+        return False
+    if episode.turns >= env.max_turns or len(episode.ids) + len(ids) >= budget:
         episode.over = True  # truncated: no room for another turn
         return False
-    episode.ids += observation
-    episode.logprobs += [0.0] * len(observation)
-    episode.mask += [0] * len(observation)
+    episode.ids += ids
+    episode.logprobs += [0.0] * len(ids)
+    episode.mask += [0] * len(ids)
+    episode.observed += len(ids)
     return True
 
 
-def _observation_ids(env: Environment, observation: object, tokenizer: Tokenizer) -> list[int]:
+def _observation_ids(env: Environment, observation: object, tokenizer: Tokenizer, episode: Episode) -> list[int]:
+    qualified = f"--env {type(env).__module__}.{type(env).__name__}"
     if isinstance(observation, str):
         return list(tokenizer.encode(observation, add_special_tokens=False))
-    if isinstance(observation, list) and all(isinstance(t, int) for t in observation):
-        return observation
-    raise ConfigError(f"--env {type(env).__module__}.{type(env).__name__}: a Turn's observation must be a str or a "
-                      f"list of token ids, got {type(observation).__name__}")
+    if not (isinstance(observation, list) and all(isinstance(t, int) for t in observation)):
+        raise ConfigError(f"{qualified}: a Turn's observation must be a str or a list of token ids, got "
+                          f"{type(observation).__name__}")
+    vocab = vocab_size(tokenizer)
+    bad = next((t for t in observation if t < 0 or (vocab is not None and t >= vocab)), None)
+    if bad is not None:
+        valid = f"0..{vocab - 1}" if vocab is not None else ">= 0"
+        raise ConfigError(f"{qualified}: a Turn's observation holds token id {_short(bad)}, outside the tokenizer's "
+                          f"vocabulary ({valid}), on {episode.where()}; give text, or ids of the policy's tokenizer "
+                          "(Environment.setup receives it)")
+    return observation
+
+
+def vocab_size(tokenizer: Tokenizer) -> int | None:
+    """The ids a tokenizer has (``len(tokenizer)``: its vocabulary and added tokens), or ``None`` if it cannot say."""
+    size: object
+    try:
+        size = len(tokenizer)  # type: ignore[arg-type]
+    except TypeError:
+        size = getattr(tokenizer, "vocab_size", None)
+    return int(size) if isinstance(size, int) and size > 0 else None
+
+
+def _short(value: int) -> str:
+    return str(value) if value.bit_length() < 128 else f"an int of {value.bit_length()} bits"
+
+
+def _clip(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _by_budget(episodes: list[Episode], max_new_tokens: int, budget: int) -> dict[int, list[Episode]]:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from gcore.envs import tools as builtin
-from gcore.envs.base import Environment, Turn
+from gcore.envs.base import DEFAULT_MAX_OBSERVATION_CHARS, DEFAULT_MAX_OBSERVATION_TOKENS, Environment, Turn
 from gcore.envs.sandbox import SandboxUnavailable, check_sandbox
 from gcore.envs.tools import ToolCall, ToolCallError, call_tool, get_parser, tool_schema
 from gcore.errors import ConfigError
@@ -53,7 +53,10 @@ class ToolEnvironment(Environment):
             own, a read-only minimal file system, no network; docs/agents.md), or ``none``: a plain
             subprocess, UNSAFE (the code can read and write whatever the trainer can). With ``bwrap``, a
             missing or unusable bubblewrap is an error when the environment is made.
-        max_turns, max_tokens, workers, timeout_s, overlap: as for every environment.
+        max_turns, max_tokens, workers, timeout_s, overlap, isolation, max_observation_chars,
+            max_observation_tokens: as for every environment. With ``isolation process`` (the default) the
+            tools run in the environment's processes: a function tool past ``tool_timeout_s`` is an error
+            result, and one that holds its ``step`` past ``timeout_s`` is killed with its process.
     """
 
     def __init__(self, tools: list[str] | None = None, parser: str = "hermes",
@@ -61,8 +64,11 @@ class ToolEnvironment(Environment):
                  examples: str | None = None, tool_timeout_s: float = 10.0, max_result_chars: int = 2000,
                  python_sandbox: Literal["bwrap", "none"] = "bwrap",
                  max_turns: int = 4, max_tokens: int = 0, workers: int = 16, timeout_s: float = 120.0,
-                 overlap: bool = True) -> None:
-        super().__init__(max_turns, max_tokens, workers, timeout_s, overlap)
+                 overlap: bool = True, isolation: Literal["process", "thread"] = "process",
+                 max_observation_chars: int = DEFAULT_MAX_OBSERVATION_CHARS,
+                 max_observation_tokens: int = DEFAULT_MAX_OBSERVATION_TOKENS) -> None:
+        super().__init__(max_turns, max_tokens, workers, timeout_s, overlap, isolation, max_observation_chars,
+                         max_observation_tokens)
         self.tools = list(tools) if tools is not None else ["calculator"]
         if not self.tools:
             raise ConfigError("--env.tools is empty: name at least one tool (built-in: "
@@ -87,6 +93,17 @@ class ToolEnvironment(Environment):
         self._examples = _read_examples(examples) if examples else []
         self._in_template = False
         self._example_messages: list[dict[str, str]] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled to the environment's processes without the tool functions (one from a ``file.py`` is no
+        importable module's): they are loaded again there from ``tools``."""
+        state = super().__getstate__()
+        state.pop("_functions", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._functions = {name: fn for name, fn in map(_load_tool, self.tools)}
 
     def setup(self, tokenizer: Any) -> None:  # noqa: ANN401  a transformers tokenizer
         super().setup(tokenizer)

@@ -120,3 +120,74 @@ def test_shape_colour_has_a_held_out_split_and_balanced_answers(processor):
     held_out = load_eval_prompts(DataConfig(task="shape_colour", num_eval_prompts=16), processor.tokenizer, 8, None,
                                  processor)
     assert len(held_out) == 16 and all(p.visual is not None for p in held_out)
+
+
+def _bilevel_png(width, height) -> bytes:
+    """A valid 1-bit PNG of ``width`` x ``height`` white pixels, compressed as a bomb is (20000x20000: ~48 kB),
+    written without ever holding its pixels."""
+    import struct
+    import zlib
+
+    def chunk(kind, body):
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    packer, row = zlib.compressobj(9), b"\0" + b"\xff" * ((width + 7) // 8)
+    body = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0))
+            + chunk(b"IDAT", body) + chunk(b"IEND", b""))
+
+
+@pytest.fixture(scope="module")
+def bomb(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bomb")
+    (folder / "bomb.png").write_bytes(_bilevel_png(20000, 20000))
+    return folder
+
+
+@pytest.mark.parametrize("resize, message", [
+    (False, r"data.jsonl:1: .*bomb.png is 20000x20000 = 400000000 pixels, more than --data.max_image_pixels "
+            r"16777216; raise it, or --data.resize_images true$"),
+    (True, r"data.jsonl:1: .*bomb.png is 20000x20000 = 400000000 pixels, more than --data.resize_max_pixels "
+           r"89478485, the most gcore decodes to scale an image down: refused \(a possible decompression bomb\)"),
+])
+def test_a_decompression_bomb_is_refused_from_its_header_in_one_line(bomb, resize, message):
+    """Pillow's own ``DecompressionBombError`` (a traceback) fired inside ``Image.open`` before gcore's check;
+    gcore's limits now apply, read from the header, with or without ``--data.resize_images``."""
+    from PIL import Image as PILImage
+
+    assert (bomb / "bomb.png").stat().st_size < 100_000
+    limit = PILImage.MAX_IMAGE_PIXELS
+    data = _write_jsonl(bomb / "data.jsonl", [{"prompt": "c=", "image": "bomb.png"}])
+    with pytest.raises(DataError, match=message) as error:
+        check_images(DataConfig(path=data, image_key="image", resize_images=resize))
+    assert "\n" not in str(error.value)
+    assert PILImage.MAX_IMAGE_PIXELS == limit  # Pillow's setting is put back
+
+
+@pytest.mark.parametrize("kind", ["png", "jpeg"])
+def test_resize_images_scales_a_large_image_within_the_decode_limit(tmp_path, kind):
+    """6 Mpx (over a 50,000-pixel --data.max_image_pixels, under --data.resize_max_pixels): decoded and scaled
+    down to fit; a JPEG is decoded at a reduced scale first (``draft``)."""
+    from gcore.vision import read_image
+
+    if kind == "png":
+        (tmp_path / "big.png").write_bytes(_bilevel_png(3000, 2000))
+    else:
+        Image.new("RGB", (3000, 2000), (10, 200, 30)).save(tmp_path / "big.png", format="JPEG")
+    image = read_image("big.png", str(tmp_path), "data.jsonl:1", 50_000, True)
+    assert image.mode == "RGB" and image.size == (273, 182) and image.size[0] * image.size[1] <= 50_000
+    with pytest.raises(DataError, match="more than --data.resize_max_pixels 1000000"):
+        read_image("big.png", str(tmp_path), "data.jsonl:1", 50_000, True, resize_max_pixels=1_000_000)
+
+
+def test_a_bomb_is_one_line_through_the_cli(bomb, tmp_path):
+    """``gcore fit`` with the 20000x20000 PNG: exit 2, one ``gcore: error:`` line (was: a 35-line traceback)."""
+    from conftest import run_gcore
+
+    data = _write_jsonl(bomb / "rows.jsonl", [{"prompt": "c=", "answer": "r", "image": "bomb.png"}])
+    run = run_gcore("fit", "--data.path", data, "--data.image_key", "image", "--data.resize_images", "true",
+                    "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path), cwd=tmp_path)
+    assert run.returncode == 2, run.stderr[-2000:]
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in run.stderr and len([line for line in lines if "gcore: error:" in line]) == 1
+    assert "bomb.png is 20000x20000 = 400000000 pixels" in run.stderr

@@ -102,20 +102,25 @@ def test_an_async_environment(tiny):
 
 class SlowFirst(Scripted):
     """Episode 0's first step returns only once the engine has generated another turn for the others:
-    it can finish only when generation overlaps the wait (or at ``timeout_s``)."""
+    it can finish only when generation overlaps the wait (or at ``timeout_s``). It watches the engine through
+    a file the test's ``generate`` writes (it may run in a process of its own)."""
 
-    def __init__(self, generate, **kw):
+    def __init__(self, calls_file, **kw):
         super().__init__(turns=3, **kw)
-        self.generate, self.first = generate, threading.Lock()
+        self.calls_file = str(calls_file)
 
     def reset(self, prompt):
         return {"turn": 0, "slow": prompt.index == 0}
 
+    def _calls(self):
+        with open(self.calls_file) as f:
+            return len(f.read())
+
     def step(self, state, response):
         if state["slow"] and state["turn"] == 0:
-            calls = len(self.generate.calls)
+            calls = self._calls()
             for _ in range(400):  # up to 20 s; the engine's next turn batch ends the wait
-                if len(self.generate.calls) > calls:
+                if self._calls() > calls:
                     break
                 threading.Event().wait(0.05)
             else:
@@ -123,11 +128,27 @@ class SlowFirst(Scripted):
         return super().step(state, response)
 
 
+class Marking(Recording):
+    """``Recording`` that also appends a character to a file per call (for an environment in another process)."""
+
+    def __init__(self, engine, path):
+        super().__init__(engine)
+        self.path = path
+        path.write_text("")
+
+    def __call__(self, prompts, params):
+        outputs = super().__call__(prompts, params)
+        with open(self.path, "a") as f:
+            f.write("x")
+        return outputs
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread"])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_generation_goes_on_while_one_episode_waits_for_its_environment(tiny, overlap):
+def test_generation_goes_on_while_one_episode_waits_for_its_environment(tiny, tmp_path, overlap, isolation):
     tokenizer, _, engine = tiny
-    generate, stats = Recording(engine), EpisodeStats()
-    env = SlowFirst(generate, overlap=overlap, timeout_s=3.0)
+    generate, stats = Marking(engine, tmp_path / "calls"), EpisodeStats()
+    env = SlowFirst(tmp_path / "calls", overlap=overlap, timeout_s=3.0, isolation=isolation)
     samples = run_episodes(env, generate, _prompts(tokenizer, 3), SamplingParams(n=1, max_new_tokens=3), tokenizer,
                            stats=stats)
     if overlap:  # the others' turns were generated while episode 0 waited: it then finished its 3 turns

@@ -129,3 +129,24 @@ def test_bad_examples_are_one_line_naming_the_file_and_line(tmp_path, line, mess
     path.write_text(line + "\n")
     with pytest.raises(ConfigError, match=message):
         _env(examples=str(path))
+
+
+def test_the_tools_environment_runs_in_its_own_process_with_tools_from_a_file(tmp_path):
+    """``--env.isolation process`` pickles the environment to a child: a tool loaded from a ``file.py`` (no
+    importable module) is loaded again there, and its result comes back."""
+    import os
+
+    from gcore.envs.isolation import ProcessRunner
+
+    module = tmp_path / "my_tools.py"
+    module.write_text('import os\n\n\ndef pid(text: str) -> str:\n    """The process that runs the tool.\n\n'
+                      '    Args:\n        text: anything\n    """\n    return f"{text} {os.getpid()}"\n')
+    env = _env(tools=[f"{module}:pid"])
+    runner = ProcessRunner(env)
+    try:
+        turn, state = runner.call("step", ({"k": 1}, _call("pid", text="ran in")), 120.0)
+    finally:
+        runner.close()
+    assert state == {"k": 1} and turn.metrics["tool_errors"] == 0
+    ran_in = int(turn.observation.split("ran in ")[1].split()[0])
+    assert ran_in != os.getpid() and runner.started == 1
