@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Literal, Protocol, SupportsInt, TypeAlias, ass
 
 import torch
 
-from gcore.engines.base import JUDGE, POLICY, REWARD, Engine, Role
+from gcore.engines.base import JUDGE, POLICY, REWARD, Engine, EngineCapabilities, Role
 from gcore.errors import GcoreError
 from gcore.model import ModelSource
 from gcore.threads import spawning, worker_threads
@@ -359,7 +359,7 @@ class _WorkerRuntime:
             torch.manual_seed(seed)
         if visual is None:
             return self._engine(role).generate(prompts, params)
-        return self._engine(role).generate(prompts, params, visual=visual)  # type: ignore[call-arg]  # supports_images
+        return self._engine(role).generate(prompts, params, visual=visual)
 
     def generate_partial(self, role: Role, prompts: list[list[int]], params: SamplingParams, seed: int | None,
                          visual: list[VisualInputs | None] | None, pending: Callable[[], bool],
@@ -370,7 +370,7 @@ class _WorkerRuntime:
         kept), one more version per update (``Generation.versions``). No token is thrown away."""
         self._take(role)
         engine = self._engine(role)
-        if not engine.supports_interrupt:
+        if not engine.capabilities.interrupt:
             return self.generate(role, prompts, params, seed, visual)
         engine.interrupt = pending
         try:
@@ -406,7 +406,7 @@ class _WorkerRuntime:
         self._take(role)
         if visual is None:
             return self._engine(role).next_token_logprobs(prompts, candidates)
-        return self._engine(role).next_token_logprobs(prompts, candidates, visual=visual)  # type: ignore[call-arg]
+        return self._engine(role).next_token_logprobs(prompts, candidates, visual=visual)
 
     def score(self, role: Role, samples: list[Sample]) -> tuple[list[float], int]:
         """The reward of each sample, and how many failed (``Scorer.last_errors``)."""
@@ -469,7 +469,8 @@ class WorkerPool:
         self.device, self.devices = device, worker_devices(device, size, visible)
         self._specs = pickle.dumps(specs)
         # a worker whose engine starts processes of its own (SGLang) cannot be daemonic
-        self._daemon = not any(spec.engine is not None and spec.engine.starts_processes for spec in specs.values())
+        self._daemon = not any(spec.engine is not None and spec.engine.capabilities.starts_processes
+                               for spec in specs.values())
         self._ctx = mp.get_context("spawn")
         self._authkey = os.urandom(32) if self.owner else b""
         # a connection per worker: a worker killed mid-reply blocks no other
@@ -944,7 +945,7 @@ class PoolEngine(Engine):
         """The workers loaded the engine already."""
 
     #: the workers' engines take image prompts where the configured engine does (the trainer checks that one)
-    supports_images = True
+    capabilities = EngineCapabilities(images=True)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  visual: Sequence[VisualInputs | None] | None = None) -> list[list[Generation]]:
