@@ -47,6 +47,10 @@ class EngineCapabilities:
     starts_processes: bool = False
 
 
+#: where engines once declared their capabilities, one attribute each (now ``EngineCapabilities``)
+_FORMER_CAPABILITIES = ("supports_images", "supports_interrupt", "starts_processes")
+
+
 class Engine(ABC):
     """Generates ``n`` completions per prompt, with the log-probability of every sampled token.
 
@@ -67,6 +71,14 @@ class Engine(ABC):
     #: whose capabilities say ``interrupt`` calls it between decoding steps and, once it returns True, stops and
     #: returns what it has (a generation cut there is neither finished nor at ``max_new_tokens``)
     interrupt: Callable[[], bool] | None = None
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        old = [name for name in _FORMER_CAPABILITIES if name in cls.__dict__]
+        if old:  # the names of an earlier contract, which nothing reads now: refused rather than ignored
+            raise TypeError(f"engine {cls.__name__} sets {', '.join(old)}: an engine declares what it supports in "
+                            "capabilities = EngineCapabilities(images=..., interrupt=..., starts_processes=...) "
+                            "(docs/engines.md, \"Writing an engine\")")
 
     @abstractmethod
     def setup(self, source: ModelSource, device: torch.device) -> None:

@@ -107,3 +107,17 @@ def test_the_base_next_token_logprobs_takes_images_and_says_it_gives_none():
     raises ``NotImplementedError`` naming the engine, with or without images."""
     with pytest.raises(NotImplementedError, match="the TextEngine engine does not give next-token log-probabilities"):
         TextEngine().next_token_logprobs([[5]], [1, 2], visual=[IMAGE])
+
+
+def test_an_engine_that_declares_a_capability_by_its_former_name_is_refused_in_one_line():
+    """``supports_images = True`` (the contract's former spelling) would now be read by nothing, and the engine's
+    images refused at run time: the class is refused where it is defined, naming the engine and the new place."""
+    with pytest.raises(TypeError) as err:
+
+        class OldPlugin(TextEngine):
+            supports_images = True
+
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("engine OldPlugin sets supports_images: an engine declares what it supports in "
+                              "capabilities = EngineCapabilities(")
