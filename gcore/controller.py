@@ -23,7 +23,7 @@ from gcore.backends.base import TrainingBackend
 from gcore.engines.base import Engine
 from gcore.envs.base import Environment
 from gcore.errors import ConfigError
-from gcore.placement.base import PlacementPolicy, Telemetry
+from gcore.placement.base import InFlight, PlacementPolicy, Telemetry
 from gcore.rewards.base import RewardModel
 from gcore.rollout import LOCAL_STAGES, STAGES, RolloutJob, StageTimer
 from gcore.types import Generation, Prompt, RolloutBatch, Sample, SamplingParams, collate
@@ -137,7 +137,7 @@ class Controller:
     def __post_init__(self) -> None:
         #: the training steps the engine's weights have had; set at the first step (a resumed run's start)
         self.policy_version: int | None = None
-        self._ahead: dict[int, tuple[RolloutJob, Callable[[], list[Sample]]]] = {}  # step -> rollout in flight
+        self._ahead: dict[int, tuple[RolloutJob, InFlight]] = {}  # step -> rollout in flight
         #: step -> a rollout in flight that the checkpoint resumed from recorded (``load_in_flight``), taken up by
         #: the step that collects it or starts it ahead
         self._resumed: dict[int, dict] = {}
@@ -317,10 +317,9 @@ class Controller:
         records = []
         for step, (job, result) in sorted(self._ahead.items()):
             entry: dict = {"step": step, "prompts": [p.index for p in job.prompts], "version": job.policy_version,
-                           "seed": job.seed, "deferred": bool(getattr(result, "deferred", False))}
-            generations = getattr(result, "generations", None)
-            if generations is not None:
-                entry.update(_pack(generations()))
+                           "seed": job.seed, "deferred": result.deferred}
+            if result.generations is not None:
+                entry.update(_pack(result.generations()))
             records.append(entry)
         return records
 

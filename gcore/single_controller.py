@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gcore.controller import Controller, StepRecord
-from gcore.engines.base import Engine
+from gcore.engines.base import Engine, Visual
 from gcore.model import ModelSource
 from gcore.types import Generation, Prompt, RolloutBatch, Sample, SamplingParams
 
@@ -142,7 +142,9 @@ class RemoteEngines(Engine):
     def setup(self, source: ModelSource, device: torch.device) -> None:
         self.local.setup(source, device)
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 visual: Visual | None = None) -> list[list[Generation]]:
+        self.refuse_images(visual)  # the prompts travel as token tensors, without their images
         parts = torch.arange(len(prompts)).tensor_split(self.world_size)
         for rank in range(1, self.world_size):
             index = parts[rank].tolist()

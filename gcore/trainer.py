@@ -104,8 +104,8 @@ class TrainerConfig:
             flight: the engine workers stop between tokens, load the new weights and continue the unfinished
             responses with them (no token thrown away; the prompt and tokens so far are prefilled again). Each
             token records the version that sampled it (``Sample.token_versions``); a sample's staleness is its
-            oldest token's. Needs an engine that ``supports_interrupt`` (``--engine hf``, or ``--engine vllm`` in
-            its default in-process mode). docs/asynchronous.md.
+            oldest token's. Needs an engine that can stop between tokens (``EngineCapabilities.interrupt``:
+            ``--engine hf``, or ``--engine vllm`` in its default in-process mode). docs/asynchronous.md.
         dispatch: with ``max_staleness`` K >= 1, when the rollout of a step goes out to the engine workers.
             ``device``: as soon as the weights it may be generated with exist (after the sync of the step K + 1
             before it): its requests queue behind the rollouts in flight, and each worker starts on it when it has
@@ -325,9 +325,9 @@ class Trainer:
                               f"while the controller trains: --placement dynamic, or --placement static with "
                               f"--placement.workers N; {type(self.placement).__name__} here runs its engine in the "
                               "controller's process")
-        if c.partial_rollouts and not self.engine.supports_interrupt:
+        if c.partial_rollouts and not self.engine.capabilities.interrupt:
             raise ConfigError(f"--trainer.partial_rollouts true: the {type(self.engine).__name__} engine cannot stop "
-                              "between tokens for a weight update (supports_interrupt); use --engine hf with "
+                              "between tokens for a weight update (EngineCapabilities.interrupt); use --engine hf with "
                               "--engine.use_generate false, or --engine vllm without --engine.separate_process")
         if c.oversample and self.algorithm.max_rounds <= 1:
             raise ConfigError(f"--trainer.oversample true draws dynamic sampling's extra prompts up front: the "
@@ -348,7 +348,7 @@ class Trainer:
         """Image prompts (docs/multimodal.md): refuse, in one line naming the option, what does not take them yet."""
         d = self.data_config
         what = f"--data.image_key {d.image_key}" if d.image_key is not None else f"--data.task {d.task}"
-        if not getattr(self.engine, "supports_images", False):
+        if not self.engine.capabilities.images:
             raise ConfigError(f"{what}: image prompts need --engine hf or vllm; {type(self.engine).__name__} is given "
                               "token ids only in gcore (SGLang: its image inputs are not wired, and its CPU build was "
                               "not tried with an image-text-to-text model)")

@@ -6,6 +6,7 @@ import json
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal, TypeAlias
 
@@ -13,7 +14,7 @@ import torch
 
 from gcore.errors import ConfigError
 from gcore.model import ModelSource
-from gcore.types import Generation, Prompt, SamplingParams
+from gcore.types import Generation, Prompt, SamplingParams, VisualInputs
 
 #: the roles an engine worker process holds (``gcore/engines/pool.py``; the placement policies assign them): the
 #: policy's engine, the generative judge's engine, or a rule-based reward. Spelled here, not in ``pool.py``, so
@@ -24,6 +25,32 @@ JUDGE: Final = "judge"
 REWARD: Final = "reward"
 
 
+#: each prompt's images, in the order of the prompts (``Prompt.visual``: ``None`` for a prompt without any), as
+#: ``generate`` and ``next_token_logprobs`` take them
+Visual: TypeAlias = Sequence[VisualInputs | None]
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine supports beyond the core of the contract: the one place an engine declares it
+    (``Engine.capabilities``), and the one place the trainer, the placement policies, the engine workers and the
+    generative reward read it. docs/engines.md, "The contract"."""
+
+    #: ``generate``, and ``next_token_logprobs`` where the engine gives them, take each prompt's images
+    #: (``visual``): image prompts (docs/multimodal.md). Without it an engine refuses them in one line
+    images: bool = False
+    #: ``generate`` calls ``Engine.interrupt`` between decoding steps and, once it returns True, stops and returns
+    #: what it has: partial rollouts (``--trainer.partial_rollouts``)
+    interrupt: bool = False
+    #: ``setup`` starts processes of its own (SGLang's scheduler): an engine worker that holds such an engine is
+    #: started non-daemonic, since a daemonic process cannot have children (``gcore/engines/pool.py``)
+    starts_processes: bool = False
+
+
+#: where engines once declared their capabilities, one attribute each (now ``EngineCapabilities``)
+_FORMER_CAPABILITIES = ("supports_images", "supports_interrupt", "starts_processes")
+
+
 class Engine(ABC):
     """Generates ``n`` completions per prompt, with the log-probability of every sampled token.
 
@@ -31,42 +58,56 @@ class Engine(ABC):
     once or more per step; ``update_weights`` receives the trainer's new weights after each
     optimizer step; ``sleep``/``wake_up`` release and retake device memory when placement asks.
 
-    An engine that generates from image prompts sets ``supports_images``: its ``generate`` then takes
-    ``visual``, each prompt's images (``Prompt.visual``); ``generate_prompts`` passes them.
+    What an engine supports beyond that it declares in ``capabilities`` (``EngineCapabilities``): a class
+    attribute, or an instance's own, set in ``__init__``, where the engine's options decide it. An engine whose
+    capabilities say ``images`` takes each prompt's images in ``generate`` (and ``next_token_logprobs``) as
+    ``visual``; one that does not refuses them (``refuse_images``). Callers pass ``visual`` only when a prompt
+    has images, so an engine written for token ids alone need not name the parameter.
     """
 
-    #: whether ``generate`` takes image prompts (a ``visual`` keyword argument)
-    supports_images: bool = False
-    #: whether ``setup`` starts processes of its own (SGLang's scheduler): an engine worker that holds such an
-    #: engine is started non-daemonic, since a daemonic process cannot have children (``gcore/engines/pool.py``)
-    starts_processes: bool = False
+    #: what this engine supports (images, interruption, processes of its own); default: none of it
+    capabilities: EngineCapabilities = EngineCapabilities()
     #: partial rollouts (``--trainer.partial_rollouts``): set by the process that serves the engine; an engine
-    #: that ``supports_interrupt`` calls it between decoding steps and, once it returns True, stops and returns
-    #: what it has (a generation cut there is neither finished nor at ``max_new_tokens``)
+    #: whose capabilities say ``interrupt`` calls it between decoding steps and, once it returns True, stops and
+    #: returns what it has (a generation cut there is neither finished nor at ``max_new_tokens``)
     interrupt: Callable[[], bool] | None = None
 
-    @property
-    def supports_interrupt(self) -> bool:
-        """Whether ``generate`` stops early when ``interrupt`` says so (partial rollouts). Default: no."""
-        return False
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        old = [name for name in _FORMER_CAPABILITIES if name in cls.__dict__]
+        if old:  # the names of an earlier contract, which nothing reads now: refused rather than ignored
+            raise TypeError(f"engine {cls.__name__} sets {', '.join(old)}: an engine declares what it supports in "
+                            "capabilities = EngineCapabilities(images=..., interrupt=..., starts_processes=...) "
+                            "(docs/engines.md, \"Writing an engine\")")
 
     @abstractmethod
     def setup(self, source: ModelSource, device: torch.device) -> None:
         """Load the model ``source`` names onto ``device``."""
 
     @abstractmethod
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
-        """For each prompt (token ids) return ``params.n`` generations."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 visual: Visual | None = None) -> list[list[Generation]]:
+        """For each prompt (token ids) return ``params.n`` generations. ``visual``: each prompt's images (given
+        only when a prompt has some); an engine without ``capabilities.images`` refuses them (``refuse_images``)."""
 
     @abstractmethod
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load new weights (HF parameter names); return the number of bytes received."""
 
-    def next_token_logprobs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int]) -> list[list[float]]:
+    def next_token_logprobs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int],
+                            visual: Visual | None = None) -> list[list[float]]:
         """For each prompt (token ids), the log-probability of each of ``candidates`` (token ids) as the
         very next token, at temperature 1: what a judge's verdict is read from (``--reward.verdict
-        probability``). An engine without it raises ``NotImplementedError``."""
+        probability``); ``visual``: each prompt's images, as ``generate`` takes them. An engine without it
+        raises ``NotImplementedError``."""
         raise NotImplementedError(f"the {type(self).__name__} engine does not give next-token log-probabilities")
+
+    def refuse_images(self, visual: Visual | None) -> None:
+        """Raise a one-line ``ConfigError`` naming this engine when ``visual`` carries images and its
+        capabilities do not say ``images``; what an engine's ``generate`` calls first where it takes none."""
+        if visual is not None and not self.capabilities.images and any(v is not None for v in visual):
+            raise ConfigError(f"the {type(self).__name__} engine does not generate from image prompts; "
+                              "use --engine hf or vllm")
 
     def sleep(self) -> None:
         """Release device memory until ``wake_up`` (no-op by default)."""
@@ -83,10 +124,9 @@ def generate_prompts(engine: Engine, prompts: Sequence[Prompt], params: Sampling
     token_ids = [p.token_ids for p in prompts]
     if all(p.visual is None for p in prompts):
         return engine.generate(token_ids, params)
-    if not getattr(engine, "supports_images", False):
-        raise ConfigError(f"the {type(engine).__name__} engine does not generate from image prompts; "
-                          "use --engine hf or vllm")
-    return engine.generate(token_ids, params, visual=[p.visual for p in prompts])  # type: ignore[call-arg]
+    visual = [p.visual for p in prompts]
+    engine.refuse_images(visual)
+    return engine.generate(token_ids, params, visual=visual)
 
 
 def buckets(weights: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

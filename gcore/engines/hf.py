@@ -10,20 +10,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
-from gcore.engines.base import Engine, warn_ignored_generation_values
+from gcore.engines.base import Engine, EngineCapabilities, Visual, warn_ignored_generation_values
+from gcore.engines.static_cache import StaticCacheDecoder  # also imported from here (tests)
 from gcore.errors import ConfigError
 from gcore.model import DTYPES, ModelSource, cache_keyword, causal_lm_class, check_compiler
-from gcore.types import Generation, SamplingParams, VisualInputs, concat_visual
+from gcore.types import Generation, SamplingParams, concat_visual
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, GenerationMixin, PreTrainedModel
-    from transformers.cache_utils import DynamicLayer
+
+#: the decode step: the logits ``[rows, vocab]`` after feeding each decoded row's token ``chosen`` at step ``t``
+#: (``active``: the rows still decoded, indices into the batch)
+Advance = Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]
 
 
 class HFEngine(Engine):
@@ -62,9 +67,12 @@ class HFEngine(Engine):
     inputs, and for a Qwen2-VL-style model its 3D positions (``gcore.vision.multimodal_positions``); the decode
     continues through the model's forward (no static-cache decoder) at each row's last position + 1. Not with
     ``use_generate``.
+
+    Capabilities: images, and interruption between tokens (partial rollouts) with its own loop, not with
+    ``use_generate`` (``model.generate`` does not stop when asked).
     """
 
-    supports_images = True
+    capabilities = EngineCapabilities(images=True, interrupt=True)
 
     def __init__(
         self,
@@ -83,6 +91,8 @@ class HFEngine(Engine):
         self.max_batch_size = max_batch_size
         self.offload_when_asleep = offload_when_asleep
         self.use_generate = use_generate
+        if use_generate:
+            self.capabilities = EngineCapabilities(images=True, interrupt=False)
         self.static_cache = static_cache
         self.cuda_graphs = cuda_graphs
         self.sample_special_tokens = sample_special_tokens
@@ -98,11 +108,6 @@ class HFEngine(Engine):
         self.bos_id: int | None = None
         self.media_ids: tuple[int, ...] = ()
         self.asleep = False
-
-    @property
-    def supports_interrupt(self) -> bool:
-        """The engine's own loop stops between tokens when ``interrupt`` says so; ``model.generate`` does not."""
-        return not self.use_generate
 
     def setup(self, source: ModelSource, device: torch.device) -> None:
         from transformers import GenerationConfig
@@ -142,7 +147,7 @@ class HFEngine(Engine):
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 visual: Sequence[VisualInputs | None] | None = None) -> list[list[Generation]]:
+                 visual: Visual | None = None) -> list[list[Generation]]:
         """``params.n`` generations per prompt; ``visual``: each prompt's images (``Prompt.visual``), if any."""
         model = self.model
         if model is None:
@@ -164,7 +169,7 @@ class HFEngine(Engine):
 
     @torch.inference_mode()
     def next_token_logprobs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int],
-                            visual: Sequence[VisualInputs | None] | None = None) -> list[list[float]]:
+                            visual: Visual | None = None) -> list[list[float]]:
         """One forward over the left-padded prompts (chunks of ``max_batch_size``); the float32 log-softmax
         of the last position's logits at ``candidates``. ``visual``: each prompt's images (image prompts), which the
         forward takes as ``generate``'s prefill does (with, for a Qwen2-VL-style model, its 3D positions)."""
@@ -214,14 +219,21 @@ class HFEngine(Engine):
         return self._decoder
 
     def _sample(self, model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams,
-                visual: Sequence[VisualInputs | None] = ()) -> list[Generation]:
+                visual: Visual = ()) -> list[Generation]:
         """Batched sampling: one prefill per distinct prompt, then one decode step and one draw per token."""
+        stop_ids = tuple(dict.fromkeys(self.eos_ids + tuple(params.stop_token_ids)))
+        prefill = self._prefill(model, prompts, visual)
+        advance, decoder = self._decode_step(model, prefill, params.max_new_tokens)
+        return self._decode(prefill.logits, advance, decoder, params, stop_ids)
+
+    def _prefill(self, model: PreTrainedModel, prompts: list[list[int]], visual: Visual) -> _Prefill:
+        """One forward over the distinct prompts (a prompt is its tokens and its images: the image tokens of two
+        images of one size are the same), left-padded, into a ``DynamicCache``."""
         from transformers import DynamicCache
 
         from gcore.vision import multimodal_positions
 
         device = self.device
-        # a prompt is its tokens and its images (the image tokens of two images of one size are the same)
         images = list(visual) or [None] * len(prompts)
         keys = [(tuple(p), id(v)) for p, v in zip(prompts, images, strict=True)]
         distinct = {key: i for i, key in enumerate(dict.fromkeys(keys))}
@@ -230,11 +242,6 @@ class HFEngine(Engine):
         input_ids, attention_mask = self._left_pad([list(key[0]) for key in distinct])
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         inputs = {k: v.to(device) for k, v in concat_visual([images[firsts[key]] for key in distinct]).items()}
-        batch, width, budget = len(prompts), input_ids.shape[1], params.max_new_tokens
-        stop_ids = tuple(dict.fromkeys(self.eos_ids + tuple(params.stop_token_ids)))
-        stop = torch.tensor(stop_ids, dtype=torch.long, device=device) if stop_ids else None
-        greedy = params.temperature == 0
-        banned = torch.tensor(self._banned(stop_ids), dtype=torch.long, device=device)
         # positions count real tokens only, so a left-padded row sees the positions it would see alone
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         rope = multimodal_positions(model, input_ids, attention_mask, inputs) if inputs else None
@@ -249,13 +256,18 @@ class HFEngine(Engine):
         prompt_lengths = attention_mask.sum(-1)[rows]
         if rope is not None:
             prompt_lengths = prompt_lengths + deltas[rows, 0].to(device)
-        decoder = self._static_decoder(model) if not inputs else None
-        # rows that finished (at a stop token) leave the decode batch (``StaticCacheDecoder.keep``) once half of those
-        # decoded have: on CPU a finished row costs a decode step's matmuls as much as a live one (not under compile
-        # or CUDA graphs, whose shapes are fixed)
-        compact = decoder is not None and stop is not None and device.type == "cpu" and not self.compile
+        return _Prefill(rows, attention_mask, cache, with_cache, logits, prompt_lengths, bool(inputs),
+                        rope is not None)
+
+    def _decode_step(self, model: PreTrainedModel, prefill: _Prefill,
+                     budget: int) -> tuple[Advance, StaticCacheDecoder | None]:
+        """The decode step after ``prefill``: the static-cache decoder's (text prompts, where the architecture has
+        one), else the model's forward on the prefill's ``DynamicCache``; and that decoder, if any."""
+        device, rows, attention_mask = self.device, prefill.rows, prefill.attention_mask
+        width, prompt_lengths = attention_mask.shape[1], prefill.prompt_lengths
+        decoder = self._static_decoder(model) if not prefill.images else None
         if decoder is not None:
-            decoder.start(cache, rows, attention_mask, budget)
+            decoder.start(prefill.cache, rows, attention_mask, budget)
             if self.cuda_graphs and device.type == "cuda":
                 step = decoder.graphed_step()
             else:
@@ -263,20 +275,51 @@ class HFEngine(Engine):
 
             def advance(chosen: torch.Tensor, t: int, active: torch.Tensor) -> torch.Tensor:
                 return step(chosen, prompt_lengths[active] + t, width + t)
-        else:
-            cache.reorder_cache(cast("torch.LongTensor", rows))  # int64 row indices
-            mask = torch.ones((batch, width + budget), dtype=attention_mask.dtype, device=device)
-            mask[:, :width] = attention_mask[rows]
 
-            def advance(chosen: torch.Tensor, t: int, active: torch.Tensor) -> torch.Tensor:
-                positions = (prompt_lengths + t).unsqueeze(-1)
-                if rope is not None:
-                    positions = positions.unsqueeze(0).expand(3, -1, -1)
-                return model(
-                    input_ids=chosen.unsqueeze(-1), attention_mask=mask[:, : width + t + 1],
-                    position_ids=positions, use_cache=True, logits_to_keep=1, **with_cache,
-                ).logits[:, -1]
+            return advance, decoder
+        prefill.cache.reorder_cache(cast("torch.LongTensor", rows))  # int64 row indices
+        mask = torch.ones((len(rows), width + budget), dtype=attention_mask.dtype, device=device)
+        mask[:, :width] = attention_mask[rows]
+        rope, with_cache = prefill.rope, prefill.with_cache
 
+        def forward(chosen: torch.Tensor, t: int, active: torch.Tensor) -> torch.Tensor:
+            positions = (prompt_lengths + t).unsqueeze(-1)
+            if rope:
+                positions = positions.unsqueeze(0).expand(3, -1, -1)
+            return model(
+                input_ids=chosen.unsqueeze(-1), attention_mask=mask[:, : width + t + 1],
+                position_ids=positions, use_cache=True, logits_to_keep=1, **with_cache,
+            ).logits[:, -1]
+
+        return forward, None
+
+    def _draw(self, logits: torch.Tensor, params: SamplingParams, banned: torch.Tensor, batch: int,
+              active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token for each decoded row (``active``, of ``batch``): the chosen ids and the log-probabilities of
+        the model's own distribution (at the temperature) they were drawn from; ``banned`` ids are never drawn."""
+        logits = logits.float()
+        greedy = params.temperature == 0
+        if not greedy and params.temperature != 1.0:
+            logits = logits / params.temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        allowed = logp.index_fill(-1, banned, float("-inf")) if len(banned) else logp
+        if greedy:
+            return allowed.argmax(-1), logp
+        # a number for every row, decoded or not: the random stream does not depend on the compaction
+        uniform = torch.rand((batch, 1), device=self.device, dtype=torch.float32)[active]
+        return _sample_rows(_truncate(allowed, params.top_k, params.top_p).exp(), uniform), logp
+
+    def _decode(self, logits: torch.Tensor, advance: Advance, decoder: StaticCacheDecoder | None,
+                params: SamplingParams, stop_ids: tuple[int, ...]) -> list[Generation]:
+        """Draw and decode token after token from the prefill's ``logits`` until every row stopped, the budget is
+        spent or ``interrupt`` says so."""
+        device, batch, budget = self.device, logits.shape[0], params.max_new_tokens
+        stop = torch.tensor(stop_ids, dtype=torch.long, device=device) if stop_ids else None
+        banned = torch.tensor(self._banned(stop_ids), dtype=torch.long, device=device)
+        # rows that finished (at a stop token) leave the decode batch (``StaticCacheDecoder.keep``) once half of those
+        # decoded have: on CPU a finished row costs a decode step's matmuls as much as a live one (not under compile
+        # or CUDA graphs, whose shapes are fixed)
+        compact = decoder is not None and stop is not None and device.type == "cpu" and not self.compile
         tokens = torch.full((batch, budget), self.pad_id, dtype=torch.long, device=device)
         logprobs = torch.zeros((batch, budget), dtype=torch.float32, device=device)
         lengths = torch.full((batch,), budget, dtype=torch.long, device=device)
@@ -286,16 +329,7 @@ class HFEngine(Engine):
         check_every = 1 if device.type == "cpu" else 8
         interrupt = self.interrupt
         for t in range(budget):
-            logits = logits.float()
-            if not greedy and params.temperature != 1.0:
-                logits = logits / params.temperature
-            logp = torch.log_softmax(logits, dim=-1)
-            allowed = logp.index_fill(-1, banned, float("-inf")) if len(banned) else logp
-            if greedy:
-                chosen = allowed.argmax(-1)
-            else:  # a number for every row, decoded or not: the random stream does not depend on the compaction
-                uniform = torch.rand((batch, 1), device=device, dtype=torch.float32)[active]
-                chosen = _sample_rows(_truncate(allowed, params.top_k, params.top_p).exp(), uniform)
+            chosen, logp = self._draw(logits, params, banned, batch, active)
             was_done = done[active]
             chosen = torch.where(was_done, self.pad_id, chosen)
             tokens[active, t] = chosen
@@ -432,248 +466,15 @@ def _truncate(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logp
 
 
-class StaticCacheDecoder:
-    """One decode step of a Llama-style model (``llama``, ``qwen2``) written against the model's own
-    weights, with a preallocated KV cache: no per-token cache growth, masks or module dispatch.
+@dataclass
+class _Prefill:
+    """What ``HFEngine._prefill`` hands the decode: row ``i`` of the batch continues distinct prompt ``rows[i]``."""
 
-    The query/key/value and gate/up projections run as one matmul each: at build time their weights
-    are copied into one fused tensor per layer and the model's parameters become views into it, so
-    the HF modules (prefill, ``update_weights``, ``state_dict``) and the decoder share one storage.
-    """
-
-    MODEL_TYPES = ("llama", "qwen2")
-    ROPE_TYPES = ("default", "linear", "llama3")  # tables that do not depend on the sequence length
-
-    def __init__(self, model: PreTrainedModel) -> None:
-        self.model = model
-        # the HF modules are reached by name (torch types a submodule attribute as ``Tensor | Module``); ``build``
-        # checked what the decoder relies on
-        hf: Any = model
-        base = hf.model
-        self.embed: torch.nn.Embedding = base.embed_tokens
-        self.norm: _RMSNorm = base.norm
-        self.lm_head: torch.nn.Linear = hf.lm_head
-        self.rotary: torch.nn.Module = base.rotary_emb
-        self.layers = [_FusedLayer(layer) for layer in base.layers]
-        attention = base.layers[0].self_attn
-        self.head_dim: int = attention.head_dim
-        self.heads: int = model.config.num_attention_heads
-        self.kv_heads: int = model.config.num_key_value_heads
-        self.scaling: float = attention.scaling
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.shape: tuple[int, ...] = ()
-        self._graph: _CudaGraphStep | None = None
-        self._compiled: Callable[..., torch.Tensor] | None = None  # ``step`` under torch.compile, made once
-
-    @classmethod
-    def build(cls, model: PreTrainedModel) -> StaticCacheDecoder | None:
-        """The decoder for ``model``, or ``None`` when its architecture is not one this class implements."""
-        config = model.config
-        base = getattr(model, "model", None)
-        if getattr(config, "model_type", None) not in cls.MODEL_TYPES or base is None:
-            return None
-        if getattr(config, "hidden_act", None) != "silu" or getattr(config, "use_sliding_window", False):
-            return None
-        if getattr(getattr(base, "rotary_emb", None), "rope_type", None) not in cls.ROPE_TYPES:
-            return None
-        for layer in base.layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            if any(not isinstance(getattr(attention, n, None), torch.nn.Linear)
-                   for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
-                return None
-            if any(not isinstance(getattr(mlp, n, None), torch.nn.Linear)
-                   for n in ("gate_proj", "up_proj", "down_proj")):
-                return None
-            if (getattr(attention, "sliding_window", None)
-                    or getattr(layer, "attention_type", "full_attention") != "full_attention"):
-                return None
-        return cls(model)
-
-    def is_current(self) -> bool:
-        """Whether the model's parameters are still views into the fused tensors (``model.to`` breaks that)."""
-        return all(layer.is_current() for layer in self.layers)
-
-    def start(self, cache: DynamicCache, rows: torch.Tensor, mask: torch.Tensor, budget: int) -> None:
-        """Copy the prefill's ``DynamicCache`` (one row per distinct prompt) into static buffers of
-        ``prompt width + budget`` positions, row ``i`` taking prompt ``rows[i]``. Buffers of the same
-        shape as the last call's are reused (a captured CUDA graph reads them where they are)."""
-        batch, width = len(rows), mask.shape[1]
-        shape = (batch, self.kv_heads, width + budget, self.head_dim)
-        reference, _ = _prefilled(cache, 0)
-        if self.shape != shape or self.keys[0].dtype != reference.dtype or self.keys[0].device != reference.device:
-            self._graph = None
-            self.shape = shape
-            # zeros, not empty: the fixed-shape step multiplies masked slots by 0, and 0 * NaN is NaN
-            self.keys = [reference.new_zeros(shape) for _ in self.layers]
-            self.values = [reference.new_zeros(shape) for _ in self.layers]
-            self.bias = reference.new_zeros((batch, 1, 1, width + budget))
-            self.slots = torch.arange(width + budget, device=mask.device)
-            self.cos = reference.new_zeros((width + budget, self.head_dim))
-            self.sin = reference.new_zeros((width + budget, self.head_dim))
-        for index, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
-            prefilled_keys, prefilled_values = _prefilled(cache, index)
-            keys[:, :, :width] = prefilled_keys[rows]
-            values[:, :, :width] = prefilled_values[rows]
-        # additive attention bias: -inf on the left padding of each prompt
-        self.bias.zero_()
-        self.bias[:, 0, 0, :width].masked_fill_(mask[rows] == 0, float("-inf"))
-        cos, sin = self.rotary(self.keys[0], self.slots.unsqueeze(0))
-        half = self.head_dim // 2
-        self.cos.copy_(cos[0])
-        self.sin.copy_(torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1))  # rotate_half's sign folded in
-
-    def keep(self, rows: torch.Tensor) -> None:
-        """Go on with ``rows`` only (indices into the rows decoded so far, in order): their keys, values and
-        padding bias move to the first ``len(rows)`` rows of the buffers, and the next steps decode that many."""
-        for keys, values in zip(self.keys, self.values, strict=True):
-            keys[: len(rows)] = keys[rows]
-            values[: len(rows)] = values[rows]
-        self.bias[: len(rows)] = self.bias[rows]
-
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int | torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, vocab]`` after feeding ``tokens`` ``[B]`` at ``positions`` into cache slot ``slot``.
-
-        With ``slot`` an ``int`` the step attends to slots ``0..slot`` only. With ``slot`` a one-element
-        tensor every shape is fixed (the whole cache is attended, later slots masked), so that the step can
-        be captured once as a CUDA graph (``graphed_step``) and replayed for every token."""
-        batch, heads, kv_heads, dim = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [B, 1, D]
-        if isinstance(slot, int):  # the first ``batch`` rows of the buffers: fewer after ``keep``
-            bias, seen = self.bias[:batch, ..., : slot + 1], slot + 1
-        else:
-            bias, seen = self.bias[:batch].masked_fill(self.slots > slot, float("-inf")), self.bias.shape[-1]
-        q_end, k_end = heads * dim, (heads + kv_heads) * dim
-        hidden = self.embed(tokens)
-        for layer, all_keys, all_values in zip(self.layers, self.keys, self.values, strict=False):
-            keys, values = all_keys[:batch], all_values[:batch]
-            x = torch.nn.functional.rms_norm(hidden, layer.norm1.weight.shape, layer.norm1.weight, layer.eps1)
-            qkv = torch.nn.functional.linear(x, layer.qkv_weight, layer.qkv_bias)
-            q = qkv[:, :q_end].view(batch, heads, dim)
-            k = qkv[:, q_end:k_end].view(batch, kv_heads, dim)
-            q = q * cos + q.roll(dim // 2, -1) * sin
-            k = k * cos + k.roll(dim // 2, -1) * sin
-            v = qkv[:, k_end:].view(batch, kv_heads, dim)
-            if isinstance(slot, int):
-                keys[:, :, slot], values[:, :, slot] = k, v
-            else:
-                keys.index_copy_(2, slot, k.unsqueeze(2))
-                values.index_copy_(2, slot, v.unsqueeze(2))
-            scores = torch.matmul(q.view(batch, kv_heads, heads // kv_heads, dim),
-                                  keys[:, :, :seen].transpose(-1, -2))
-            probs = torch.softmax(scores * self.scaling + bias, dim=-1, dtype=torch.float32).to(q.dtype)
-            attended = torch.matmul(probs, values[:, :, :seen]).view(batch, heads * dim)
-            hidden = hidden + layer.o_proj(attended)
-            x = torch.nn.functional.rms_norm(hidden, layer.norm2.weight.shape, layer.norm2.weight, layer.eps2)
-            gate_up = torch.nn.functional.linear(x, layer.gate_up_weight, layer.gate_up_bias)
-            gate, up = gate_up.chunk(2, dim=-1)
-            hidden = hidden + layer.down_proj(torch.nn.functional.silu(gate) * up)
-        hidden = torch.nn.functional.rms_norm(hidden, self.norm.weight.shape, self.norm.weight,
-                                              self.norm.variance_epsilon)
-        return self.lm_head(hidden)
-
-    def compiled_step(self) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
-        """``step`` through ``torch.compile``, in its fixed-shape form (the slot goes in as a one-element
-        tensor, so that every token of a batch shape runs the same graph)."""
-        if self._compiled is None:
-            self._compiled = torch.compile(self.step)
-        compiled = self._compiled
-
-        def step(tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
-            return compiled(tokens, positions, torch.tensor([slot], device=tokens.device))
-
-        return step
-
-    def graphed_step(self) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
-        """``step`` for the buffers of the last ``start``, as a CUDA graph replay (captured on first use
-        for each buffer shape). The returned logits live in the graph's output buffer: the next replay
-        overwrites them."""
-        if self._graph is None:
-            self._graph = _CudaGraphStep(self)
-        return self._graph
-
-
-def _prefilled(cache: DynamicCache, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values the prefill wrote into layer ``index`` of ``cache`` (``StaticCacheDecoder.build`` admits
-    full-attention layers only: each a ``DynamicLayer``)."""
-    layer = cast("DynamicLayer", cache.layers[index])
-    if layer.keys is None or layer.values is None:
-        raise RuntimeError(f"layer {index} of the prefill's KV cache holds no keys or values")
-    return layer.keys, layer.values
-
-
-class _RMSNorm(Protocol):
-    """What the decoder reads of a Llama-style RMSNorm module."""
-
-    weight: torch.nn.Parameter
-    variance_epsilon: float
-
-
-class _CudaGraphStep:
-    """A decoder's fixed-shape step captured once as a CUDA graph; calling it copies the inputs into the
-    graph's input buffers and replays it."""
-
-    def __init__(self, decoder: StaticCacheDecoder) -> None:
-        batch, device = decoder.shape[0], decoder.keys[0].device
-        self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(batch, dtype=torch.long, device=device)
-        # warm-up and capture write into the last slot, which no real step reads unmasked
-        self.slot = torch.full((1,), decoder.shape[2] - 1, dtype=torch.long, device=device)
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: cuBLAS picks its kernels and workspaces outside the capture
-                decoder.step(self.tokens, self.positions, self.slot)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = decoder.step(self.tokens, self.positions, self.slot)
-
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
-        self.tokens.copy_(tokens)
-        self.positions.copy_(positions)
-        self.slot.fill_(slot)
-        self.graph.replay()
-        return self.logits
-
-
-class _FusedLayer:
-    """A decoder layer's weights, with q/k/v and gate/up fused (the module parameters become views)."""
-
-    def __init__(self, layer: torch.nn.Module) -> None:
-        hf: Any = layer  # HF's decoder layer: its modules reached by name (``StaticCacheDecoder.build`` checked them)
-        attention, mlp = hf.self_attn, hf.mlp
-        self.norm1: _RMSNorm = hf.input_layernorm
-        self.norm2: _RMSNorm = hf.post_attention_layernorm
-        self.eps1, self.eps2 = self.norm1.variance_epsilon, self.norm2.variance_epsilon
-        self.o_proj: torch.nn.Linear = attention.o_proj
-        self.down_proj: torch.nn.Linear = mlp.down_proj
-        self.qkv: tuple[torch.nn.Linear, ...] = (attention.q_proj, attention.k_proj, attention.v_proj)
-        self.gate_up: tuple[torch.nn.Linear, ...] = (mlp.gate_proj, mlp.up_proj)
-        self.qkv_weight, self.qkv_bias = _fuse(self.qkv)
-        self.gate_up_weight, self.gate_up_bias = _fuse(self.gate_up)
-
-    def is_current(self) -> bool:
-        return (self.qkv[0].weight.data_ptr() == self.qkv_weight.data_ptr()
-                and self.gate_up[0].weight.data_ptr() == self.gate_up_weight.data_ptr())
-
-
-def _fuse(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate the weights (and biases) of ``linears`` along the output dimension and rebind
-    each module's parameters to views of the result, so that both stay one storage."""
-    weight = torch.cat([linear.weight.detach() for linear in linears])
-    has_bias = [linear.bias is not None for linear in linears]
-    bias = None
-    if any(has_bias):
-        bias = torch.cat([
-            linear.bias.detach() if linear.bias is not None else weight.new_zeros(linear.out_features)
-            for linear in linears
-        ])
-    start = 0
-    for linear in linears:
-        end = start + linear.out_features
-        linear.weight.data = weight[start:end]
-        if bias is not None and linear.bias is not None:
-            linear.bias.data = bias[start:end]
-        start = end
-    return weight, bias
+    rows: torch.Tensor  # [batch]: each row's distinct prompt
+    attention_mask: torch.Tensor  # [distinct prompts, width]: left padding 0
+    cache: DynamicCache  # the distinct prompts' keys and values
+    with_cache: dict[str, Any]  # the cache as the model's forward takes it (``cache_keyword``)
+    logits: torch.Tensor  # [batch, vocab]: each row's first next-token logits
+    prompt_lengths: torch.Tensor  # [batch]: the position of each row's first response token
+    images: bool  # the prompts have images (the decode goes through the model's forward)
+    rope: bool  # 3D positions (M-RoPE: a Qwen2-VL-style model with images)

@@ -34,7 +34,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from gcore.engines.base import Engine, buckets, checkpoint_generation_config, warn_ignored_generation_values
+from gcore.engines.base import (
+    Engine,
+    EngineCapabilities,
+    Visual,
+    buckets,
+    checkpoint_generation_config,
+    warn_ignored_generation_values,
+)
 from gcore.errors import ConfigError, GcoreError
 from gcore.model import ModelSource
 from gcore.types import Generation, SamplingParams
@@ -187,9 +194,10 @@ class SGLangEngine(Engine):
         self._launch: dict[str, Any] = {}
         self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gcore-sglang")
 
-    #: SGLang's scheduler and detokenizer run in processes of its own: an engine worker that holds it is started
-    #: non-daemonic (a daemonic process cannot have children)
-    starts_processes = True
+    #: SGLang streams each request's tokens here: ``generate`` stops when ``interrupt`` says so. Its scheduler and
+    #: detokenizer run in processes of its own: an engine worker that holds it is started non-daemonic (a daemonic
+    #: process cannot have children). Image prompts are not wired (``generate`` refuses them)
+    capabilities = EngineCapabilities(interrupt=True, starts_processes=True)
 
     def __getstate__(self) -> dict[str, Any]:
         """The configuration only (what an engine worker gets, ``--placement.workers``): the worker sets it up
@@ -202,11 +210,6 @@ class SGLangEngine(Engine):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gcore-sglang")
-
-    @property
-    def supports_interrupt(self) -> bool:
-        """SGLang streams each request's tokens here: ``generate`` stops when ``interrupt`` says so."""
-        return True
 
     def _call(self, what: str, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         """``fn(*args, **kwargs)`` on the call thread, under the timeout; fails early if an SGLang process died."""
@@ -318,7 +321,9 @@ class SGLangEngine(Engine):
             loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.close()
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 visual: Visual | None = None) -> list[list[Generation]]:
+        self.refuse_images(visual)
         if self.engine is None:
             raise GcoreError("SGLangEngine.generate called before setup, after shutdown or while asleep")
         if self.stale:

@@ -16,7 +16,7 @@ NCCL (GPU) group. See :mod:`gcore.engines.vllm_sync`.
 Partial rollouts (``interrupt`` set by the worker): in the in-process mode ``generate`` drives the engine as
 ``LLM.generate`` does (``llm_engine.add_request``, then ``step`` until done), asks ``interrupt`` between steps and,
 once it says True, aborts the unfinished requests and returns each completion's tokens so far (``finished``
-False). The separate-process mode does not support it (``supports_interrupt`` is False). After every weight sync
+False). The separate-process mode does not support it (no ``interrupt`` in its capabilities). After every weight sync
 the prefix cache is reset: its blocks hold keys and values of the old weights.
 
 Image prompts (an image-text-to-text checkpoint, docs/multimodal.md): a prompt with images goes to vLLM as a processed
@@ -42,7 +42,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gcore.engines.base import Engine, checkpoint_generation_config, warn_ignored_generation_values
+from gcore.engines.base import (
+    Engine,
+    EngineCapabilities,
+    Visual,
+    checkpoint_generation_config,
+    warn_ignored_generation_values,
+)
 from gcore.errors import ConfigError, GcoreError
 from gcore.model import ModelSource, image_text_to_text
 from gcore.types import Generation, SamplingParams, VisualInputs
@@ -73,7 +79,7 @@ class VLLMEngine(Engine):
 
     With ``interrupt`` set (partial rollouts) and the engine core in this process, it stops between engine steps
     when ``interrupt`` says so and returns the tokens so far (unfinished); with ``separate_process`` it does not
-    support interruption (``supports_interrupt`` is False).
+    support interruption (its ``capabilities`` say no ``interrupt``).
 
     Sampling is ``SamplingParams`` alone, as with the ``hf`` engine: vLLM applies the sampling values of a checkpoint's
     ``generation_config.json`` (temperature, top_k, repetition_penalty, ...) only to requests that come without
@@ -98,6 +104,10 @@ class VLLMEngine(Engine):
             (through host memory; works when both share one GPU).
         seed: vLLM's sampling seed (each controller adds its rank).
     """
+
+    #: image prompts (for an image-text-to-text checkpoint); interruption where the engine core runs in this process,
+    #: which is stepped here and stops between steps (not with ``separate_process``)
+    capabilities = EngineCapabilities(images=True, interrupt=True)
 
     def __init__(
         self,
@@ -127,6 +137,8 @@ class VLLMEngine(Engine):
         self.cpu_kv_cache_gib = cpu_kv_cache_gib
         self.sync_timeout_s = sync_timeout_s
         self.separate_process = separate_process
+        if separate_process:  # the engine core runs in a child process: it is not stepped here, nor stopped
+            self.capabilities = EngineCapabilities(images=True, interrupt=False)
         self.sync_bucket_mb = sync_bucket_mb
         self.sync_backend = sync_backend
         self.seed = seed
@@ -139,14 +151,6 @@ class VLLMEngine(Engine):
         self.image_id = -1  # its image placeholder token
         self.media_ids: tuple[int, ...] = ()  # its image and video placeholder tokens
         self.mm_processor: Any = None  # vLLM's multimodal processor of the model (its field layout)
-
-    #: ``generate`` takes ``visual`` (image prompts), for an image-text-to-text checkpoint
-    supports_images = True
-
-    @property
-    def supports_interrupt(self) -> bool:
-        """In this process the engine is stepped here and stops between steps; the separate-process mode does not."""
-        return not self.separate_process
 
     def setup(self, source: ModelSource, device: torch.device) -> None:
         # the engine core in this process (in-memory sync) or in a child process (broadcast sync)
@@ -211,7 +215,7 @@ class VLLMEngine(Engine):
             self.sender.connect()
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 visual: Sequence[VisualInputs | None] | None = None) -> list[list[Generation]]:
+                 visual: Visual | None = None) -> list[list[Generation]]:
         """``params.n`` generations per prompt; ``visual``: each prompt's images (``Prompt.visual``), if any."""
         if self.llm is None:
             raise RuntimeError("VLLMEngine.generate called before setup")
@@ -238,7 +242,7 @@ class VLLMEngine(Engine):
         )
         requests = [TokensPrompt(prompt_token_ids=list(p)) if v is None else self._image_prompt(list(p), v)
                     for p, v in zip(prompts, images, strict=True)]
-        if self.interrupt is not None and self.supports_interrupt:
+        if self.interrupt is not None and self.capabilities.interrupt:
             generations = self._generate_interruptible(requests, sampling, self.interrupt)
         elif any(v is not None for v in images):
             # ``LLM.generate`` renders its prompts again (a processed input's images would be dropped there): the

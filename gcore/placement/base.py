@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import time
+import types
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from gcore.engines.base import Engine, generate_prompts
+from gcore.errors import ConfigError
 from gcore.model import ModelSource
 from gcore.rewards.base import RewardModel
 from gcore.rollout import RolloutJob, StageTimer
@@ -53,6 +56,23 @@ class InFlight:
         return self.collect()
 
 
+def _returns_in_flight(method: Callable[..., object]) -> Callable[..., InFlight]:
+    """A policy's own ``start_rollout`` or ``resume_rollout``, refusing in one line a result that is not an
+    ``InFlight`` (a plain function, as the contract once allowed): the controller reads from it what a checkpoint
+    can record of the rollout, and would otherwise fail only at the first checkpoint."""
+
+    @functools.wraps(method)
+    def checked(self: PlacementPolicy, *args: object, **kwargs: object) -> InFlight:
+        result = method(self, *args, **kwargs)
+        if not isinstance(result, InFlight):
+            raise ConfigError(f"placement {type(self).__name__}.{method.__name__} returned a {type(result).__name__}, "
+                              "not an InFlight (gcore.placement.base): return InFlight(collect), collect being the "
+                              "function that waits for the samples")
+        return result
+
+    return checked
+
+
 class PlacementPolicy(ABC):
     """Decides how roles (policy generation, judge, training) share the devices.
 
@@ -63,6 +83,13 @@ class PlacementPolicy(ABC):
     ``update`` gets the step's gathered telemetry and returns what to log. Decisions must be
     computed identically on every rank from the same telemetry: there is no master.
     """
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in ("start_rollout", "resume_rollout"):  # typed to return an InFlight; checked for plugins
+            method = cls.__dict__.get(name)
+            if isinstance(method, types.FunctionType):
+                setattr(cls, name, _returns_in_flight(method))
 
     @property
     def telemetry_keys(self) -> tuple[str, ...]:
@@ -145,17 +172,17 @@ class PlacementPolicy(ABC):
         generation in flight instead of waiting for it. ``partial`` (``--trainer.partial_rollouts``): instead,
         the generation in flight stops between tokens, takes the update and continues with it."""
 
-    def start_rollout(self, job: RolloutJob) -> Callable[[], list[Sample]]:
-        """Start ``job``; returns the function that waits for it and returns its samples (timed in
+    def start_rollout(self, job: RolloutJob) -> InFlight:
+        """Start ``job``; returns it in flight: calling that waits for it and returns its samples (timed in
         ``job.timer`` as it is then). A policy that ``supports_overlap`` sends the generation requests
         here and returns at once; weight updates sent meanwhile are applied after them. Default: the
         whole ``rollout`` runs when the result is asked for (``InFlight.deferred``)."""
         return InFlight(lambda: self.rollout(job), deferred=True)
 
-    def resume_rollout(self, job: RolloutJob, generations: list[list[Generation]]) -> Callable[[], list[Sample]]:
+    def resume_rollout(self, job: RolloutJob, generations: list[list[Generation]]) -> InFlight:
         """After a resume: the rest of a rollout whose generation a checkpoint recorded (``InFlight.generations``,
-        ``generations[i]``: the completions of ``job.prompts[i]``); returns the function that scores them and
-        returns the samples, as the rollout started ahead would have. Default: scored in this process."""
+        ``generations[i]``: the completions of ``job.prompts[i]``); returns it in flight: calling that scores them
+        and returns the samples, as the rollout started ahead would have. Default: scored in this process."""
 
         def finish() -> list[Sample]:
             samples = job.samples(generations)
@@ -163,7 +190,7 @@ class PlacementPolicy(ABC):
                 job.score(samples)
             return samples
 
-        return finish
+        return InFlight(finish)
 
     def join_rollouts(self) -> float:
         """Wait for the rollouts that run in a thread of this process while the controller trains (a
@@ -211,9 +238,9 @@ class Background:
         self._executor: ThreadPoolExecutor | None = None
         self._running: list[Future[list[Sample]]] = []
 
-    def start(self, job: RolloutJob, run: Callable[[RolloutJob], list[Sample]]) -> Callable[[], list[Sample]]:
-        """Run ``run(job)`` in the thread; returns the function that waits for its samples and adds what it
-        timed and counted to ``job`` (whose ``timer`` is the collecting step's by then)."""
+    def start(self, job: RolloutJob, run: Callable[[RolloutJob], list[Sample]]) -> InFlight:
+        """Run ``run(job)`` in the thread; returns it in flight: calling that waits for its samples and adds what
+        it timed and counted to ``job`` (whose ``timer`` is the collecting step's by then)."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gcore-rollout")
         own = replace(job, timer=StageTimer())
@@ -229,7 +256,7 @@ class Background:
             job.env_stats = own.env_stats
             return samples
 
-        return result
+        return InFlight(result)
 
     def join(self) -> float:
         """Wait for the rollouts in flight (their errors are raised when their samples are asked for);

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import pickle
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -241,7 +240,7 @@ class DynamicPlacement(PlacementPolicy):
         pool = self.pool
         return pool is not None and pool.queue_syncs and (job.multi_turn or self.reward_role == JUDGE)
 
-    def start_rollout(self, job: RolloutJob) -> Callable[[], list[Sample]]:
+    def start_rollout(self, job: RolloutJob) -> InFlight:
         """Swap the workers that changed partition and send the generation requests; the judging runs
         when the result is asked for. While rollouts overlap training (``allow_overlap``), a rollout
         with a generative judge or multi-turn episodes runs whole in a thread (``Background``): each
@@ -255,7 +254,7 @@ class DynamicPlacement(PlacementPolicy):
             return self._background.start(job, lambda own: self._send(own, streamed=True)())
         return self._send(job, streamed=not self.pool.queue_syncs)
 
-    def _send(self, job: RolloutJob, streamed: bool) -> Callable[[], list[Sample]]:
+    def _send(self, job: RolloutJob, streamed: bool) -> InFlight:
         """Swap the workers that changed partition and send the generation requests (``stream_groups``
         prompt groups each when ``streamed``, else one per generation worker); returns what collects and
         scores them (multi-turn: what runs the episode loop)."""
@@ -264,7 +263,7 @@ class DynamicPlacement(PlacementPolicy):
         generators, scorers = self._partition(job)
         started = time.perf_counter()
         if job.multi_turn:
-            return lambda: self._episode_rollout(job, scorers, started)
+            return InFlight(lambda: self._episode_rollout(job, scorers, started))
         size = self.stream_groups
         if not streamed:
             size = max(size, math.ceil(len(prompts) / len(generators)))
@@ -300,7 +299,7 @@ class DynamicPlacement(PlacementPolicy):
         pool.busy.clear()
         return generators, scorers
 
-    def resume_rollout(self, job: RolloutJob, generations: list[list[Generation]]) -> Callable[[], list[Sample]]:
+    def resume_rollout(self, job: RolloutJob, generations: list[list[Generation]]) -> InFlight:
         """The recorded generations scored on the reward partition, as ``start_rollout``'s would have been."""
 
         def finish() -> list[Sample]:
@@ -312,7 +311,7 @@ class DynamicPlacement(PlacementPolicy):
             self._rollout_telemetry(job.timer, scorers, time.perf_counter() - started, time.perf_counter() - started)
             return samples
 
-        return finish
+        return InFlight(finish)
 
     def _episode_rollout(self, job: RolloutJob, scorers: list[int], started: float) -> list[Sample]:
         """Multi-turn: the episode loop on the generation partition (each turn batch split over it), then

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -102,7 +101,7 @@ class StaticPlacement(PlacementPolicy):
             return super().rollout(job)
         return self._rollout_now(job)  # in the controller's thread: it waits for the samples anyway
 
-    def start_rollout(self, job: RolloutJob) -> Callable[[], list[Sample]]:
+    def start_rollout(self, job: RolloutJob) -> InFlight:
         """With workers: the generation requests go out now (one per worker); the rest of the rollout
         (the judge swap and the scoring) runs when the result is asked for. While rollouts overlap
         training (``allow_overlap``) a rollout with a generative judge or multi-turn episodes runs whole
@@ -113,14 +112,14 @@ class StaticPlacement(PlacementPolicy):
         if self._pipelined(job):
             return self._background.start(job, self._rollout_now)
         if job.multi_turn:
-            return lambda: self._episode_rollout(job)
+            return InFlight(lambda: self._episode_rollout(job))
         return self._send_generate(job)
 
-    def resume_rollout(self, job: RolloutJob, generations: list[list[Generation]]) -> Callable[[], list[Sample]]:
+    def resume_rollout(self, job: RolloutJob, generations: list[list[Generation]]) -> InFlight:
         """With workers: the recorded generations judged (or scored) as ``start_rollout``'s would have been."""
         if self.pool is None:
             return super().resume_rollout(job, generations)
-        return lambda: self._judge(job, job.samples(generations), 0.0)
+        return InFlight(lambda: self._judge(job, job.samples(generations), 0.0))
 
     def _pipelined(self, job: RolloutJob) -> bool:
         """Whether ``start_rollout`` runs ``job`` whole in the ``Background`` thread: while rollouts overlap
@@ -131,7 +130,7 @@ class StaticPlacement(PlacementPolicy):
         """The whole rollout, generation to the last verdict (in the ``Background`` thread)."""
         return self._episode_rollout(job) if job.multi_turn else self._send_generate(job)()
 
-    def _send_generate(self, job: RolloutJob) -> Callable[[], list[Sample]]:
+    def _send_generate(self, job: RolloutJob) -> InFlight:
         """Send the generation requests (one per worker); returns what collects and judges them."""
         assert self.pool is not None  # set by launch
         pool = self.pool

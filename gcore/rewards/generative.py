@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import re
 import time
@@ -70,13 +69,10 @@ def _gives_logprobs(engine: Engine) -> bool:
     return type(engine).next_token_logprobs is not Engine.next_token_logprobs
 
 
-def _takes_images(engine: Engine, verdict: str) -> bool:
-    """Whether ``engine`` judges image prompts with ``verdict``: ``probability`` reads its ``next_token_logprobs``,
-    which must take each prompt's images (a ``visual`` keyword: the hf engine's does); ``yes_no`` and ``score``
-    generate, which takes them where the engine ``supports_images`` (hf, vllm)."""
-    if verdict == "probability":
-        return "visual" in inspect.signature(type(engine).next_token_logprobs).parameters
-    return bool(getattr(engine, "supports_images", False))
+def _takes_images(engine: Engine) -> bool:
+    """Whether ``engine`` judges image prompts: its capabilities say ``images`` (hf; vllm's ``generate`` too, for the
+    ``yes_no`` and ``score`` verdicts: ``probability`` needs next-token log-probabilities, which only hf gives)."""
+    return engine.capabilities.images
 
 
 class GenerativeReward(RewardModel):
@@ -286,7 +282,7 @@ class GenerativeReward(RewardModel):
     def _check_images(self) -> None:
         """One line where the judge's engine cannot take the prompts' images for this verdict: checked on the
         configured engine, since a pool engine only forwards them to copies of it in the engine workers."""
-        if not _takes_images(self.configured, self.verdict):
+        if not _takes_images(self.configured):
             engines = "hf" if self.verdict == "probability" else "hf or vllm"
             raise ConfigError(f"--reward.images: the {type(self.configured).__name__} judge engine takes no images "
                               f"for --reward.verdict {self.verdict}; use --reward.engine {engines}, or "
@@ -298,7 +294,7 @@ class GenerativeReward(RewardModel):
             self._check_images()
 
             def call() -> list[Any]:
-                return self.engine.generate(prompts, self.params, visual=visual)  # type: ignore[call-arg]
+                return self.engine.generate(prompts, self.params, visual=visual)
         else:
             def call() -> list[Any]:
                 return self.engine.generate(prompts, self.params)
@@ -314,7 +310,7 @@ class GenerativeReward(RewardModel):
             self._check_images()
 
             def call() -> list[Any]:  # in this process's hf engine, or its copies in engine workers (PoolEngine)
-                return self.engine.next_token_logprobs(prompts, candidates, visual=visual)  # type: ignore[call-arg]
+                return self.engine.next_token_logprobs(prompts, candidates, visual=visual)
         else:
             def call() -> list[Any]:
                 return self.engine.next_token_logprobs(prompts, candidates)

@@ -126,7 +126,7 @@ def test_an_engine_worker_gets_the_configuration_and_starts_sglang_itself():
     copy = pickle.loads(pickle.dumps(engine))
     assert (copy.cpu_kv_cache_tokens, copy.cpu_threads, copy.engine) == (1234, 1, None)
     assert copy._calls is not engine._calls and copy._calls.submit(lambda: 7).result() == 7
-    assert SGLangEngine.starts_processes
+    assert SGLangEngine.capabilities.starts_processes
     engine.engine = object()  # as after setup
     with pytest.raises(TypeError, match="a set-up SGLangEngine cannot be sent to another process .* send it before "
                                         "setup$"):
@@ -350,7 +350,7 @@ def test_an_interrupt_stops_sglang_with_the_tokens_so_far(two_sglang_policies, k
     responses are cut, and where, depends on how SGLang's messages interleave; that some are is certain when k is
     less than the number of requests (one message read per call: some request has none)."""
     _, old, *_ = two_sglang_policies
-    assert old.supports_interrupt
+    assert old.capabilities.interrupt
     whole, cut, sampled = interrupted_runs(old, PROMPTS, GREEDY, k)
     for got, want in zip(cut, whole, strict=True):
         assert got.token_ids == want.token_ids[: len(got.token_ids)]

@@ -254,7 +254,7 @@ def test_an_interrupt_stops_vllm_between_steps_with_the_tokens_so_far(two_vllm_p
     tokens of the uninterrupted one (same ids and log-probabilities), unfinished; with ``n`` > 1 every sample of
     every prompt stops there too, in order; the aborted requests leave nothing behind in the engine."""
     _, old, *_ = two_vllm_policies
-    assert old.supports_interrupt
+    assert old.capabilities.interrupt
     prompts, params = [[5, 6, 7], [8, 9], LONG, [10, 11, 12, 13]], SamplingParams(n=1, max_new_tokens=12,
                                                                                      temperature=0.0)
     whole, cut, sampled = interrupted_runs(old, prompts, params, k)
@@ -364,7 +364,7 @@ def test_image_prompts_sample_the_trainers_logprobs_before_and_after_a_weight_sy
     from gcore.testing import set_up
 
     config, tokenizer, path, engine, prompts = vllm_vlm
-    assert engine.supports_images and engine.vision
+    assert engine.capabilities.images and engine.vision
     assert len({len(p.token_ids) for p in prompts}) == 3 and prompts[0].token_ids == prompts[3].token_ids
     backend = TorchBackend(lr=1e-2, micro_batch_size=4)
     backend.setup(Fabric(accelerator="cpu", devices=1), config.source(path), GRPO(kl_coef=0.0), embedded=True)

@@ -145,13 +145,13 @@ def test_images_processed_otherwise_than_the_judge_would_are_refused_in_one_line
 
 def test_an_engine_that_takes_no_images_for_the_verdict_is_refused_in_one_line(vlm_dir):
     """The check reads the configured judge engine, also when copies of it run in engine workers (a pool engine
-    forwards the images to them): one whose ``next_token_logprobs`` takes no images is refused, not sent."""
+    forwards the images to them): one whose capabilities do not say ``images`` is refused, not sent."""
+    from gcore.engines.base import EngineCapabilities
     from gcore.engines.hf import HFEngine
     from gcore.engines.pool import PoolEngine
 
-    class TextLogprobs(HFEngine):  # an engine whose next-token log-probabilities take token ids only
-        def next_token_logprobs(self, prompts, candidates):
-            return super().next_token_logprobs(prompts, candidates)
+    class TextLogprobs(HFEngine):  # an engine that gives next-token log-probabilities of token ids only
+        capabilities = EngineCapabilities(interrupt=True)
 
     reward = GenerativeReward(vlm_dir, engine=TextLogprobs())
     reward.setup("cpu")

@@ -13,7 +13,7 @@ from gcore.algorithms.grpo import GRPO
 from gcore.data import DataConfig
 from gcore.errors import ConfigError
 from gcore.model import ModelConfig
-from gcore.placement.base import Telemetry
+from gcore.placement.base import InFlight, Telemetry
 from gcore.placement.dynamic import DynamicPlacement
 from gcore.placement.static import StaticPlacement
 from gcore.rewards.base import RewardModel
@@ -134,7 +134,7 @@ class LaggingPlacement(StaticPlacement):
                     sample.policy_version = job.policy_version - self.max_staleness - 1
             return samples
 
-        return result
+        return InFlight(result)
 
 
 @pytest.mark.parametrize("max_staleness", [1, 2])
@@ -414,11 +414,11 @@ class UnreproduciblePipeline(InProcessPipeline):
 
 
 class UnrecordedPipeline(InProcessPipeline):
-    """Returns its rollouts started ahead as plain functions, as a placement of one's own may: a checkpoint
-    cannot record them."""
+    """Returns its rollouts started ahead with neither their generations nor ``deferred``, as a placement of
+    one's own may: a checkpoint cannot record them."""
 
     def start_rollout(self, job: RolloutJob):
-        return lambda: self.rollout(job)
+        return InFlight(lambda: self.rollout(job))
 
 
 def _clock(name: str) -> bool:
@@ -558,7 +558,7 @@ class RecordingPipeline(InProcessPipeline):
             self.events.append(("collect", job.policy_version))
             return result()
 
-        return collect
+        return InFlight(collect)
 
 
 @pytest.mark.parametrize("max_staleness", [1, 2])

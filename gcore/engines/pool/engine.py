@@ -9,7 +9,7 @@ from typing import cast
 
 import torch
 
-from gcore.engines.base import POLICY, Engine, Role
+from gcore.engines.base import POLICY, Engine, EngineCapabilities, Role
 from gcore.engines.pool.pool import WorkerPool
 from gcore.errors import GcoreError
 from gcore.model import ModelSource
@@ -32,7 +32,7 @@ class PoolEngine(Engine):
         """The workers loaded the engine already."""
 
     #: the workers' engines take image prompts where the configured engine does (the trainer checks that one)
-    supports_images = True
+    capabilities = EngineCapabilities(images=True)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  visual: Sequence[VisualInputs | None] | None = None) -> list[list[Generation]]:

@@ -88,7 +88,8 @@ class WorkerPool:
         self.device, self.devices = device, worker_devices(device, size, visible)
         self._specs = pickle.dumps(specs)
         # a worker whose engine starts processes of its own (SGLang) cannot be daemonic
-        self._daemon = not any(spec.engine is not None and spec.engine.starts_processes for spec in specs.values())
+        self._daemon = not any(spec.engine is not None and spec.engine.capabilities.starts_processes
+                               for spec in specs.values())
         self._ctx = mp.get_context("spawn")
         self._authkey = os.urandom(32) if self.owner else b""
         # a connection per worker: a worker killed mid-reply blocks no other

@@ -237,7 +237,7 @@ class _WorkerRuntime:
             torch.manual_seed(seed)
         if visual is None:
             return self._engine(role).generate(prompts, params)
-        return self._engine(role).generate(prompts, params, visual=visual)  # type: ignore[call-arg]  # supports_images
+        return self._engine(role).generate(prompts, params, visual=visual)
 
     def generate_partial(self, role: Role, prompts: list[list[int]], params: SamplingParams, seed: int | None,
                          visual: list[VisualInputs | None] | None, pending: Callable[[], bool],
@@ -248,7 +248,7 @@ class _WorkerRuntime:
         kept), one more version per update (``Generation.versions``). No token is thrown away."""
         self._take(role)
         engine = self._engine(role)
-        if not engine.supports_interrupt:
+        if not engine.capabilities.interrupt:
             return self.generate(role, prompts, params, seed, visual)
         engine.interrupt = pending
         try:
@@ -284,7 +284,7 @@ class _WorkerRuntime:
         self._take(role)
         if visual is None:
             return self._engine(role).next_token_logprobs(prompts, candidates)
-        return self._engine(role).next_token_logprobs(prompts, candidates, visual=visual)  # type: ignore[call-arg]
+        return self._engine(role).next_token_logprobs(prompts, candidates, visual=visual)
 
     def score(self, role: Role, samples: list[Sample]) -> tuple[list[float], int]:
         """The reward of each sample, and how many failed (``Scorer.last_errors``)."""
