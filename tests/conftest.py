@@ -1,3 +1,4 @@
+import functools
 import importlib.util
 import os
 import socket
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from gcore.envs import Environment, Turn
+from gcore.envs.sandbox import SandboxUnavailable, check_sandbox
 
 # tiny settings that keep a CLI run to a few seconds
 FAST = [
@@ -406,3 +408,21 @@ def interrupted_runs(engine, prompts, params, k):
         engine.interrupt = None
     return whole, cut, sampled
 
+
+# ``needs_bwrap`` skips a test (with the reason) where the ``python`` tool's bubblewrap sandbox cannot run:
+# bwrap not installed, or present but unable to make a sandbox here (one conftest: the test files import
+# helpers from ``conftest``, which a second conftest.py under tests/ would shadow)
+@functools.cache
+def _bwrap_problem() -> str | None:
+    try:
+        check_sandbox("bwrap")
+    except SandboxUnavailable as err:
+        return str(err)
+    return None
+
+
+@pytest.fixture
+def needs_bwrap() -> None:
+    problem = _bwrap_problem()
+    if problem is not None:
+        pytest.skip(f"needs bubblewrap (apt-get install -y -q bubblewrap): {problem}")
