@@ -94,7 +94,7 @@ def _stalled(stall_s: float, root: str) -> Callable[[Running], str | None]:
     return tick
 
 
-def silent_client(start: Start, root: str, timeout_s: float, stall_s: float = 300.0) -> Outcome:
+def silent_client(start: Start, root: str, timeout_s: float, stall_s: float = 180.0) -> Outcome:
     """Connect to a worker's port before the controller does and stay silent; SIGKILL the other worker 7 s later;
     the run must report or go on, not wait for ever."""
     run = start(["--placement.workers", "2", "--trainer.max_steps", "30"], "pool.silent_client")
@@ -118,7 +118,7 @@ def silent_client(start: Start, root: str, timeout_s: float, stall_s: float = 30
             held.close()
 
 
-def garbage_client(start: Start, root: str, timeout_s: float, stall_s: float = 300.0) -> Outcome:
+def garbage_client(start: Start, root: str, timeout_s: float, stall_s: float = 180.0) -> Outcome:
     """Connect to a worker's port, read its challenge, answer with a wrong digest; the run must go on."""
     run = start(["--placement.workers", "2", "--trainer.max_steps", "4"], "pool.garbage_client")
     found = _first_listener(run, timeout_s / 2)

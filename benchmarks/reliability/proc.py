@@ -200,7 +200,7 @@ class Running:
             peak = max(peak, rss)
             if max_rss and rss > max_rss:
                 killed_for = f"memory of its processes reached {rss / 2**30:.1f} GB (harness cap)"
-            if done_path and done_seen is None and glob.glob(done_path):
+            if done_path and done_seen is None and glob.glob(done_path, recursive=True):
                 done_seen = self.elapsed()
             if done_seen is not None and self.elapsed() - done_seen > exit_grace_s:
                 killed_for = (f"{done_path.rsplit('/', 1)[-1]} written at {done_seen:.0f} s, still running "
