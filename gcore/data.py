@@ -75,7 +75,7 @@ class DataConfig:
 
     path: str | None = None
     task: Literal["target_char", "arithmetic", "compare", "mixed", "reveal", "count_letter", "middle", "multiply",
-                  "count_even", "digit_sum", "shape_colour"] = "target_char"
+                  "count_even", "digit_sum", "shape_colour", "number_only"] = "target_char"
     task_digits: tuple[int, int] = (2, 3)
     task_judged_share: tuple[float, float] = (0.1, 0.9)
     prompt_key: str = "prompt"
