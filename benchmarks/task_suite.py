@@ -28,6 +28,9 @@ SUITE_LEVELS: dict[str, tuple[int, int]] = {
     "count_even": (2, 2),
     "digit_sum": (2, 3),
     "compare": (1, 2),
+    # issue 52's shape, outside both halves: "What is N + 1? Answer with the number only." (4 digits), its own reward
+    # (gcore.tasks.number_only_reward: 1 right, 0.1 a wrong short number); benchmarks/results/parity.md
+    "number_only": (4, 4),
 }
 
 #: The suite's halves. Defaults (learning rate, loss aggregation, KL, clip, advantage epsilon, ...) may be chosen

@@ -75,7 +75,8 @@ STAGES = ("generate", "reward", "swap", "prepare", "train", "sync")
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 NEIGHBOURS = ("none", "pinned", "unpinned", "threaded", "gloo")
 #: the embedded tasks scored by the ``math`` reward (``--task``, ``--tasks``)
-MATH_TASKS = ("arithmetic", "compare", "count_letter", "middle", "multiply", "count_even", "digit_sum")
+MATH_TASKS = ("arithmetic", "compare", "count_letter", "middle", "multiply", "count_even", "digit_sum",
+              "number_only")  # number_only: scored by gcore.tasks.number_only_reward instead (``task_reward``)
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -189,6 +190,23 @@ def math_reward(completion: str, answer: str) -> float:
     return float(found is not None and answers_match(found, answer))
 
 
+def task_reward(task: str):
+    """gcore's reward for ``task``: the ``math`` reward, or for ``number_only`` its own rule (``number_only_reward``,
+    the function TRL is given too)."""
+    from gcore.rewards.math import MathReward
+
+    if task != "number_only":
+        return MathReward()
+    from gcore.rewards.base import RuleReward
+    from gcore.tasks import number_only_reward
+
+    class NumberOnlyReward(RuleReward):
+        def score_one(self, sample):
+            return number_only_reward(sample.response_text, str(sample.prompt.answer))
+
+    return NumberOnlyReward()
+
+
 def _digits(args: argparse.Namespace) -> tuple[int, int]:
     fewest, most = (int(x) for x in (args.task_digits or "2,3").split(","))
     return fewest, most
@@ -224,7 +242,6 @@ def heldout_accuracy(model_dir: str, args: argparse.Namespace) -> dict:
     from gcore.engines.hf import HFEngine
     from gcore.evaluation import evaluate
     from gcore.model import ModelConfig, ModelSource, load_tokenizer
-    from gcore.rewards.math import MathReward
     from gcore.types import SamplingParams
 
     tokenizer = load_tokenizer(ModelConfig(path=model_dir))
@@ -236,7 +253,7 @@ def heldout_accuracy(model_dir: str, args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     engine = HFEngine()
     engine.setup(ModelSource(model_dir), torch.device("cpu"))
-    reward = MathReward()
+    reward = task_reward(args.task)
     reward.setup(torch.device("cpu"))
     try:
         return evaluate(engine, reward, tokenizer, prompts, sampling)
@@ -274,7 +291,6 @@ def run_gcore(args: argparse.Namespace) -> dict:
         TrainerConfig,
     )
     from gcore.controller import Controller
-    from gcore.rewards.math import MathReward
 
     ends: list[float] = []
     cpu_ends: list[float] = []
@@ -302,7 +318,8 @@ def run_gcore(args: argparse.Namespace) -> dict:
             data=DataConfig(prompts_per_step=args.prompts_per_step, num_synthetic_prompts=args.num_prompts,
                             **({"task": args.task, "chat_template": True, "task_digits": _digits(args)}
                                if args.model_path else {})),
-            **({"model": ModelConfig(path=args.model_path), "reward": MathReward()} if args.model_path else {}),
+            **({"model": ModelConfig(path=args.model_path), "reward": task_reward(args.task)}
+               if args.model_path else {}),
             sampling=SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=args.temperature),
             backend=TorchBackend(lr=args.lr, micro_batch_size=args.micro_batch_size,
                                  skip_inert_rows=args.worker != "gcore-all-rows",
@@ -376,6 +393,9 @@ def run_trl(args: argparse.Namespace) -> dict:
         return [target_char_reward(c, a, length) for c, a in zip(completions, answer, strict=False)]
 
     def arithmetic(completions, answer, **kw):
+        if args.task == "number_only":
+            from gcore.tasks import number_only_reward
+            return [number_only_reward(c[0]["content"], a) for c, a in zip(completions, answer, strict=False)]
         return [math_reward(c[0]["content"], a) for c, a in zip(completions, answer, strict=False)]
 
     with tempfile.TemporaryDirectory(prefix="trl-bench-") as root:

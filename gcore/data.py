@@ -36,7 +36,10 @@ class DataConfig:
             times a single digit), ``count_even`` (how many of four numbers are even), ``digit_sum`` (the sum of a
             number's digits, answered inside ``\\boxed{}``); ``shape_colour``, the visual task (image prompts, for the
             embedded tiny VLM and the ``target_char`` reward: the colour of a shape on a 56-pixel canvas, answered
-            by the colour's first letter; docs/multimodal.md).
+            by the colour's first letter; docs/multimodal.md); ``number_only`` ("What is N + 1? Answer with the
+            number only.", 4-digit N with ``--data.task_digits [4, 4]``; its reward is not ``math`` but
+            ``gcore.tasks.number_only_reward``: ``--reward python --reward.function FILE:score`` with a ``score(prompt,
+            response, answer)`` that returns it; benchmarks/results/parity.md).
         task_digits: the number sizes in digits of every embedded task with numbers (all but ``target_char``,
             ``reveal`` and ``count_letter``), ``[fewest, most]``:
             ``[2, 3]`` draws 10-999; ``[1, 2]`` (1-99) is an arithmetic level a 135M-parameter instruct model
@@ -78,7 +81,7 @@ class DataConfig:
 
     path: str | None = None
     task: Literal["target_char", "arithmetic", "compare", "mixed", "reveal", "count_letter", "middle", "multiply",
-                  "count_even", "digit_sum", "shape_colour"] = "target_char"
+                  "count_even", "digit_sum", "shape_colour", "number_only"] = "target_char"
     task_digits: tuple[int, int] = (2, 3)
     task_judged_share: tuple[float, float] = (0.1, 0.9)
     prompt_key: str = "prompt"

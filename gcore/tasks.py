@@ -11,6 +11,7 @@ along the dataset (for the ``routed`` reward); ``reveal``, the multi-turn task o
 from __future__ import annotations
 
 import random
+import re
 import zlib
 from collections.abc import Callable
 from typing import Literal
@@ -307,6 +308,44 @@ def _distinct_rows(num_prompts: int, split: str, digits: tuple[int, int], rng_se
     return rows
 
 
+#: the ``number_only`` task's instruction: the reply is the number alone (no "The answer is" sentence)
+NUMBER_ONLY_FORMAT = "Answer with the number only."
+#: ``number_only_reward``'s partial credit for a wrong reply that is still a short, well-formed number
+NUMBER_ONLY_PARTIAL = 0.1
+
+
+def number_only_rows(num_prompts: int, seed: int = 0, split: Literal["train", "test"] = "train",
+                     digits: tuple[int, int] = (4, 4)) -> list[dict[str, str]]:
+    """A short numeric answer with no answer sentence (issue 52): "What is N + 1? Answer with the number only.", N
+    of ``digits`` (fewest, most) digits; the answer is N + 1. Replies can chain the question's own form
+    ("N + 1 = N + 1 = ...") to the token limit. ``held_out`` decides by N. Score with ``number_only_reward``
+    (1 right, ``NUMBER_ONLY_PARTIAL`` for a wrong short number, 0 otherwise)."""
+    def propose(rng: random.Random, low: int, high: int) -> _Proposal:
+        n = rng.randrange(low, high)
+        key = (n, 1, "+")
+        return key, key, lambda: {"prompt": f"What is {n} + 1? {NUMBER_ONLY_FORMAT}", "answer": str(n + 1)}
+
+    return _distinct_rows(num_prompts, split, digits, f"number_only-{split}-{seed}-{digits[0]}-{digits[1]}",
+                          "numbers", "problems", propose)
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*")
+_SHORT_NUMBER = re.compile(r"\s*-?\d[\d,]*\s*\.?\s*")
+
+
+def number_only_reward(reply: str, answer: str) -> float:
+    """The ``number_only`` task's reward from the reply's text alone (the same rule for every trainer): 1 when the
+    reply's last number (commas dropped) is the answer, ``NUMBER_ONLY_PARTIAL`` when it is wrong but the reply is a
+    short, well-formed number (only a number, at most 12 characters, an optional final period), 0 otherwise (no
+    number, or a wrong number inside other text: a chain cut at the token limit ends on a wrong one)."""
+    numbers = _NUMBER.findall(reply)
+    if not numbers:
+        return 0.0
+    if numbers[-1].replace(",", "") == answer.strip():
+        return 1.0
+    return NUMBER_ONLY_PARTIAL if len(reply.strip()) <= 12 and _SHORT_NUMBER.fullmatch(reply) else 0.0
+
+
 #: the ``shape_colour`` task's colours (RGB) by answer: the first letter of the colour's name
 SHAPE_COLOURS = {"r": (220, 40, 40), "g": (40, 180, 60), "b": (40, 70, 220), "y": (230, 210, 40)}
 #: the canvas of ``shape_colour`` (and the colour of a blank image, ``--data.blank_images``)
@@ -358,6 +397,7 @@ TASKS = {"target_char": lambda n, seed, split, digits: target_char_rows(n, seed 
          "arithmetic": arithmetic_rows, "compare": compare_rows, "mixed": mixed_rows,
          "reveal": lambda n, seed, split, digits: reveal_rows(n, seed + (split == "test") * 10_000),
          "count_letter": count_letter_rows, "middle": middle_rows, "multiply": multiply_rows,
-         "count_even": count_even_rows, "digit_sum": digit_sum_rows, "shape_colour": shape_colour_rows}
+         "count_even": count_even_rows, "digit_sum": digit_sum_rows, "shape_colour": shape_colour_rows,
+         "number_only": number_only_rows}
 #: the columns of an embedded task's rows that become ``Prompt.metadata``
 TASK_METADATA: dict[str, list[str]] = {"mixed": ["reward"]}

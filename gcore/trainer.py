@@ -19,6 +19,7 @@ from lightning.fabric.loggers import CSVLogger
 
 from gcore import threads
 from gcore.algorithms.base import Algorithm
+from gcore.algorithms.stall import StallWatch
 from gcore.backends.base import TrainingBackend
 from gcore.checkpointer import Checkpointer, version_number
 from gcore.controller import Controller
@@ -605,6 +606,7 @@ class Trainer:
         bar.update(run.start_step)
         step = run.start_step
         skipping = 0  # consecutive steps that skipped an update (non-finite loss or gradient)
+        stall = StallWatch()  # steps in a row that trained no sample (every group tied): one line when they pile up
         # what setup built (modules, models, data) lives for the run: out of the collector's sight, so that a full
         # collection inside a step does not walk it (a pause of 0.3 s on the tiny model, which the stage times and
         # so dynamic placement would charge to whichever stage it fell in)
@@ -617,6 +619,8 @@ class Trainer:
                         evaluations.append(self._evaluate(run, step, bar))
                     metrics = self._step(run, step, bar)
                     history.append(metrics)
+                    if (note := stall.update(step, metrics)) and rank == 0:
+                        print(note, file=sys.stderr, flush=True)
                     bar.set_description("step", refresh=False)
                     bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s=f"{metrics['time/step']:.2f}")
                     bar.update(1)
