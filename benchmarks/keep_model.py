@@ -32,7 +32,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gcore.controller import prompts_to_draw  # noqa: E402
+from gcore.inflight import prompts_to_draw  # noqa: E402
 
 
 def below(n: int, p: float, k: int) -> float:

@@ -9,10 +9,12 @@ the manifest, atomic renames, the safe loaders); this module decides what they h
 - ``trainer_state.json`` (rank 0): the loop's own state (step, seed, rank count, the run's
   signature, the ``version_N`` its metrics go to) and every *shared* part's ``state_dict()`` (the
   global prompt stream, the algorithm, the placement policy): parts every rank holds alike;
-- ``rank_<r>.pt``: this rank's random generators and its *own* parts (its dynamic-sampling stream).
+- ``rank_<r>.pt``: this rank's random generators and its *own* parts (its dynamic-sampling stream);
+- a part in *halves* (the rollouts in flight: the prompts drawn ahead, alike on every rank, and this
+  rank's share of them with its rollouts) has one half in each, under its name.
 
 A part is anything with ``state_dict()`` and ``load_state_dict(state)``; a new piece of resumable
-state is one more entry in ``shared`` or ``own``.
+state is one more entry in ``shared``, ``own`` or ``halves``.
 """
 
 from __future__ import annotations
@@ -140,13 +142,17 @@ class Checkpointer:
     # in every controller ---------------------------------------------------------------------
 
     def setup(self, fabric: Fabric, backend: Weights, shared: Mapping[str, Stateful],
-              own: Mapping[str, Stateful], hf_files: str | None = None) -> None:
+              own: Mapping[str, Stateful], halves: Mapping[str, Stateful] | None = None,
+              hf_files: str | None = None) -> None:
         """Hand over the run's stateful parts: ``backend`` (DCP), ``shared`` (every rank holds the same;
-        written once, by rank 0) and ``own`` (this rank's); ``hf_files``: the folder whose config and
-        tokenizer files go into every checkpoint's ``hf/`` (``gcore export`` needs nothing else)."""
+        written once, by rank 0), ``own`` (this rank's) and ``halves`` (parts whose ``state_dict()`` is
+        ``{"shared": ..., "own": ...}``, loaded back as such, with ``own`` ``None`` on a rank that wrote none);
+        ``hf_files``: the folder whose config and tokenizer files go into every checkpoint's ``hf/``
+        (``gcore export`` needs nothing else)."""
         import torch.distributed as dist
 
         self.fabric, self.backend, self.shared, self.own, self.hf_files = fabric, backend, shared, own, hf_files
+        self.halves: Mapping[str, Stateful] = halves or {}
         group = None
         # whenever a process group exists: several ranks, or one whose strategy started a one-rank group, as FSDP
         # does; DCP would use that group, and an NCCL-only group cannot run an asynchronous save
@@ -182,6 +188,9 @@ class Checkpointer:
         for name, part in self.own.items():
             if rank_state is not None and name in rank_state:
                 part.load_state_dict(rank_state[name])
+        for name, part in self.halves.items():
+            part.load_state_dict({"shared": trainer_state.get(name),
+                                  "own": rank_state.get(name) if rank_state is not None else None})
         start = int(trainer_state["step"]) + 1
         saved_world = int(trainer_state["world_size"])
         if saved_world == fabric.world_size:
@@ -215,6 +224,9 @@ class Checkpointer:
                       "seed": self.seed, "world_size": self.fabric.world_size, "run": self.signature,
                       "log_version": self.log_version}
             own = {"rng": rng_state(), **{name: part.state_dict() for name, part in self.own.items()}}
+            for name, part in self.halves.items():
+                state = part.state_dict()
+                shared[name], own[name] = state["shared"], state["own"]
             parts_s = time.perf_counter() - started
             metrics["checkpoint/stall_s"] = parts_s + self.files.save(step, self.backend.state_dict(), shared, own,
                                                                       asynchronous=self.asynchronous,
@@ -306,7 +318,7 @@ class Checkpointer:
         where = ", ".join(f"{name} at {_position(part)}" for name, part in self.shared.items() if _position(part))
         return (f"elastic resume: written by {saved_world} controller(s), running on {world}: weights and "
                 f"optimizer resharded, {where or 'shared state restored'}, controller(s) {_span(0, kept)} keep "
-                f"their own {', '.join(self.own) or 'state'}, "
+                f"their own {', '.join([*self.own, *self.halves]) or 'state'}, "
                 + (f"{_span(kept, world)} start their own" if world > kept else f"those of {_span(kept, saved_world)} "
                    "are dropped")
                 + "; random generators reseeded")

@@ -9,7 +9,9 @@ Record the runs of one checkout, then of another, then compare them:
 ``record`` runs ``gcore fit`` with ``PYTHONPATH=<code>`` for each configuration in ``RUNS`` (the
 default run, dynamic placement (as is, on one worker, and with a generative judge on two), two
 controllers, one controller for two processes (GRPO and PPO), static placement over engine workers
-with a generative judge, DAPO's dynamic sampling) and keeps each run's ``metrics.csv``. ``compare``
+with a generative judge, DAPO's dynamic sampling, PPO, a multi-turn environment, the rollouts in flight of
+``--trainer.max_staleness`` 1 and 2 written into checkpoints and resumed from one) and keeps each run's
+``metrics.csv``. ``compare``
 prints, per run, the columns that differ; wall-clock columns (``time/*``, ``*_s``, ``*gb_per_s``,
 memory high-water marks) are left out, since no two runs take the same time. Exit code 1 when a
 compared column differs or a run is missing.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,7 +45,27 @@ RUNS: dict[str, list[str]] = {
                              "--reward.max_new_tokens", "4", "--data.prompts_per_step", "4", "--sampling.n", "2",
                              "--sampling.max_new_tokens", "4"],
     "dapo_dynamic_sampling": ["--config", "examples/dapo_dynamic_sampling.yaml", "--trainer.accelerator", "cpu"],
+    "ppo": ["--algorithm", "ppo"],
+    "static_workers": ["--placement.workers", "2"],
+    "reveal": ["--data.task", "reveal", "--env", "reveal", "--sampling.max_new_tokens", "8"],
+    "reveal_workers_async": ["--data.task", "reveal", "--env", "reveal", "--sampling.max_new_tokens", "8",
+                             "--placement.workers", "2", "--trainer.max_staleness", "1"],
+    # the rollouts in flight: written into checkpoints every 2 steps, and resumed from the one after step 1
+    # (``RESUMED``), over static engine workers (dynamic placement's split follows measured times)
+    "async_k1": ["--placement.workers", "1", "--trainer.max_staleness", "1", "--trainer.checkpoint_every", "2",
+                 "--trainer.keep_checkpoints", "5"],
+    "async_k2": ["--placement.workers", "2", "--trainer.max_staleness", "2", "--trainer.checkpoint_every", "2",
+                 "--trainer.keep_checkpoints", "5"],
+    "async_k1_step_dispatch": ["--placement.workers", "2", "--trainer.max_staleness", "1", "--trainer.dispatch",
+                               "step"],
+    "async_k1_dapo_oversample": ["--config", "examples/dapo_dynamic_sampling.yaml", "--trainer.accelerator", "cpu",
+                                 "--placement.workers", "2", "--trainer.max_staleness", "1",
+                                 "--trainer.oversample", "true", "--trainer.checkpoint_every", "2",
+                                 "--trainer.keep_checkpoints", "5"],
 }
+#: runs resumed, once recorded, from the checkpoint written after step 1: ``<run>_resumed.csv`` is the metrics.csv
+#: the resumed run continued (the steps it redid replaced), to compare as a run of its own
+RESUMED = ("async_k1", "async_k2", "async_k1_dapo_oversample")
 
 
 def clock_column(name: str) -> bool:
@@ -82,8 +105,18 @@ def record(code: str, out: str, only: list[str]) -> int:
             print(f"{name}: failed (exit {result.returncode})\n{result.stderr[-3000:]}", flush=True)
             failed += 1
             continue
-        os.replace(csvs[0], os.path.join(out, f"{name}.csv"))
+        shutil.copy(csvs[0], os.path.join(out, f"{name}.csv"))
         print(f"{name}: recorded", flush=True)
+        if name in RESUMED:
+            checkpoint = os.path.join(root, name, "checkpoints", "step_00000001")
+            result = subprocess.run([*cmd, "--trainer.resume", checkpoint], env=env, cwd=code, capture_output=True,
+                                    text=True)
+            if result.returncode != 0:
+                print(f"{name}_resumed: failed (exit {result.returncode})\n{result.stderr[-3000:]}", flush=True)
+                failed += 1
+                continue
+            shutil.copy(csvs[0], os.path.join(out, f"{name}_resumed.csv"))
+            print(f"{name}_resumed: recorded", flush=True)
     return 1 if failed else 0
 
 
@@ -94,7 +127,7 @@ def read(path: str) -> list[dict[str, str]]:
 
 def compare(before: str, after: str, only: list[str]) -> int:
     bad = 0
-    for name in only or RUNS:
+    for name in [n for run in only or RUNS for n in ((run, f"{run}_resumed") if run in RESUMED else (run,))]:
         a_path, b_path = os.path.join(before, f"{name}.csv"), os.path.join(after, f"{name}.csv")
         if not (os.path.exists(a_path) and os.path.exists(b_path)):
             print(f"{name}: missing in {'before' if not os.path.exists(a_path) else 'after'}")

@@ -56,8 +56,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gcore.controller import prompts_to_draw
 from gcore.errors import ConfigError
+from gcore.inflight import prompts_to_draw
 from gcore.placement import DynamicPlacement, Telemetry
 from gcore.simulator.model import (
     DeviceCosts,
@@ -190,54 +190,68 @@ def serve_cut(
     did, and when the device stopped (it is busy from 0 to then). With no deadline the times are
     ``serve``'s, computed by the same expressions.
     """
+    serve_batches = _serve_static if costs.batching == "static" else _serve_continuous
+    return serve_batches(steps, prefill, costs, deadline, intervals)
+
+
+def _run_until(now: float, deadline: float, limit: int, cost: Callable[[int], float]) -> tuple[int, float, bool]:
+    """``limit`` decode steps from ``now`` and their seconds, or, when they would run past ``deadline``, the
+    fewest steps that reach it (the step in flight at the deadline ends) and True: the run is cut."""
+    took = cost(limit)
+    if not now + took > deadline:
+        return limit, took, False
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cost(mid) >= deadline - now:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, cost(lo), True
+
+
+def _serve_static(steps: list[int], prefill: list[int], costs: DeviceCosts, deadline: float,
+                  intervals: Intervals | None) -> tuple[list[float | None], list[int], float]:
+    """``serve_cut`` with static batching: ``max_batch`` requests at a time, each batch until its longest ends."""
     n = len(steps)
     finish: list[float | None] = [None] * n
     progress = [0] * n
     cap = costs.max_batch or n or 1
     now = 0.0
+    for start in range(0, n, cap):
+        if now >= deadline:
+            break
+        chunk = list(range(start, min(n, start + cap)))
+        length, rows, read = max(steps[i] for i in chunk), len(chunk), sum(prefill[i] for i in chunk)
 
-    def run_until(limit: int, cost: Callable[[int], float]) -> tuple[int, float, bool]:
-        """``limit`` decode steps from ``now`` and their seconds, or, when they would run past ``deadline``, the
-        fewest steps that reach it (the step in flight at the deadline ends) and True: the run is cut."""
-        took = cost(limit)
-        if not now + took > deadline:
-            return limit, took, False
-        lo, hi = 1, limit
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if cost(mid) >= deadline - now:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo, cost(lo), True
+        def chunk_cost(a: int, rows: int = rows, read: int = read) -> float:
+            return costs.decode_s(a, rows, read, read)
 
-    if costs.batching == "static":
-        for start in range(0, n, cap):
-            if now >= deadline:
-                break
-            chunk = list(range(start, min(n, start + cap)))
-            length, rows, read = max(steps[i] for i in chunk), len(chunk), sum(prefill[i] for i in chunk)
+        length, took, cut = _run_until(now, deadline, length, chunk_cost)
+        begin = now
+        now = begin + took
+        record(intervals, begin, now)
+        for i in chunk:
+            progress[i] = min(steps[i], length)
+            if steps[i] <= length:
+                finish[i] = now
+        if cut:
+            break
+    return finish, progress, now
 
-            def chunk_cost(a: int, rows: int = rows, read: int = read) -> float:
-                return costs.decode_s(a, rows, read, read)
 
-            length, took, cut = run_until(length, chunk_cost)
-            begin = now
-            now = begin + took
-            record(intervals, begin, now)
-            for i in chunk:
-                progress[i] = min(steps[i], length)
-                if steps[i] <= length:
-                    finish[i] = now
-            if cut:
-                break
-        return finish, progress, now
+def _serve_continuous(steps: list[int], prefill: list[int], costs: DeviceCosts, deadline: float,
+                      intervals: Intervals | None) -> tuple[list[float | None], list[int], float]:
+    """``serve_cut`` with continuous batching: a request joins as soon as one of the ``max_batch`` rows is free."""
+    n = len(steps)
+    finish: list[float | None] = [None] * n
+    progress = [0] * n
+    cap = costs.max_batch or n or 1
+    now = 0.0
     running: list[tuple[int, int]] = []  # (decode step count at which it ends, request)
     joined_at = [0] * n
     done_steps, waiting, context = 0, 0, 0
-    while waiting < n or running:
-        if now >= deadline:
-            break
+    while (waiting < n or running) and now < deadline:
         joined = 0
         while waiting < n and len(running) < cap:
             heapq.heappush(running, (done_steps + steps[waiting], waiting))
@@ -254,7 +268,7 @@ def serve_cut(
         def batch_cost(a: int, rows: int = rows, context: int = context) -> float:
             return costs.decode_s(a, rows, context)
 
-        advance, took, cut = run_until(advance, batch_cost)
+        advance, took, cut = _run_until(now, deadline, advance, batch_cost)
         begin = now
         now += took
         record(intervals, begin, now)

@@ -17,8 +17,8 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import cast
 
-from gcore.controller import next_round
 from gcore.errors import ConfigError
+from gcore.inflight import next_round
 from gcore.placement import DynamicPlacement, PlacementPolicy, StaticPlacement, Telemetry
 
 BATCHING = ("continuous", "static")

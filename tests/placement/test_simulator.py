@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from gcore.controller import prompts_to_draw
 from gcore.errors import ConfigError
+from gcore.inflight import prompts_to_draw
 from gcore.placement import DynamicPlacement, StaticPlacement
 from gcore.simulator.asynchronous import draw_batches, serve_cut, simulate_async
 from gcore.simulator.calibration import ASYNC_METRICS, MeasuredRun, fit_async, predict_async

@@ -16,12 +16,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "gcore"
 LAYERS: list[tuple[str, ...]] = [
     ("gcore.errors", "gcore.types", "gcore.balance", "gcore.tasks", "gcore.liveness", "gcore.rendezvous",
      "gcore.registry", "gcore.report", "gcore.checkpoint", "gcore.model", "gcore.vision", "gcore.data", "gcore.assets",
-     "gcore.threads", "gcore.environ", "gcore.loggers", "gcore.checkpointer", "gcore.run_lock", "gcore.user_code"),
+     "gcore.threads", "gcore.environ", "gcore.loggers", "gcore.checkpointer", "gcore.run_lock", "gcore.user_code",
+     "gcore.run_config", "gcore.run_dir"),
     ("gcore.engines",),
     ("gcore.rewards", "gcore.algorithms", "gcore.envs"),
     ("gcore.backends", "gcore.rollout", "gcore.evaluation"),
     ("gcore.placement",),
+    ("gcore.inflight",),
     ("gcore.controller", "gcore.single_controller"),
+    ("gcore.run_loop",),
     ("gcore.trainer", "gcore.testing", "gcore.simulator"),
     ("gcore.cli", "gcore.config_errors", "gcore.__main__", "gcore"),
 ]
@@ -99,4 +102,4 @@ def test_the_checks_catch_the_placement_controller_circle():
     graph = import_graph()
     graph["gcore.placement.base"] = graph["gcore.placement.base"] | {"gcore.controller"}
     assert find_circle(graph) is not None
-    assert upward_imports(graph) == ["gcore.placement.base (layer 4) imports gcore.controller (layer 5)"]
+    assert upward_imports(graph) == ["gcore.placement.base (layer 4) imports gcore.controller (layer 6)"]

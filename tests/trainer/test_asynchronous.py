@@ -529,14 +529,14 @@ def test_a_resume_that_cannot_be_exact_says_so_in_one_line(tmp_path, capsys):
 
 
 def test_the_recorded_generations_come_back_as_they_were_through_a_weights_only_file(tmp_path):
-    from gcore.controller import _pack, _unpack
+    from gcore.inflight import pack, unpack
     from gcore.types import Generation
 
     outputs = [[Generation([5, 6, 7], [-0.1, -1e-9, -3.25], True), Generation([], [], False)],
                [Generation([9], [-0.30000000000000004], False)]]
-    torch.save({"rollouts": [_pack(outputs)]}, tmp_path / "rank_0.pt")
+    torch.save({"rollouts": [pack(outputs)]}, tmp_path / "rank_0.pt")
     loaded = torch.load(tmp_path / "rank_0.pt", weights_only=True)["rollouts"][0]
-    assert _unpack(loaded) == outputs
+    assert unpack(loaded) == outputs
 
 
 # -- when a rollout started ahead goes out (--trainer.dispatch) ---------------------------------------------------

@@ -68,7 +68,7 @@ def test_oversample_draws_the_extra_prompts_up_front_from_the_last_keep_rate(tmp
     """About half the groups are uniform: without ``oversample`` nearly every step draws a second round once its
     verdicts are in; with it, each step after the first starts with enough extra prompts (``prompts_to_draw`` at the
     last step's keep rate, 90% sure) and the batch is still the configured size with no uniform group."""
-    from gcore.controller import prompts_to_draw
+    from gcore.inflight import prompts_to_draw
 
     plain_batches, plain = _fit(tmp_path / "plain", DAPO(max_rounds=8), steps=5)
     batches, history = _fit(tmp_path / "over", DAPO(max_rounds=8), steps=5, oversample=True)
@@ -95,7 +95,7 @@ def test_oversample_without_dynamic_sampling_is_refused_in_one_line(tmp_path):
 
 
 def test_prompts_to_draw_keeps_the_share_with_the_asked_confidence():
-    from gcore.controller import prompts_to_draw
+    from gcore.inflight import prompts_to_draw
 
     torch.manual_seed(0)
     assert prompts_to_draw(0, 0.5) == 0  # a controller with no prompts this step draws none
