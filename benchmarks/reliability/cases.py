@@ -172,7 +172,7 @@ CASES: list[Case] = [
           ok_if=r"."),
     _tool("sb.environ", "os.environ", "ok: clean", sb.ENVIRON, ok_if=r"."),
     _tool("sb.proc_parent", "/proc/<parent>/environ, cmdline, maps", "unsafe", sb.PROC_PARENT,
-          unsafe_if=r"/proc/\d+/maps READ [1-9]"),
+          unsafe_if=r"caller /proc/\d+/\w+ READ [1-9]"),
     _tool("sb.ctypes_import", "import ctypes", "ok: allowed (documented)", sb.CTYPES_IMPORT, ok_if=r"."),
     _tool("sb.exit", "sys.exit(0) / os._exit(3)", "ok", sb.SYS_EXIT, sb.OS_EXIT, ok_if=r"."),
     # --- 3b. image prompts --------------------------------------------------------------------------------

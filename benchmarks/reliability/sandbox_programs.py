@@ -205,9 +205,11 @@ def attempt(name, path):
         print(name, "READ", len(data), "bytes:", data[:3000])
     except BaseException as e:
         print(name, "refused:", type(e).__name__, str(e)[:80])
-for pid in sorted({os.getppid(), {CALLER}}):
+# the caller (the trainer, by its pid outside) is what must stay unreadable; the code's parent may be the sandbox's
+# own init (bwrap's pid 1 in its PID namespace), whose memory and clean environment are not the trainer's
+for who, pid in (("parent", os.getppid()), ("caller", {CALLER})):
     for part in ("environ", "cmdline", "maps"):
-        attempt(f"/proc/{pid}/{part}", f"/proc/{pid}/{part}")
+        attempt(f"{who} /proc/{pid}/{part}", f"/proc/{pid}/{part}")
 attempt("/proc/1/environ", "/proc/1/environ")
 '''
 
