@@ -162,7 +162,7 @@ CASES: list[Case] = [
     _tool("sb.memory", "bytearray(10 GiB) / mmap 600 MB / bytearray(400 MB)", "ok",
           sb.MEMORY, ok_if=r"bytearray 10 GiB refused"),
     _tool("sb.loops", "while True: pass / time.sleep(1000)", "ok: blocked", sb.BUSY, sb.SLEEP,
-          ok_if=r"(?s)timed out.*timed out|timeout.*timeout"),
+          ok_if=r"(?s)(timed out|timeout|CPU limit).*(timed out|timeout|CPU limit)"),  # either limit stops it
     _tool("sb.print", "print 100 MB", "ok: blocked", sb.PRINT, ok_if=r"output over"),
     _tool("sb.files", "one 100 MB file / 40 files of 15 MB", "ok: blocked", sb.BIG_FILE, sb.MANY_FILES,
           ok_if=r"(?s)(File too large|Errno 27|file size|limit).*(timed out|File too large|Errno 27|limit)"),
