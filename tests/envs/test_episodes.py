@@ -148,7 +148,9 @@ class Marking(Recording):
 def test_generation_goes_on_while_one_episode_waits_for_its_environment(tiny, tmp_path, overlap, isolation):
     tokenizer, _, engine = tiny
     generate, stats = Marking(engine, tmp_path / "calls"), EpisodeStats()
-    env = SlowFirst(tmp_path / "calls", overlap=overlap, timeout_s=3.0, isolation=isolation)
+    # timeout_s well past SlowFirst's own 20 s wait: the verdict comes from whether generation went on (the
+    # step's own wait), never from how fast a loaded machine starts the environment's process
+    env = SlowFirst(tmp_path / "calls", overlap=overlap, timeout_s=120.0, isolation=isolation)
     samples = run_episodes(env, generate, _prompts(tokenizer, 3), SamplingParams(n=1, max_new_tokens=3), tokenizer,
                            stats=stats)
     if overlap:  # the others' turns were generated while episode 0 waited: it then finished its 3 turns
