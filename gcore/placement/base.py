@@ -84,6 +84,10 @@ class PlacementPolicy(ABC):
     computed identically on every rank from the same telemetry: there is no master.
     """
 
+    #: seconds an engine worker may leave a connect, handshake or started read unanswered before it is reported
+    #: dead: the trainer sets it from ``--trainer.heartbeat_timeout`` before ``launch``.
+    heartbeat_timeout: float = 30.0
+
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         for name in ("start_rollout", "resume_rollout"):  # typed to return an InFlight; checked for plugins

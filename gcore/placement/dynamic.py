@@ -198,7 +198,8 @@ class DynamicPlacement(PlacementPolicy):
         self.pool, self.policy_engine, self.judge_engine = launch_workers(
             "--placement dynamic", engine, reward, source=source, device=device, roles=self._roles(),
             threads=self.threads, seed=seed, release=True, job_timeout_s=self.worker_timeout_s, retries=self.retries,
-            reward_workers=self.reward_role == REWARD and self.max_reward_devices > 0, peers=peers)
+            reward_workers=self.reward_role == REWARD and self.max_reward_devices > 0, peers=peers,
+            liveness_timeout_s=self.heartbeat_timeout)
         if self.reward_role == REWARD:
             self.reward_pool = PoolReward(self.pool, [])
         return self.policy_engine

@@ -79,7 +79,7 @@ class StaticPlacement(PlacementPolicy):
         self.pool, policy, self.judge_engine = launch_workers(
             "--placement.workers", engine, reward, source=source, device=device, roles=[POLICY] * self.workers,
             threads=self.threads, seed=seed, release=self.release, job_timeout_s=self.worker_timeout_s,
-            retries=self.retries)
+            retries=self.retries, liveness_timeout_s=self.heartbeat_timeout)
         return policy
 
     @property
