@@ -155,10 +155,7 @@ class PlacementPolicy(ABC):
         ``job.score``), timing the stages in ``job.timer``. Default: on ``job.engine``, in this process."""
         if job.multi_turn:
             self.before_generate(job.engine)
-            samples = job.episodes(job.engine.generate)
-            assert job.env_stats is not None  # set by episodes
-            job.timer.add("generate", job.env_stats.generate_s)
-            job.timer.add("env", job.env_stats.env_wait_s)
+            samples = job.timed_episodes(job.engine.generate)
         else:
             with job.timer("generate"):
                 self.before_generate(job.engine)
