@@ -102,6 +102,17 @@ class RolloutJob:
         self.env_stats = stats
         return samples
 
+    def timed_episodes(self, generate: Generate, generate_stage: bool = True) -> list[Sample]:
+        """``episodes(generate)`` with its stage times added to ``timer``: every placement's multi-turn rollout
+        runs through here. ``env``: the wait for the environment; ``generate`` (unless ``generate_stage`` is
+        false, for a policy that times its generation its own way): the episode loop's generation time."""
+        samples = self.episodes(generate)
+        assert self.env_stats is not None  # set by episodes
+        if generate_stage:
+            self.timer.add("generate", self.env_stats.generate_s)
+        self.timer.add("env", self.env_stats.env_wait_s)
+        return samples
+
     def samples(self, outputs: list[list[Generation]], start: int = 0) -> list[Sample]:
         """One ``Sample`` per generation of ``prompts[start:]`` (``outputs[i]`` are the completions
         of ``prompts[start + i]``), in the groups of those prompts."""

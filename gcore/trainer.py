@@ -249,6 +249,7 @@ class Trainer:
         # the placement policy starts the engines where it places them (in this process by default)
         if rank == 0 and self.placement.describe():
             print(self.placement.describe(), flush=True)
+        self.placement.heartbeat_timeout = c.heartbeat_timeout  # engine workers' liveness deadline too
         self.rollout_engine = self.placement.launch(self.engine, self.reward, source, fabric.device,
                                                     seed=c.seed + 1000 * rank)
         balancer = (CostBalancer(prompts, self.sampling.n, self.sampling.max_new_tokens)

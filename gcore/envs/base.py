@@ -58,6 +58,11 @@ class Environment(ABC):
     ``reset`` and ``step`` run ``workers`` at a time while the engine goes on generating the other
     episodes' turns, by default each in a child process (``isolation``); ``step`` may be ``async def``.
 
+    The options below are every environment's, declared here only: a subclass takes its own options,
+    re-declares one of these only where it gives it another default, and passes the rest on with
+    ``**options``, by keyword, so an option added here reaches every environment's CLI (``--env.help``)
+    with no other edit.
+
     Args:
         max_turns: model turns per episode at most; an episode still going after them is truncated.
         max_tokens: tokens per trajectory after the prompt at most (model and observation tokens;

@@ -14,9 +14,9 @@ it reaches about 0.3 (tests/envs/test_reveal_learning.py has the measured spread
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from gcore.envs.base import DEFAULT_MAX_OBSERVATION_CHARS, DEFAULT_MAX_OBSERVATION_TOKENS, Environment, Turn
+from gcore.envs.base import Environment, Turn
 from gcore.errors import ConfigError, DataError
 from gcore.types import Prompt
 
@@ -26,18 +26,14 @@ class RevealEnvironment(Environment):
 
     Args:
         max_turns: model turns per episode (2: the first, the observation, the answer).
-        max_tokens: tokens per trajectory after the prompt (0: no total, only ``max_turns`` turns).
         repeat: copies of the digit in the observation.
-        workers, timeout_s, overlap, isolation, max_observation_chars, max_observation_tokens: as for every
-            environment (``gcore fit --env.help reveal``).
+        workers, timeout_s: as for every environment, with smaller defaults for the tiny task.
+        options: ``Environment``'s other options, by keyword (``gcore fit --env.help reveal`` lists them all).
     """
 
-    def __init__(self, max_turns: int = 2, max_tokens: int = 0, repeat: int = 8, workers: int = 4,
-                 timeout_s: float = 60.0, overlap: bool = True, isolation: Literal["process", "thread"] = "process",
-                 max_observation_chars: int = DEFAULT_MAX_OBSERVATION_CHARS,
-                 max_observation_tokens: int = DEFAULT_MAX_OBSERVATION_TOKENS) -> None:
-        super().__init__(max_turns, max_tokens, workers, timeout_s, overlap, isolation, max_observation_chars,
-                         max_observation_tokens)
+    def __init__(self, *, max_turns: int = 2, repeat: int = 8, workers: int = 4, timeout_s: float = 60.0,
+                 **options: Any) -> None:  # noqa: ANN401  Environment's other arguments, checked there
+        super().__init__(max_turns=max_turns, workers=workers, timeout_s=timeout_s, **options)
         if repeat < 1:
             raise ConfigError(f"--env.repeat must be >= 1, got {repeat}")
         self.repeat = repeat

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from gcore.envs import tools as builtin
-from gcore.envs.base import DEFAULT_MAX_OBSERVATION_CHARS, DEFAULT_MAX_OBSERVATION_TOKENS, Environment, Turn
+from gcore.envs.base import Environment, Turn
 from gcore.envs.sandbox import SandboxUnavailable, check_sandbox
 from gcore.envs.tools import ToolCall, ToolCallError, call_tool, get_parser, tool_schema
 from gcore.errors import ConfigError
@@ -63,12 +63,8 @@ class ToolEnvironment(Environment):
                  tool_prompt: Literal["auto", "template", "system"] = "auto", system_prompt: str = "",
                  examples: str | None = None, tool_timeout_s: float = 10.0, max_result_chars: int = 2000,
                  python_sandbox: Literal["bwrap", "none"] = "bwrap",
-                 max_turns: int = 4, max_tokens: int = 0, workers: int = 16, timeout_s: float = 120.0,
-                 overlap: bool = True, isolation: Literal["process", "thread"] = "process",
-                 max_observation_chars: int = DEFAULT_MAX_OBSERVATION_CHARS,
-                 max_observation_tokens: int = DEFAULT_MAX_OBSERVATION_TOKENS) -> None:
-        super().__init__(max_turns, max_tokens, workers, timeout_s, overlap, isolation, max_observation_chars,
-                         max_observation_tokens)
+                 **options: Any) -> None:  # noqa: ANN401  Environment's arguments, checked there
+        super().__init__(**options)
         self.tools = list(tools) if tools is not None else ["calculator"]
         if not self.tools:
             raise ConfigError("--env.tools is empty: name at least one tool (built-in: "

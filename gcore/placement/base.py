@@ -84,6 +84,10 @@ class PlacementPolicy(ABC):
     computed identically on every rank from the same telemetry: there is no master.
     """
 
+    #: seconds an engine worker may leave a connect, handshake or started read unanswered before it is reported
+    #: dead: the trainer sets it from ``--trainer.heartbeat_timeout`` before ``launch``.
+    heartbeat_timeout: float = 30.0
+
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         for name in ("start_rollout", "resume_rollout"):  # typed to return an InFlight; checked for plugins
@@ -151,10 +155,7 @@ class PlacementPolicy(ABC):
         ``job.score``), timing the stages in ``job.timer``. Default: on ``job.engine``, in this process."""
         if job.multi_turn:
             self.before_generate(job.engine)
-            samples = job.episodes(job.engine.generate)
-            assert job.env_stats is not None  # set by episodes
-            job.timer.add("generate", job.env_stats.generate_s)
-            job.timer.add("env", job.env_stats.env_wait_s)
+            samples = job.timed_episodes(job.engine.generate)
         else:
             with job.timer("generate"):
                 self.before_generate(job.engine)

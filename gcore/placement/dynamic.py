@@ -198,7 +198,8 @@ class DynamicPlacement(PlacementPolicy):
         self.pool, self.policy_engine, self.judge_engine = launch_workers(
             "--placement dynamic", engine, reward, source=source, device=device, roles=self._roles(),
             threads=self.threads, seed=seed, release=True, job_timeout_s=self.worker_timeout_s, retries=self.retries,
-            reward_workers=self.reward_role == REWARD and self.max_reward_devices > 0, peers=peers)
+            reward_workers=self.reward_role == REWARD and self.max_reward_devices > 0, peers=peers,
+            liveness_timeout_s=self.heartbeat_timeout)
         if self.reward_role == REWARD:
             self.reward_pool = PoolReward(self.pool, [])
         return self.policy_engine
@@ -319,14 +320,13 @@ class DynamicPlacement(PlacementPolicy):
         ``update`` does not count it as the generation partition's idle time (no split shortens it)."""
         pool, timer = self.pool, job.timer
         assert pool is not None and self.policy_engine is not None  # set by launch
-        samples = job.episodes(self.policy_engine.generate)
-        assert job.env_stats is not None  # set by episodes
+        # its generation is timed by the partition's telemetry (``_rollout_telemetry``), not as ``generate``
+        samples = job.timed_episodes(self.policy_engine.generate, generate_stage=False)
         reward = self.reward_pool if scorers and self.reward_pool is not None else None  # None: in the controller
         scored = time.process_time()
         job.score(samples, reward)
         in_controller = time.process_time() - scored
         self._rollout_telemetry(timer, scorers, in_controller, time.perf_counter() - started)
-        timer.add("env", job.env_stats.env_wait_s)
         return samples
 
     def _finish_rollout(self, job: RolloutJob, requests: dict[int, Job], scorers: list[int],

@@ -62,6 +62,7 @@ def launch_workers(
     retries: int,
     reward_workers: bool = False,
     peers: Peers | None = None,
+    liveness_timeout_s: float = 30.0,
 ) -> tuple[WorkerPool, PoolEngine, PoolEngine | None]:
     """Start a pool with the policy engine and (if the reward has one) the generative judge's engine.
 
@@ -77,6 +78,8 @@ def launch_workers(
         reward_workers: with no generative judge, workers may take the ``reward`` role (the
             rule-based reward, scored through a ``PoolReward``).
         peers: the controllers that share the pool (``WorkerPool``'s); ``None``: this controller's own.
+        liveness_timeout_s: as ``WorkerPool``'s: the run's ``--trainer.heartbeat_timeout``
+            (``PlacementPolicy.heartbeat_timeout``).
 
     Returns the pool, the policy's ``PoolEngine`` and the judge's (``None`` without a judge).
     """
@@ -102,7 +105,8 @@ def launch_workers(
             raise ConfigError(f"{option}: the {role} {type(what).__name__} cannot be sent to a "
                               f"worker process: {err}") from err
     pool = WorkerPool(len(roles), specs, roles, threads=threads, seed=seed, release=release,
-                      job_timeout_s=job_timeout_s, retries=retries, device=str(device), peers=peers)
+                      job_timeout_s=job_timeout_s, retries=retries, device=str(device), peers=peers,
+                      liveness_timeout_s=liveness_timeout_s)
     if pool.owner and pool.threads * len(roles) > usable_cores():
         log.info("%d engine workers x %d threads on %d cores: oversubscribed", len(roles), pool.threads, usable_cores())
     policy = PoolEngine(pool, POLICY, [i for i, r in enumerate(roles) if r == POLICY])

@@ -79,7 +79,7 @@ class StaticPlacement(PlacementPolicy):
         self.pool, policy, self.judge_engine = launch_workers(
             "--placement.workers", engine, reward, source=source, device=device, roles=[POLICY] * self.workers,
             threads=self.threads, seed=seed, release=self.release, job_timeout_s=self.worker_timeout_s,
-            retries=self.retries)
+            retries=self.retries, liveness_timeout_s=self.heartbeat_timeout)
         return policy
 
     @property
@@ -148,10 +148,7 @@ class StaticPlacement(PlacementPolicy):
         self.pool.revive()
         self.pool.busy.clear()
         started = time.perf_counter()
-        samples = job.episodes(job.engine.generate)
-        assert job.env_stats is not None  # set by episodes
-        job.timer.add("generate", job.env_stats.generate_s)
-        job.timer.add("env", job.env_stats.env_wait_s)
+        samples = job.timed_episodes(job.engine.generate)
         return self._judge(job, samples, time.perf_counter() - started)
 
     def _finish_rollout(self, job: RolloutJob, requests: list[Job], started: float) -> list[Sample]:

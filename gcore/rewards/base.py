@@ -251,6 +251,10 @@ class RuleReward(RewardModel):
     returns can be given up on (see docs/failure-modes.md); whatever it raises, ``SystemExit`` and
     ``KeyboardInterrupt`` included, is the reward's error on that sample.
 
+    The options below are every rule reward's, declared here only: a subclass takes its own options and
+    passes the rest on with ``**options``, by keyword, so an option added here reaches every rule reward's
+    CLI (``--reward.help``) with no other edit.
+
     Args:
         on_error: ``raise`` stops the run naming the sample whose scoring raised, did not return within
             ``timeout``, or returned a non-number, NaN, an infinity or a number beyond float32; ``zero``

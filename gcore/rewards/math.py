@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any
 
 from gcore.errors import ConfigError
-from gcore.rewards.base import DEFAULT_TIMEOUT, RuleReward
+from gcore.rewards.base import RuleReward
 from gcore.types import Sample
 
 _ANSWER_IS = re.compile(r"answer is[:\s]*\$?([^\n$]+?)\$?\s*(?:\.\s|\.?$|\n)", re.IGNORECASE)
@@ -50,10 +50,9 @@ class MathReward(RuleReward):
         correct_score: float = 1.0,
         wrong_score: float = 0.0,
         missing_score: float = 0.0,
-        on_error: Literal["raise", "zero"] = "raise",
-        timeout: float | None = DEFAULT_TIMEOUT,
+        **options: Any,  # noqa: ANN401  RuleReward's arguments, checked there
     ) -> None:
-        super().__init__(on_error, timeout)
+        super().__init__(**options)
         try:
             import math_verify  # noqa: F401
         except ImportError as err:

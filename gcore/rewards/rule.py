@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any
 
 from gcore.errors import ConfigError
 from gcore.registry import load_callable
-from gcore.rewards.base import DEFAULT_TIMEOUT, RewardModel, RuleReward
+from gcore.rewards.base import RewardModel, RuleReward
 from gcore.types import Sample
 
 
@@ -19,9 +19,8 @@ class TargetCharReward(RuleReward):
     response that stops early scores less than one that fills all ``length`` characters.
     """
 
-    def __init__(self, length: int = 16, on_error: Literal["raise", "zero"] = "raise",
-                 timeout: float | None = DEFAULT_TIMEOUT) -> None:
-        super().__init__(on_error, timeout)
+    def __init__(self, length: int = 16, **options: Any) -> None:  # noqa: ANN401  RuleReward's, checked there
+        super().__init__(**options)
         if length <= 0:
             raise ValueError("length must be positive")
         self.length = length
@@ -43,10 +42,9 @@ class RegexReward(RuleReward):
         pattern: str,
         match_score: float = 1.0,
         miss_score: float = 0.0,
-        on_error: Literal["raise", "zero"] = "raise",
-        timeout: float | None = DEFAULT_TIMEOUT,
+        **options: Any,  # noqa: ANN401  RuleReward's arguments, checked there
     ) -> None:
-        super().__init__(on_error, timeout)
+        super().__init__(**options)
         try:
             re.compile(pattern.replace("{answer}", "x"))
         except re.error as err:
@@ -67,9 +65,8 @@ class CallableReward(RuleReward):
         function: ``package.module:function`` or ``path/to/file.py:function``.
     """
 
-    def __init__(self, function: str, on_error: Literal["raise", "zero"] = "raise",
-                 timeout: float | None = DEFAULT_TIMEOUT) -> None:
-        super().__init__(on_error, timeout)
+    def __init__(self, function: str, **options: Any) -> None:  # noqa: ANN401  RuleReward's, checked there
+        super().__init__(**options)
         self.function = function
         self._fn = load_callable(function)
 
