@@ -263,6 +263,10 @@ class RuleReward(RewardModel):
             sample (and is stopped where Python can stop it). ``0`` or ``None``: no limit.
     """
 
+    #: the defaults, also for a subclass that does not call this ``__init__``
+    on_error: Literal["raise", "zero"] = "raise"
+    timeout: float | None = DEFAULT_TIMEOUT
+
     def __init__(self, on_error: Literal["raise", "zero"] = "raise", timeout: float | None = DEFAULT_TIMEOUT) -> None:
         if on_error not in ("raise", "zero"):
             raise ValueError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
@@ -278,8 +282,8 @@ class RuleReward(RewardModel):
     def score(self, samples: Sequence[Sample]) -> list[float]:
         scores: list[float] = []
         self.last_errors, self.last_error = 0, None
-        timeout = getattr(self, "timeout", DEFAULT_TIMEOUT) or None  # a subclass may skip our __init__
-        stop_at_error = getattr(self, "on_error", "raise") == "raise"
+        timeout = self.timeout or None
+        stop_at_error = self.on_error == "raise"
         samples = list(samples)
         while len(scores) < len(samples):
             start = len(scores)
@@ -316,7 +320,7 @@ class RuleReward(RewardModel):
     def _failed(self, sample: Sample, problem: str, cause: BaseException | None) -> float:
         """Raise naming the sample (``on_error raise``), or count it and score it 0."""
         where = f"{type(self).__name__} {problem} on sample ({describe_sample(sample)})"
-        if getattr(self, "on_error", "raise") == "raise":
+        if self.on_error == "raise":
             raise RewardError(f"{where}; pass --reward.on_error zero to score such samples 0 and go on") from cause
         self.last_errors += 1
         if self.last_error is None:
