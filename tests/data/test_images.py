@@ -180,6 +180,7 @@ def test_resize_images_scales_a_large_image_within_the_decode_limit(tmp_path, ki
         read_image("big.png", str(tmp_path), "data.jsonl:1", 50_000, True, resize_max_pixels=1_000_000)
 
 
+@pytest.mark.integration
 def test_a_bomb_is_one_line_through_the_cli(bomb, tmp_path):
     """``gcore fit`` with the 20000x20000 PNG: exit 2, one ``gcore: error:`` line (was: a 35-line traceback)."""
     from conftest import run_gcore

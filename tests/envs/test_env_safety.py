@@ -162,6 +162,7 @@ def test_an_unpicklable_environment_is_one_line(tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("isolation", ["process", "thread"])
 def test_a_run_whose_environment_hangs_finishes_and_exits(tmp_path, isolation):
     """``gcore fit`` with an environment whose ``step`` sleeps for ever: every episode times out, the run trains

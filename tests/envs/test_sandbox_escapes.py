@@ -22,7 +22,7 @@ import pytest
 from gcore.envs.sandbox import SandboxLimits, run_python
 
 psutil = pytest.importorskip("psutil")
-pytestmark = pytest.mark.usefixtures("needs_bwrap")
+pytestmark = [pytest.mark.usefixtures("needs_bwrap"), pytest.mark.integration]  # each case runs bwrap
 
 # Pure Python, no ctypes: find the audit hook among the interpreter's objects and empty what it consults.
 _HOOK_OFF = textwrap.dedent("""
