@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import os
+import sys
 from collections.abc import Iterator, Mapping, MutableMapping
 
 
@@ -21,6 +23,38 @@ def environ_set(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+#: the folder that holds this gcore package (site-packages, or a source checkout's root)
+_GCORE_PARENT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+
+
+@contextlib.contextmanager
+def children_import_this_gcore() -> Iterator[None]:
+    """Processes started inside (``multiprocessing`` spawn or forkserver) import this gcore, not a folder named
+    ``gcore`` elsewhere on their path.
+
+    The case it mends: an editable install reaches gcore through an import hook, not through a ``sys.path``
+    folder, so where a folder of the path holds a ``gcore`` folder of its own (``python -m gcore`` and the
+    forkserver's ``python -c`` put the working directory first, and ``--trainer.default_root_dir .`` writes runs to
+    ``./gcore/``), a child imports that folder as a namespace package and fails at its first
+    ``from gcore import ...``. Then, inside the block, the folder that holds this gcore is on ``sys.path`` (spawn
+    children take it from there) and on ``PYTHONPATH`` (the forkserver of Python 3.11 starts from that, not from
+    this process's path): a regular package anywhere on the path wins over a namespace folder. Otherwise nothing
+    changes."""
+    found = importlib.machinery.PathFinder.find_spec("gcore", sys.path)
+    ours = os.path.join(_GCORE_PARENT, "gcore", "__init__.py")
+    if found is None or (found.origin is not None and os.path.realpath(found.origin) == ours):
+        yield
+        return
+    sys.path.insert(0, _GCORE_PARENT)
+    python_path = os.pathsep.join(filter(None, [_GCORE_PARENT, os.environ.get("PYTHONPATH")]))
+    try:
+        with environ_set({"PYTHONPATH": python_path}):
+            yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(_GCORE_PARENT)
 
 
 #: the environment variable torch's C++ side reads its log level from, once, when torch is imported

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from gcore.environ import children_import_this_gcore
 from gcore.errors import ConfigError, GcoreError
 
 if TYPE_CHECKING:
@@ -211,7 +212,8 @@ class ProcessRunner:
         parent, there = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(target=_child_main, args=(there, self._payload), daemon=True,
                                     name=f"gcore-env-{self.name}")
-        process.start()
+        with children_import_this_gcore():  # the forkserver takes this process's sys.path when it starts
+            process.start()
         there.close()
         self.started += 1
         return _Child(process, parent)

@@ -14,9 +14,10 @@ which puts it in namespaces of its own, so that the kernel, not the code's good 
 - mount namespace: a read-only file system made of ``/usr``, the ``/lib*``, ``/bin``, ``/sbin`` links, the
   dynamic linker's files in ``/etc`` and the running Python installation (``sys.prefix``, ``sys.base_prefix``);
   a fresh ``/dev`` (read-only, ``null``, ``zero``, ``random``... and an empty ``/dev/shm`` of ``scratch_mb``);
-  one writable folder, ``/tmp``, a tmpfs of ``scratch_mb`` that is the working directory, ``HOME`` and
-  ``TMPDIR``; the code itself read-only in ``/sandbox/main.py``. No home folder, no project folder, no host
-  ``/tmp`` or ``/dev/shm``;
+  one writable folder, ``/scratch``, a tmpfs of ``scratch_mb`` that is the working directory, ``HOME`` and
+  ``TMPDIR``, with ``/tmp`` a link to it (unless the Python installation lies under ``/tmp``, as a CI's virtual
+  environment may: then ``/tmp`` holds that installation, read-only); the code itself read-only in
+  ``/sandbox/main.py``. No home folder, no project folder, no host ``/tmp`` or ``/dev/shm``;
 - a clean environment (bubblewrap itself starts with nothing of the trainer's: its ``/proc/1/environ`` is
   visible inside);
 - ``--die-with-parent`` and ``--new-session``: when the sandbox's first process ends, or bubblewrap is killed,
@@ -89,7 +90,7 @@ class SandboxLimits:
     # (with bwrap it counts the sandbox's own processes and threads, its init and the code included; Linux does
     # not apply it to a trainer run as root). None: no limit. The audit hook refuses process creation in any case.
     processes: int | None = 0
-    scratch_mb: int = 64  # bwrap: the size of the writable /tmp (and of /dev/shm), in memory; over it: ENOSPC
+    scratch_mb: int = 64  # bwrap: the size of the writable /scratch (and of /dev/shm), in memory; over it: ENOSPC
 
 
 @dataclass
@@ -184,7 +185,7 @@ _READ_CHUNK = 65_536
 _DRAIN_S = 2.0  # after the kill, how long to wait for the pipes to close (a process that left the group)
 _POLL_S = 0.05  # how often the read loop checks whether the code has exited (its children may hold the pipes)
 _PATH = "/usr/local/bin:/usr/bin:/bin"
-_INSIDE_SCRATCH = "/tmp"  # bwrap: the writable folder, as the code sees it
+_INSIDE_SCRATCH = "/scratch"  # bwrap: the writable folder, as the code sees it (/tmp links to it)
 _INSIDE_CODE = "/sandbox/main.py"  # bwrap: the code, read-only
 
 
@@ -293,13 +294,16 @@ def _system_mounts() -> list[str]:
 def _bwrap_command(executable: str, limits: SandboxLimits, code_fd: int, info_fd: int,
                    seccomp_fd: int | None, python_args: list[str]) -> list[str]:
     scratch_bytes = str(max(1, limits.scratch_mb) * 2**20)
+    mounts = _system_mounts()
     command = [
         executable,
         "--unshare-all", "--unshare-user", "--disable-userns", "--uid", "65534", "--gid", "65534",
         "--hostname", "sandbox", "--die-with-parent", "--new-session",
-        # /tmp first: a Python installation under /tmp (a CI's virtual environment) is mounted on top of it
         "--size", scratch_bytes, "--tmpfs", _INSIDE_SCRATCH,
-        *_system_mounts(),
+        *mounts,
+        # /tmp is the scratch too, unless a Python installation under /tmp (a CI's virtual environment) is there
+        *([] if any(arg == "/tmp" or arg.startswith("/tmp/") for arg in mounts) else
+          ["--symlink", _INSIDE_SCRATCH, "/tmp"]),
         "--proc", "/proc",
         "--dev", "/dev", "--size", scratch_bytes, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
         "--ro-bind-data", str(code_fd), _INSIDE_CODE,

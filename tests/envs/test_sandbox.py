@@ -212,7 +212,7 @@ def test_files_go_to_a_scratch_dir_that_the_next_run_does_not_see(sandbox, tmp_p
 
 
 def test_the_scratch_space_is_limited():
-    """bwrap: /tmp (the scratch) is a tmpfs of scratch_mb; filling it is ENOSPC, not the host's disk or memory."""
+    """bwrap: /scratch (the scratch) is a tmpfs of scratch_mb; filling it is ENOSPC, not the host's disk or memory."""
     code = "for i in range(10):\n    open(f'f{i}', 'wb').write(b'0' * 4_000_000)"
     result = run_python(code, SandboxLimits(scratch_mb=8, file_bytes=5_000_000))
     assert result.error is not None and "No space left on device" in result.error, result.stderr
@@ -221,7 +221,7 @@ def test_the_scratch_space_is_limited():
 @both
 def test_writing_or_deleting_outside_the_scratch_dir_is_refused(tmp_path, sandbox):
     """The audit hook (the second layer under bubblewrap, the only one without) names the refusal of a path
-    outside the scratch; under bubblewrap the host's folder is not even there (the sandbox's /tmp is its own)."""
+    outside the scratch; under bubblewrap the host's folder is not even there (the sandbox's /tmp is its own scratch)."""
     refused = ("outside the scratch directory",) if sandbox == "none" else ("outside the scratch directory",
                                                                            "FileNotFoundError")
     target = tmp_path / "outside.txt"

@@ -268,7 +268,7 @@ def test_files_outside_cannot_be_read(tmp_path):
     assert result.stdout.splitlines()[4] == "False"  # the trainer's home folder is not there
     top = ast.literal_eval(result.stdout.splitlines()[3])
     assert "home" not in top and "etc" in top and set(top) <= {"bin", "dev", "etc", "lib", "lib32", "lib64",
-                                                                  "libx32", "proc", "sandbox", "sbin", "tmp",
+                                                                  "libx32", "proc", "sandbox", "sbin", "scratch", "tmp",
                                                                   "usr", *_python_tops()}
 
 

@@ -24,6 +24,7 @@ from gcore.engines.pool.jobs import Job, JobKind, Peers, Reply, RoleSpec
 from gcore.engines.pool.transport import Address, connect
 from gcore.engines.pool.weights import SharedWeights, create_shared, remove
 from gcore.engines.pool.worker import worker_main
+from gcore.environ import children_import_this_gcore
 from gcore.errors import GcoreError
 from gcore.threads import spawning, worker_threads
 from gcore.types import Generation, SamplingParams, VisualInputs
@@ -175,7 +176,7 @@ class WorkerPool:
             )
             # a clean environment (``environment.py``: no secret of the trainer's), with the thread settings its
             # OpenMP reads when it imports torch
-            with clean_environment(), spawning(self.threads):
+            with clean_environment(), spawning(self.threads), children_import_this_gcore():
                 process.start()
             writer.close()  # the worker holds the only writing end: its death reads as end of file
             self.processes[i] = process
