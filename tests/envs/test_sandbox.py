@@ -221,7 +221,7 @@ def test_the_scratch_space_is_limited():
 @both
 def test_writing_or_deleting_outside_the_scratch_dir_is_refused(tmp_path, sandbox):
     """The audit hook (the second layer under bubblewrap, the only one without) names the refusal of a path
-    outside the scratch; under bubblewrap the host's folder is not even there (the sandbox's /tmp is its own scratch)."""
+    outside the scratch; under bubblewrap the host's folder is not even there (/tmp is the sandbox's own)."""
     refused = ("outside the scratch directory",) if sandbox == "none" else ("outside the scratch directory",
                                                                            "FileNotFoundError")
     target = tmp_path / "outside.txt"
