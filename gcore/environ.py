@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.machinery
 import os
 import sys
 from collections.abc import Iterator, Mapping, MutableMapping
@@ -36,15 +35,15 @@ def children_import_this_gcore() -> Iterator[None]:
 
     The case it mends: an editable install reaches gcore through an import hook, not through a ``sys.path``
     folder, so where a folder of the path holds a ``gcore`` folder of its own (``python -m gcore`` and the
-    forkserver's ``python -c`` put the working directory first, and ``--trainer.default_root_dir .`` writes runs to
-    ``./gcore/``), a child imports that folder as a namespace package and fails at its first
-    ``from gcore import ...``. Then, inside the block, the folder that holds this gcore is on ``sys.path`` (spawn
-    children take it from there) and on ``PYTHONPATH`` (the forkserver of Python 3.11 starts from that, not from
-    this process's path): a regular package anywhere on the path wins over a namespace folder. Otherwise nothing
-    changes."""
-    found = importlib.machinery.PathFinder.find_spec("gcore", sys.path)
-    ours = os.path.join(_GCORE_PARENT, "gcore", "__init__.py")
-    if found is None or (found.origin is not None and os.path.realpath(found.origin) == ours):
+    forkserver's ``python -c`` put the working directory first, and ``--trainer.default_root_dir .`` writes runs
+    to ``./gcore/``), a child imports that folder as a namespace package and fails at its first
+    ``from gcore import ...``. Where the working directory or a folder of the path holds such a folder, inside
+    the block the folder that holds this gcore is on ``sys.path`` (spawn children take it from there) and on
+    ``PYTHONPATH`` (the forkserver of Python 3.11 starts from that, not from this process's path): a regular
+    package anywhere on the path wins over a namespace folder. Otherwise nothing changes."""
+    ours = os.path.join(_GCORE_PARENT, "gcore")
+    folders = {os.path.realpath(os.path.join(entry or os.getcwd(), "gcore")) for entry in ["", *sys.path]}
+    if not any(os.path.isdir(folder) and folder != ours for folder in folders):
         yield
         return
     sys.path.insert(0, _GCORE_PARENT)

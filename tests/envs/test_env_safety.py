@@ -1,11 +1,13 @@
 """An environment cannot take a run down or hang it: observation ids and sizes, turn rewards, a ``step`` or
 ``reset`` that never returns or whose process dies (docs/failure-modes.md, "Environments")."""
 
+import csv
 import os
 import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -204,3 +206,37 @@ def test_through_the_trainer(tmp_path, env, error):
     else:
         with pytest.raises(error, match="--env hostile_envs"):
             trainer.fit()
+
+
+@pytest.mark.integration
+def test_environment_processes_import_this_gcore_beside_a_gcore_run_folder(tmp_path):
+    """A user's environment in the working directory (``from gcore import Environment``), runs written to
+    ``./gcore/`` (``--trainer.default_root_dir .``), gcore installed editable (an import hook, as CI and a developer
+    install it). Before: in the first run, the environment's processes (started once ``./gcore/`` existed) imported
+    that folder as a namespace package, and every episode ended on ``ImportError: cannot import name 'Environment'
+    from 'gcore' (unknown location)``; in a second run, ``python -m gcore`` itself did, and refused the option."""
+    (tmp_path / "my_env.py").write_text(textwrap.dedent("""
+        from gcore import Environment, Turn
+
+        class Twice(Environment):
+            def reset(self, prompt):
+                return {"turn": 0}
+
+            def step(self, state, response):
+                state["turn"] += 1
+                return Turn(observation="|", reward=0.5, done=state["turn"] == 2, metrics={"mine": 1.0})
+    """))
+    tiny = ["--trainer.max_steps", "1", "--trainer.enable_progress_bar", "false", "--data.prompts_per_step", "2",
+            "--sampling.n", "2", "--sampling.max_new_tokens", "4", "--model.num_hidden_layers", "1",
+            "--model.hidden_size", "32", "--model.intermediate_size", "64"]
+    for version in (0, 1):  # the first run makes ./gcore/; the second starts beside it
+        run = subprocess.run([sys.executable, "-m", "gcore", "fit", "--trainer.default_root_dir", ".", *tiny,
+                              "--env", "my_env.Twice", "--env.isolation", "process"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr
+        assert "ImportError" not in run.stderr and "environment error" not in run.stderr, run.stderr[-3000:]
+        with (tmp_path / "gcore" / f"version_{version}" / "metrics.csv").open() as f:
+            metrics = next(csv.DictReader(f))
+        # every episode ran both turns in the environment's own processes
+        assert float(metrics["env/episodes"]) == 4 and float(metrics["env/mine"]) == 8, metrics
+        assert float(metrics.get("env/errors") or 0) == 0, metrics
