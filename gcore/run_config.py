@@ -45,6 +45,10 @@ class TrainerConfig:
             and end every process of the run, the silent one included.
         max_skipped_updates: stop the run after this many consecutive steps that skipped an update
             because the loss or the gradient was NaN or infinite (0: never stop).
+        max_failed_env_steps: stop the run after this many consecutive steps in which every episode ended on an
+            environment error (``env/errors`` equal to ``env/episodes``: an environment that cannot start or
+            import, or that fails every call); the warnings before it name each rollout's first error (0: never
+            stop).
         eval_every: evaluate on the held-out prompts (``--data.eval_path`` or the embedded task's test
             split) before the first step, every N steps and after the last (0: never); see
             ``gcore/evaluation.py`` for the ``eval/*`` metrics.
@@ -96,6 +100,7 @@ class TrainerConfig:
     collective_timeout: float = 600.0
     heartbeat_timeout: float = 30.0
     max_skipped_updates: int = 3
+    max_failed_env_steps: int = 3
     controllers: int | None = None
     eval_every: int = 0
     max_staleness: int = 0
@@ -117,6 +122,8 @@ class TrainerConfig:
              f"--trainer.collective_timeout must be > 0 seconds, got {self.collective_timeout}"),
             (self.max_skipped_updates >= 0,
              f"--trainer.max_skipped_updates must be >= 0, got {self.max_skipped_updates}"),
+            (self.max_failed_env_steps >= 0,
+             f"--trainer.max_failed_env_steps must be >= 0, got {self.max_failed_env_steps}"),
             (self.eval_every >= 0, f"--trainer.eval_every must be >= 0, got {self.eval_every}"),
             (self.max_staleness >= 0, f"--trainer.max_staleness must be >= 0 (0: synchronous; K: the rollouts of "
              f"the next K steps run while this one trains), got {self.max_staleness}"),

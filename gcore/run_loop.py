@@ -67,7 +67,7 @@ class ControllerRun:
         bar = _progress(c.max_steps, enabled=c.enable_progress_bar and rank == 0)
         bar.update(self.start_step)
         step = self.start_step
-        skipping = 0  # consecutive steps that skipped an update (non-finite loss or gradient)
+        streaks = _Streaks()  # steps in a row that skipped their update, or whose every episode failed
         stall = StallWatch()  # steps in a row that trained no sample (every group tied): one line when they pile up
         # what setup built (modules, models, data) lives for the run: out of the collector's sight, so that a full
         # collection inside a step does not walk it (a pause of 0.3 s on the tiny model, which the stage times and
@@ -86,14 +86,9 @@ class ControllerRun:
                     bar.set_description("step", refresh=False)
                     bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s=f"{metrics['time/step']:.2f}")
                     bar.update(1)
-                    skipping = skipping + 1 if metrics.get("skipped_updates", 0.0) > 0 else 0
-                    if c.max_skipped_updates and skipping >= c.max_skipped_updates:
+                    if stop := streaks.update(step, metrics, c):
                         self.checkpointer.wait()
-                        raise GcoreError(
-                            f"step {step}: {skipping} steps in a row skipped their update because the loss or the "
-                            f"gradient was NaN or infinite (loss {metrics.get('loss', float('nan')):g}, grad_norm "
-                            f"{metrics.get('grad_norm', float('nan')):g}); stopping (see "
-                            "--trainer.max_skipped_updates)")
+                        raise GcoreError(stop)
                 if self.eval_prompts and self.start_step < c.max_steps:  # the trained policy
                     evaluations.append(self._evaluate(c.max_steps, bar))
                 self.checkpointer.wait()
@@ -165,3 +160,27 @@ def _progress(total: int, enabled: bool) -> tqdm:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, disable=not enabled, unit="step", dynamic_ncols=True)
+
+
+class _Streaks:
+    """Steps in a row that went wrong in a way the run cannot recover from by itself; ``update`` returns the
+    one-line reason to stop once a streak reaches its ``--trainer`` limit, else ``None``. Every controller sees the
+    same figures (``skipped_updates`` and ``env/*`` are summed over the controllers), so all stop together."""
+
+    def __init__(self) -> None:
+        self.skipping = 0  # steps that skipped their update (a non-finite loss or gradient)
+        self.failing = 0  # steps whose every episode ended on an environment error
+
+    def update(self, step: int, metrics: dict[str, float], c: TrainerConfig) -> str | None:
+        self.skipping = self.skipping + 1 if metrics.get("skipped_updates", 0.0) > 0 else 0
+        if c.max_skipped_updates and self.skipping >= c.max_skipped_updates:
+            return (f"step {step}: {self.skipping} steps in a row skipped their update because the loss or the "
+                    f"gradient was NaN or infinite (loss {metrics.get('loss', float('nan')):g}, grad_norm "
+                    f"{metrics.get('grad_norm', float('nan')):g}); stopping (see --trainer.max_skipped_updates)")
+        episodes = metrics.get("env/episodes", 0.0)
+        self.failing = self.failing + 1 if episodes > 0 and metrics.get("env/errors", 0.0) >= episodes else 0
+        if c.max_failed_env_steps and self.failing >= c.max_failed_env_steps:
+            return (f"step {step}: every episode of the last {self.failing} steps ended on an environment error "
+                    f"({episodes:g} of {episodes:g} on this step; the warnings above name each rollout's first "
+                    "error); stopping (see --trainer.max_failed_env_steps)")
+        return None

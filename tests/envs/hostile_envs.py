@@ -86,3 +86,13 @@ class ManyIds(Environment):
 
     def step(self, state, response):
         return Turn(observation=[5] * self.ids)
+
+
+class Broken(Environment):
+    """Every ``step`` raises (an environment whose backing service is down): every episode ends as an error."""
+
+    def reset(self, prompt):
+        return {}
+
+    def step(self, state, response):
+        raise ConnectionError("the game server refused the connection")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hostile_envs import BadIds, Exits, Hangs, HangsInReset, Huge, ManyIds, NanReward
+from hostile_envs import BadIds, Broken, Exits, Hangs, HangsInReset, Huge, ManyIds, NanReward
 
 from gcore import ModelConfig, Prompt, SamplingParams
 from gcore.engines import HFEngine
@@ -206,6 +206,33 @@ def test_through_the_trainer(tmp_path, env, error):
     else:
         with pytest.raises(error, match="--env hostile_envs"):
             trainer.fit()
+
+
+@pytest.mark.parametrize("limit", [3, 0])
+def test_a_run_whose_every_episode_fails_stops_after_the_limit(tmp_path, limit):
+    """Before: a run whose environment failed every call trained on to its last step on nothing but errors
+    (reward 0, exit 0), with a warning per rollout. Now it stops after ``--trainer.max_failed_env_steps`` such steps
+    in a row, in one line; 0 keeps the old behaviour."""
+    from gcore import Trainer, TrainerConfig
+    from gcore.data import DataConfig
+    from gcore.errors import GcoreError
+
+    trainer = Trainer(trainer=TrainerConfig(max_steps=5, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                                            save_final=False, max_failed_env_steps=limit),
+                      model=ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
+                      data=DataConfig(prompts_per_step=2), sampling=SamplingParams(n=2, max_new_tokens=4),
+                      env=Broken(isolation="thread"))
+    if limit:
+        with pytest.raises(GcoreError) as err:
+            trainer.fit()
+        assert str(err.value) == ("step 2: every episode of the last 3 steps ended on an environment error (4 of 4 "
+                                  "on this step; the warnings above name each rollout's first error); stopping (see "
+                                  "--trainer.max_failed_env_steps)")
+        rows = next(tmp_path.rglob("metrics.csv")).read_text().splitlines()
+        assert len(rows) == 1 + 3  # the header and the three steps, logged before the stop
+    else:
+        history = trainer.fit().history
+        assert len(history) == 5 and all(m["env/errors"] == m["env/episodes"] == 4 for m in history)
 
 
 @pytest.mark.integration
