@@ -190,8 +190,28 @@ def serve_cut(
     did, and when the device stopped (it is busy from 0 to then). With no deadline the times are
     ``serve``'s, computed by the same expressions.
     """
+    device = _Device(intervals, [None] * len(steps), [0] * len(steps))
+    cap = costs.max_batch or len(steps) or 1
     serve_batches = _serve_static if costs.batching == "static" else _serve_continuous
-    return serve_batches(steps, prefill, costs, deadline, intervals)
+    serve_batches(steps, prefill, costs, deadline, cap, device)
+    return device.finish, device.progress, device.now
+
+
+@dataclass
+class _Device:
+    """One device serving requests that all arrived at 0: when each finished (``None``: not finished), the decode
+    steps each did, and the device's clock, whose busy stretches go to ``intervals``."""
+
+    intervals: Intervals | None
+    finish: list[float | None]
+    progress: list[int]
+    now: float = 0.0
+
+    def busy(self, seconds: float) -> None:
+        """The device works for ``seconds`` from now."""
+        begin = self.now
+        self.now += seconds
+        record(self.intervals, begin, self.now)
 
 
 def _run_until(now: float, deadline: float, limit: int, cost: Callable[[int], float]) -> tuple[int, float, bool]:
@@ -210,16 +230,12 @@ def _run_until(now: float, deadline: float, limit: int, cost: Callable[[int], fl
     return lo, cost(lo), True
 
 
-def _serve_static(steps: list[int], prefill: list[int], costs: DeviceCosts, deadline: float,
-                  intervals: Intervals | None) -> tuple[list[float | None], list[int], float]:
-    """``serve_cut`` with static batching: ``max_batch`` requests at a time, each batch until its longest ends."""
+def _serve_static(steps: list[int], prefill: list[int], costs: DeviceCosts, deadline: float, cap: int,
+                  device: _Device) -> None:
+    """``serve_cut`` with static batching: ``cap`` requests at a time, each batch until its longest ends."""
     n = len(steps)
-    finish: list[float | None] = [None] * n
-    progress = [0] * n
-    cap = costs.max_batch or n or 1
-    now = 0.0
     for start in range(0, n, cap):
-        if now >= deadline:
+        if device.now >= deadline:
             break
         chunk = list(range(start, min(n, start + cap)))
         length, rows, read = max(steps[i] for i in chunk), len(chunk), sum(prefill[i] for i in chunk)
@@ -227,40 +243,31 @@ def _serve_static(steps: list[int], prefill: list[int], costs: DeviceCosts, dead
         def chunk_cost(a: int, rows: int = rows, read: int = read) -> float:
             return costs.decode_s(a, rows, read, read)
 
-        length, took, cut = _run_until(now, deadline, length, chunk_cost)
-        begin = now
-        now = begin + took
-        record(intervals, begin, now)
+        length, took, cut = _run_until(device.now, deadline, length, chunk_cost)
+        device.busy(took)
         for i in chunk:
-            progress[i] = min(steps[i], length)
+            device.progress[i] = min(steps[i], length)
             if steps[i] <= length:
-                finish[i] = now
+                device.finish[i] = device.now
         if cut:
             break
-    return finish, progress, now
 
 
-def _serve_continuous(steps: list[int], prefill: list[int], costs: DeviceCosts, deadline: float,
-                      intervals: Intervals | None) -> tuple[list[float | None], list[int], float]:
-    """``serve_cut`` with continuous batching: a request joins as soon as one of the ``max_batch`` rows is free."""
+def _serve_continuous(steps: list[int], prefill: list[int], costs: DeviceCosts, deadline: float, cap: int,
+                      device: _Device) -> None:
+    """``serve_cut`` with continuous batching: a request joins as soon as one of the ``cap`` rows is free."""
     n = len(steps)
-    finish: list[float | None] = [None] * n
-    progress = [0] * n
-    cap = costs.max_batch or n or 1
-    now = 0.0
     running: list[tuple[int, int]] = []  # (decode step count at which it ends, request)
     joined_at = [0] * n
     done_steps, waiting, context = 0, 0, 0
-    while (waiting < n or running) and now < deadline:
+    while (waiting < n or running) and device.now < deadline:
         joined = 0
         while waiting < n and len(running) < cap:
             heapq.heappush(running, (done_steps + steps[waiting], waiting))
             joined_at[waiting] = done_steps
             joined += prefill[waiting]
             waiting += 1
-        begin = now
-        now += costs.prefill_token_s * joined
-        record(intervals, begin, now)
+        device.busy(costs.prefill_token_s * joined)
         context += joined
         rows = len(running)
         advance = running[0][0] - done_steps
@@ -268,17 +275,14 @@ def _serve_continuous(steps: list[int], prefill: list[int], costs: DeviceCosts, 
         def batch_cost(a: int, rows: int = rows, context: int = context) -> float:
             return costs.decode_s(a, rows, context)
 
-        advance, took, cut = _run_until(now, deadline, advance, batch_cost)
-        begin = now
-        now += took
-        record(intervals, begin, now)
+        advance, took, cut = _run_until(device.now, deadline, advance, batch_cost)
+        device.busy(took)
         done_steps += advance
-        context += rows * advance - retire(running, done_steps, now, finish, prefill, steps)
+        context += rows * advance - retire(running, done_steps, device.now, device.finish, prefill, steps)
         if cut:
             break
     for i in range(waiting):
-        progress[i] = steps[i] if finish[i] is not None else done_steps - joined_at[i]
-    return finish, progress, now
+        device.progress[i] = steps[i] if device.finish[i] is not None else done_steps - joined_at[i]
 
 
 @dataclass
