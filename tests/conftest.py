@@ -426,3 +426,17 @@ def needs_bwrap() -> None:
     problem = _bwrap_problem()
     if problem is not None:
         pytest.skip(f"needs bubblewrap (apt-get install -y -q bubblewrap): {problem}")
+
+
+def processes_with(marker: str) -> list:
+    """Live (not zombie) processes whose command line mentions ``marker`` (the sandbox tests: nothing left)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and marker in " ".join(proc.info["cmdline"] or ()):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found

@@ -12,24 +12,13 @@ import textwrap
 import uuid
 
 import pytest
+from conftest import processes_with
 
 from gcore.envs.sandbox import SandboxLimits, run_python
 
 psutil = pytest.importorskip("psutil")
 pytestmark = pytest.mark.usefixtures("needs_bwrap")
 both = pytest.mark.parametrize("sandbox", ["bwrap", "none"])
-
-
-def _processes_with(marker: str) -> list:
-    """Live (not zombie) processes whose command line mentions ``marker``."""
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and marker in " ".join(proc.info["cmdline"] or ()):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return found
 
 
 def _alive(pid: int) -> bool:
@@ -123,7 +112,7 @@ def test_starting_a_process_is_an_error_and_leaves_nothing_running(call, sandbox
     result = run_python(call.format(marker=marker), SandboxLimits(wall_s=30), sandbox=sandbox)
     assert result.error is not None
     assert "PermissionError: sandbox:" in result.error, result.stderr
-    assert _processes_with(f"sleep {marker}") == []
+    assert processes_with(f"sleep {marker}") == []
 
 
 def test_with_no_processes_allowed_even_ctypes_cannot_fork_but_threads_run():

@@ -18,6 +18,7 @@ import time
 import uuid
 
 import pytest
+from conftest import processes_with
 
 from gcore.envs.sandbox import SandboxLimits, run_python
 
@@ -48,17 +49,6 @@ def _gone_soon(find, seconds: float = 15.0) -> list:
     while found and time.monotonic() < deadline:
         time.sleep(0.2)
         found = find()
-    return found
-
-
-def _processes_with(marker: str) -> list:
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and marker in " ".join(proc.info["cmdline"] or ()):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
     return found
 
 
@@ -167,7 +157,7 @@ def test_a_fork_and_setsid_child_does_not_outlive_the_run(marks, processes, end)
         assert result.error == "timed out after 15 s (wall)", result.stderr
     else:
         assert result.error is None, result.stderr
-    assert _gone_soon(lambda: _processes_with(f"sleep {sleep}")) == []
+    assert _gone_soon(lambda: processes_with(f"sleep {sleep}")) == []
     assert list(marks.iterdir()) == []
 
 
