@@ -43,6 +43,11 @@ def worker_devices(device: str, size: int, visible: int) -> list[str]:
     return [device] * size
 
 
+#: how long a lost worker's process is given to end before its loss is described (its exit status says why: a
+#: worker killed by a signal closes its connection a moment before the kernel has it reaped)
+REAP_S = 5.0
+
+
 class WorkerPool:
     """``size`` engine worker processes and this controller's dispatcher for their requests.
 
@@ -157,6 +162,9 @@ class WorkerPool:
     def _death(self, i: int) -> str:
         """How worker ``i`` was lost: ``was killed by SIGKILL``, ``exited with status 1``; on a controller other than
         the owner (which alone holds the process) ``closed its connection``."""
+        process = self.processes[i] if self.owner else None
+        if process is not None and process.is_alive():
+            process.join(REAP_S)  # a worker whose connection just closed is usually exiting: its status says why
         exited = self._exited(i)
         if exited is not None:
             return exited
