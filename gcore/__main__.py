@@ -5,7 +5,7 @@ import sys
 # with ``--trainer.default_root_dir .``) and gcore is installed editable (an import hook, not a path folder), Python
 # took that folder for a namespace package ``gcore``; the folder holding this file's package goes first instead
 if getattr(sys.modules.get("gcore"), "__file__", None) is None:
-    del sys.modules["gcore"]
+    sys.modules.pop("gcore", None)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 from gcore.cli import main

@@ -212,7 +212,7 @@ class ProcessRunner:
         parent, there = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(target=_child_main, args=(there, self._payload), daemon=True,
                                     name=f"gcore-env-{self.name}")
-        with children_import_this_gcore():  # the forkserver takes this process's sys.path when it starts
+        with children_import_this_gcore():  # the forkserver, started on first use, imports from the path set here
             process.start()
         there.close()
         self.started += 1
