@@ -16,7 +16,7 @@ from gcore.errors import ConfigError
 from gcore.model import ModelSource
 from gcore.types import Generation, Prompt, SamplingParams, VisualInputs
 
-#: the roles an engine worker process holds (``gcore/engines/pool.py``; the placement policies assign them): the
+#: the roles an engine worker process holds (``gcore/engines/pool/``; the placement policies assign them): the
 #: policy's engine, the generative judge's engine, or a rule-based reward. Spelled here, not in ``pool.py``, so
 #: that naming one loads no ``PoolEngine`` (an ``Engine`` the CLI would then list among the ``--engine`` choices)
 Role: TypeAlias = Literal["policy", "judge", "reward"]
@@ -43,7 +43,7 @@ class EngineCapabilities:
     #: what it has: partial rollouts (``--trainer.partial_rollouts``)
     interrupt: bool = False
     #: ``setup`` starts processes of its own (SGLang's scheduler): an engine worker that holds such an engine is
-    #: started non-daemonic, since a daemonic process cannot have children (``gcore/engines/pool.py``)
+    #: started non-daemonic, since a daemonic process cannot have children (``gcore/engines/pool/``)
     starts_processes: bool = False
 
 

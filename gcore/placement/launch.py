@@ -1,4 +1,4 @@
-"""How the placement policies start engine worker pools (``gcore/engines/pool.py``) for their roles.
+"""How the placement policies start engine worker pools (``gcore/engines/pool/``) for their roles.
 
 ``launch_workers`` builds a pool whose workers hold the policy engine, the reward's generative
 judge (found through ``RewardModel.judges``) or a rule-based reward, and points the reward at the
