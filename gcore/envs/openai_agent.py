@@ -383,6 +383,7 @@ class OpenAIAgentEnvironment(Environment):
                 return err.status, error_body(str(err))
         episode.batch.put(request)
         request.ready.wait()
+        episode.batch.waited(episode.key, time.monotonic() - request.arrived)
         generation = request.generation
         if generation is None:
             return 503, error_body(f"no reply: {request.error}", "server_error")
@@ -553,10 +554,13 @@ class _Batcher:
         self._waiting: list[_Request] = []
         self.workers = workers
         self._running: dict[str, float | None] = {}  # episode key -> when its agent started (None: queued)
+        self._waits: dict[str, float] = {}  # episode key -> seconds its requests waited for replies
+        self._asking: dict[str, float] = {}  # episode key -> when its request in flight arrived
 
     def put(self, request: _Request) -> None:
         with self._cond:
             self._waiting.append(request)
+            self._asking[request.episode.key] = request.arrived
             self._cond.notify_all()
 
     def submitted(self, key: str) -> None:
@@ -572,11 +576,19 @@ class _Batcher:
             self._running.pop(key, None)
             self._cond.notify_all()
 
+    def waited(self, key: str, seconds: float) -> None:
+        """An agent's request waited ``seconds`` for its reply: not the agent's own time."""
+        with self._cond:
+            self._waits[key] = self._waits.get(key, 0.0) + seconds
+            self._asking.pop(key, None)
+
     def late(self, timeout: float) -> set[str]:
-        """The agents running for more than ``timeout`` seconds."""
+        """The agents that ran for more than ``timeout`` seconds of their own: since they started, less the time
+        their requests waited for the engine (a request waiting now counts as waiting)."""
         now = time.monotonic()
         with self._cond:
-            return {key for key, since in self._running.items() if since is not None and now - since > timeout}
+            return {key for key, since in self._running.items() if since is not None
+                    and self._asking.get(key, now) - since - self._waits.get(key, 0.0) > timeout}
 
     def wake(self) -> None:
         with self._cond:
@@ -586,15 +598,19 @@ class _Batcher:
         """The waiting requests, once every agent that can run (submitted and not ended, at most ``workers``)
         waits on one, or the first has waited ``window`` seconds; ``[]`` after ``timeout`` seconds with none, or
         when woken (an agent ended)."""
+        end = time.monotonic() + timeout
         with self._cond:
             if not self._waiting:
                 self._cond.wait(timeout)
             while self._waiting:  # an agent that waits holds one of the workers: all of them waiting, all go
                 waiting = len({r.episode.key for r in self._waiting})
-                left = self._waiting[0].arrived + window - time.monotonic()
+                now = time.monotonic()
+                left = self._waiting[0].arrived + window - now
                 if waiting >= min(len(self._running), self.workers) or left <= 0:
                     break
-                self._cond.wait(left)
+                if now >= end:
+                    return []  # back to the loop, which ends the agents past their deadline
+                self._cond.wait(min(left, end - now))
             taken, self._waiting = self._waiting, []
             return taken
 
