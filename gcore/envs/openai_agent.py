@@ -37,8 +37,9 @@ from gcore.envs.episodes import EpisodeStats, Generate, Tokenizer, env_runner
 from gcore.envs.isolation import CallFailed, CallPool, CallTimeout, ProcessRunner, run_call
 from gcore.envs.openai_server import ChatServer, error_body
 from gcore.envs.tools import ToolCall, ToolCallError, get_parser
-from gcore.errors import ConfigError, GcoreError
+from gcore.errors import ConfigError, GcoreError, RewardError
 from gcore.registry import load_callable
+from gcore.rewards.base import as_reward
 from gcore.types import Generation, Prompt, Sample, SamplingParams
 from gcore.user_code import describe, ending_as
 
@@ -137,9 +138,12 @@ class OpenAIAgentEnvironment(Environment):
             engine's log-probabilities, and whether it extended its chain.
         max_turns: requests per episode at most (the one past it is refused: the episode ends truncated).
         max_tokens: tokens per trajectory after its prompt at most (0: none; a request past it is refused).
-        workers: agents run at once; timeout_s: an agent that runs longer ends its episode as an error (with
-            ``isolation process`` its process is killed); isolation: where the agents run (``process``: a child
-            process each, ``thread``: threads of the controller, a hung one only abandoned).
+        workers: agents run at once (an agent holds one while it runs, its requests included).
+        timeout_s: an agent that does not return in this time ends its episode as an error (``env/timeouts``):
+            with ``--env.isolation process`` (a child process per agent, the default) its process is killed;
+            with ``thread`` it is abandoned, and only its own time counts (not its requests' wait for the engine).
+        options: ``Environment``'s other options, by keyword (``overlap`` and the observation limits are not
+            used: the agent, not gcore, adds the messages).
     """
 
     def __init__(self, entry: str, chat_template: str | None = None, parser: str = "hermes",
@@ -315,10 +319,14 @@ class OpenAIAgentEnvironment(Environment):
         if result is not None and (isinstance(result, bool) or not isinstance(result, (int, float))):
             raise ConfigError(f"--env.entry {self.entry}: the agent returned {type(result).__name__}, not a number "
                               f"(its reward) or None, on {episode.where()}")
+        try:
+            reward = as_reward(float(result or 0.0))
+        except (TypeError, ValueError) as err:
+            raise RewardError(f"--env.entry {self.entry}: the agent's reward: {err}, on {episode.where()}") from None
         with episode.lock:
             episode.closed = True
             episode.done = not episode.truncated
-            episode.reward = float(result or 0.0)
+            episode.reward = reward
 
     def _fail(self, episode: _Episode, stats: EpisodeStats, message: str, timeout: bool = False) -> None:
         stats.add("errors")
