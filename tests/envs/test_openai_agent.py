@@ -192,6 +192,41 @@ def test_tool_calls_are_read_into_tool_calls_and_a_malformed_one_stays_text(tiny
     assert tools_prompt.startswith("<|im_start|>system\n") and '"name": "calculator"' in tools_prompt
 
 
+PAST_THE_LIMITS = """
+import openai
+refused = []
+try:
+    client.chat.completions.create(model="m", messages=task["messages"], stream=True)
+except openai.BadRequestError as err:
+    refused.append(err.message)
+messages = list(task["messages"])
+for _ in range(4):  # one more than --env.max_turns allows
+    try:
+        reply = client.chat.completions.create(model="m", messages=messages)
+    except openai.BadRequestError as err:
+        refused.append(err.message)
+        break
+    messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+open(task["metadata"]["out"], "w").write(json.dumps(refused))
+return 1.0
+"""
+
+
+def test_stream_is_refused_in_one_line_and_a_request_past_max_turns_truncates_the_episode(tiny, tmp_path):
+    tokenizer, _ = tiny
+    out = tmp_path / "refused.json"
+    env = _env(tmp_path, PAST_THE_LIMITS, max_turns=3)
+    env.setup(tokenizer)
+    stats = EpisodeStats()
+    generate = Scripted(tokenizer, ["a", "b", "c"])
+    prompt = Prompt(0, "1=", tokenizer("1=")["input_ids"], "1", metadata={"out": str(out)})
+    (sample,) = run_episodes(env, generate, [prompt], SamplingParams(n=1, max_new_tokens=8), tokenizer, stats=stats)
+    stream, limit = json.loads(out.read_text())
+    assert "stream is not supported" in stream and "--env.max_turns" in limit
+    assert sample.turns == 3 and not sample.finished and sample.env_reward == 1.0  # truncated, its reward kept
+    assert stats.counts["truncated"] == 1 and "errors" not in stats.counts and len(generate.prompts) == 3
+
+
 FAILS = """
 if task["index"] == 0:
     raise RuntimeError("agent crashed")
