@@ -105,6 +105,9 @@ def run_episodes(env: Environment, generate: Generate, prompts: Sequence[Prompt]
     """Run ``sampling.n`` episodes per prompt to their end; one ``Sample`` each, in the order of the
     prompts (the ``n`` samples of ``prompts[i]`` form group ``first_group + i``)."""
     stats = stats if stats is not None else EpisodeStats()
+    own = getattr(env, "run_episodes", None)
+    if own is not None:  # an environment that drives its episodes itself (openai_agent: the agent calls the policy)
+        return list(own(generate, prompts, sampling, tokenizer, first_group, policy_version, stats))
     budget = env.max_tokens or sys.maxsize  # 0: turns of at most max_new_tokens, max_turns of them
     starts = [replace(p, token_ids=list(env.prompt_ids(p))) for p in prompts]
     episodes = [Episode(p, first_group + g, None, number=k, of=sampling.n)
