@@ -122,6 +122,34 @@ def test_a_weight_sync_reaches_a_worker_during_its_generation_and_the_responses_
     assert [g.token_ids for g in got] == [g.token_ids for g in greedy_with_updates(old, new, prompts, params, [cut])]
 
 
+def test_a_checkpoint_records_the_rollouts_in_flight_without_joining_their_generation_with_partial_rollouts():
+    """A checkpoint records the rollouts in flight (``InFlightRollouts.in_flight_state``). Without partial rollouts it
+    waits for their generation and keeps the engine's outputs (an exact resume); with them it must not wait: the
+    rollout would finish with the weights it has, and the next update, the one it was dispatched to be cut by,
+    would find nothing in flight. It records the prompts, version and seed (a resumed run generates it again)."""
+    from types import SimpleNamespace
+
+    from gcore.inflight import Drawn, InFlightRollouts
+    from gcore.placement.base import InFlight
+    from gcore.types import Generation
+
+    for partial in (False, True):
+        waited = []
+
+        def generations(waited=waited):
+            waited.append(1)
+            return [[Generation([7, 8], [-0.5, -0.25], True)]]
+
+        rollouts = InFlightRollouts(1, partial=partial)
+        job = SimpleNamespace(prompts=[SimpleNamespace(index=3)], policy_version=2, seed=5)
+        rollouts.queue = [Drawn(0, [1], [1], 1.0, []),
+                          Drawn(1, [3], [3], 1.0, [], rollout=(job, InFlight(list, generations=generations)))]
+        (entry,) = rollouts.in_flight_state()
+        assert (entry["step"], entry["prompts"], entry["version"], entry["seed"]) == (1, [3], 2, 5)
+        assert bool(waited) is not partial and ("tokens" in entry) is not partial, (partial, entry)
+        assert entry["deferred"] is False
+
+
 def test_partial_rollouts_need_max_staleness_and_an_engine_that_stops_between_tokens():
     from gcore import StaticPlacement, Trainer, TrainerConfig
     from gcore.errors import ConfigError
