@@ -333,8 +333,9 @@ class InFlightRollouts:
         again = sum(1 for entry in self._resumed.values() if "tokens" not in entry and not entry["deferred"])
         if again:
             notes.append(f"{again} rollout(s) in flight at the checkpoint could not be recorded (they ran in a "
-                         "thread, with a generative judge or multi-turn episodes, or the placement gives no record "
-                         "of them): they are generated again, with the weights resumed")
+                         "thread, with a generative judge or multi-turn episodes, the placement gives no record "
+                         "of them, or partial rollouts were on: a checkpoint does not wait for their generation): "
+                         "they are generated again, with the weights resumed")
         if self.max_staleness and drawn.get("max_staleness") and not drawn.get("batches"):
             notes.append("the checkpoint was written at the last step of its run, with no rollout in flight: the "
                          "pipeline starts afresh (the first step generates now, as step 0 does)")
@@ -353,8 +354,10 @@ class InFlightRollouts:
         (no objects): for each, its step, the prompts (their indices), the policy version and seed it was started
         with, and what a resumed run needs to collect the same samples (``InFlight``): the engine's outputs
         (token ids, log-probabilities, whether each response finished), waited for here when the placement can
-        give them; else whether starting it again reproduces it (``deferred``). A rollout with neither is
-        recorded without them: the resumed run generates it again, with the weights resumed."""
+        give them and partial rollouts are off; else whether starting it again reproduces it (``deferred``). A
+        rollout with neither is recorded without them: the resumed run generates it again, with the weights
+        resumed. With partial rollouts the generation in flight is not waited for (the checkpoint would join it, and
+        the next weight update would have nothing to cut): a resumed run generates those rollouts again."""
         records = []
         for drawn in self.queue:
             if drawn.rollout is None:
@@ -363,7 +366,10 @@ class InFlightRollouts:
             entry: dict = {"step": drawn.step, "prompts": [p.index for p in job.prompts],
                            "version": job.policy_version, "seed": job.seed,
                            "deferred": result.deferred}
-            if result.generations is not None:
+            # with partial rollouts the generation in flight is not waited for: joining it here would let it finish
+            # with the weights it has, and the next update would find nothing to cut (docs/asynchronous.md);
+            # a resumed run generates it again (as it does when a placement gives no record)
+            if result.generations is not None and not self.partial:
                 entry.update(pack(result.generations()))
             records.append(entry)
         return records

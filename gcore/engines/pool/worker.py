@@ -33,6 +33,13 @@ log = logging.getLogger(__name__)
 #: the first item of every request a worker takes
 REQUESTS = frozenset({"generate", "logprobs", "score", "role", "sync", "stop"})
 
+#: test only (tests/trainer/test_partial_rollouts.py): a count of tokens N. A partial rollout's generation that has
+#: sampled N tokens with no weight update yet waits there for the update (at most ``HOLD_GUARD_S``), so that a test's
+#: cut is certain whatever the machine's speed; the worker's first partial request (the run's first step, generated
+#: with no update to come) is not held. Unset or 0: no hold (every real run).
+HOLD_ENV = "GCORE_TEST_PARTIAL_HOLD"
+HOLD_GUARD_S = 120.0
+
 
 def worker_main(index: int, threads: int, seed: int, specs: bytes, role: Role, weights: tuple | None,
                 release: bool, device: str, clients: int, authkey: bytes, startup: Connection,
@@ -139,7 +146,7 @@ def _send(replies: Connection, reply: Reply) -> None:
     replies.send(reply)
 
 
-def _serve(runtime: _WorkerRuntime, kind: JobKind, args: tuple, pending: Callable[[], bool] = lambda: False,
+def _serve(runtime: _WorkerRuntime, kind: JobKind, args: tuple, pending: Callable[..., bool] = lambda *_: False,
            take_sync: Callable[[], None] = lambda: None) -> object:
     """One request in the worker: its result, which the pool reads as ``kind`` says. ``pending``: whether another
     request came meanwhile; ``take_sync``: serve it, a weight update (partial rollouts: ``generate`` with
@@ -172,6 +179,8 @@ class _WorkerRuntime:
         self.engines: dict[Role, Engine | Scorer] = {}
         self.role: Role | None = None
         self.weights: tuple | None = None  # the latest policy weights sent (a ``SharedWeights.ref()``)
+        self.partial_served = 0  # partial rollouts' generate requests served (``HOLD_ENV``)
+        self.hold = int(os.environ.get(HOLD_ENV, "0") or 0)
 
     def _engine(self, role: Role) -> Engine:
         """The engine ``role`` holds (not a rule-based reward's)."""
@@ -240,17 +249,36 @@ class _WorkerRuntime:
         return self._engine(role).generate(prompts, params, visual=visual)
 
     def generate_partial(self, role: Role, prompts: list[list[int]], params: SamplingParams, seed: int | None,
-                         visual: list[VisualInputs | None] | None, pending: Callable[[], bool],
+                         visual: list[VisualInputs | None] | None, pending: Callable[..., bool],
                          take_sync: Callable[[], None]) -> list[list[Generation]]:
         """``generate`` as a partial rollout: when a weight update comes during it (``pending``), the engine stops
         between tokens, the update is loaded (``take_sync``), and every unfinished generation continues from its
         tokens with the new weights (its prompt and tokens prefilled again: the KV cache of the old weights is not
-        kept), one more version per update (``Generation.versions``). No token is thrown away."""
+        kept), one more version per update (``Generation.versions``). No token is thrown away. ``pending(timeout)``:
+        whether the update came, waiting up to ``timeout`` seconds for it (only with ``HOLD_ENV``, a test's)."""
         self._take(role)
         engine = self._engine(role)
         if not engine.capabilities.interrupt:
             return self.generate(role, prompts, params, seed, visual)
-        engine.interrupt = pending
+        self.partial_served += 1
+        hold = self.hold if self.partial_served > 1 else 0
+        asked, updated = 0, False
+
+        def interrupt() -> bool:  # asked between two decoding steps
+            nonlocal asked, updated
+            asked += 1
+            if pending():
+                updated = True
+                return True
+            if asked == hold and not updated:  # test only: wait here for the first update (``HOLD_ENV``)
+                if pending(HOLD_GUARD_S):
+                    updated = True
+                    return True
+                log.warning("engine worker: no weight update came within %.0f s of a held partial rollout (%s)",
+                            HOLD_GUARD_S, HOLD_ENV)
+            return False
+
+        engine.interrupt = interrupt
         try:
             out = self.generate(role, prompts, params, seed, visual)
             budget, loads = params.max_new_tokens, 0
