@@ -127,6 +127,9 @@ def main() -> None:
     print(f"median wall: uncached {median['uncached']:.3f} s, cached {median['cached']:.3f} s; "
           f"tokens/s: uncached {rate['uncached']:.1f}, cached {rate['cached']:.1f}; "
           f"speed-up x{median['uncached'] / median['cached']:.2f}")
+    paired = [u / c for (u, _), (c, _) in zip(runs["uncached"], runs["cached"], strict=True)]
+    print("per-repeat speed-up (the two runs of a repeat are adjacent in time): "
+          + ", ".join(f"x{r:.2f}" for r in paired) + f"; load now {os.getloadavg()[0]:.2f}")
     print("cached engine's prefix cache:", engines["cached"].prefix_stats)
     if not same:
         sys.exit("the cached engine's trajectories differ from the uncached one's")

@@ -276,7 +276,10 @@ class HFEngine(Engine):
             use_cache=True, logits_to_keep=1, **inputs, **with_cache,
         ).logits[:, -1][rows]
         if prefix is not None:
-            prefix.stats.prefilled_tokens += int(attention_mask[:, -input_ids.shape[1]:].sum())
+            prefilled = int(attention_mask[:, -input_ids.shape[1]:].sum())
+            prefix.stats.prefilled_tokens += prefilled
+            logger.debug("prefix cache: %d prompt tokens reused, %d prefilled, over %d distinct prompts",
+                         sum(length for length, _ in hits), prefilled, len(texts))
             self._keep_prefixes(prefix, texts, cache, attention_mask)
         prompt_lengths = attention_mask.sum(-1)[rows]
         if rope is not None:

@@ -157,3 +157,37 @@ def test_zero_turns_it_off_and_a_negative_bound_is_one_line(tmp_path):
     assert engine._prefix is None and engine.prefix_stats["lookups"] == 0
     with pytest.raises(ConfigError, match=r"--engine.prefix_cache_tokens -1: a number of tokens >= 0"):
         HFEngine(prefix_cache_tokens=-1)
+
+
+def test_an_engine_worker_reuses_turns_and_drops_them_on_a_weight_sync(tmp_path):
+    """The engine a pool worker holds (its runtime, in this process): the second turn hits the cache; a weight sync
+    through the shared weight file drops it, and the next turn equals a fresh engine's with the synced weights."""
+    from gcore.engines.pool import POLICY, RoleSpec, _WorkerRuntime
+    from gcore.engines.pool.weights import create_shared, remove
+
+    path = hf_checkpoint(tmp_path, "qwen2")
+    params = SamplingParams(n=1, max_new_tokens=5, temperature=0.0, stop_token_ids=(2,))
+    runtime = _WorkerRuntime({POLICY: RoleSpec(HFEngine(prefix_cache_tokens=4096), ModelSource(path))},
+                             release=True, device=torch.device("cpu"))
+    runtime.switch(POLICY, None)
+    engine = runtime._engine(POLICY)
+    assert isinstance(engine, HFEngine)
+    prompts = [list(p) for p in HF_PROMPTS]
+    first = runtime.generate(POLICY, prompts, params)
+    second_prompts = [p + g[0].token_ids + [7, 8] for p, g in zip(prompts, first, strict=True)]
+    second = runtime.generate(POLICY, second_prompts, params)
+    assert engine.prefix_stats["hit_tokens"] > 0
+    new_weights = _perturbed(engine)
+    shared = create_shared(new_weights)
+    try:
+        for (_, view), (_, tensor) in zip(shared.views(), new_weights, strict=True):
+            view.copy_(tensor)
+        runtime.sync(shared.ref())
+    finally:
+        remove(shared.path)
+    assert engine.prefix_stats["dropped"] == 1 and engine.prefix_stats["held_tokens"] == 0
+    third_prompts = [p + g[0].token_ids + [9] for p, g in zip(second_prompts, second, strict=True)]
+    third = runtime.generate(POLICY, third_prompts, params)
+    fresh = _engine(path, 0)
+    fresh.update_weights(new_weights)
+    _assert_same([fresh.generate(third_prompts, params)], [third])
