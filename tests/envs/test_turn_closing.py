@@ -77,3 +77,16 @@ def test_the_closing_tokens_come_from_the_chat_template():
     assert turn_end_ids(plain) == [plain.eos_token_id]  # no special token after the content: the EOS
     refusing = _with_template("{{ raise_exception('no assistant turns here') }}", [])
     assert turn_end_ids(refusing) == [refusing.eos_token_id]
+
+
+def test_tool_results_follow_the_templates_end_of_turn_token():
+    """``--env tools`` renders its observations after the token that closes a turn: for a Gemma-style template,
+    whose EOS is not its end-of-turn token, ``<end_of_turn>`` is not written a second time."""
+    from gcore.envs.tool_env import ToolEnvironment
+
+    gemma = _with_template(GEMMA, ["<start_of_turn>", "<end_of_turn>"])
+    env = ToolEnvironment(tools=["calculator"], tool_prompt="system", isolation="thread")
+    env.setup(gemma)
+    suffix = env._results([("calculator", "4")])
+    assert suffix.startswith("\n<start_of_turn>user\n") and suffix.endswith("<start_of_turn>model\n")
+    assert "<end_of_turn>" not in suffix.split("<start_of_turn>user")[0]
