@@ -298,7 +298,6 @@ class HFEngine(Engine):
         device = self.device
         past = max(length for length, _ in hits)
         suffixes = [p[length:] for p, (length, _) in zip(prompts, hits, strict=True)]
-        width = max(len(s) for s in suffixes)
         input_ids, suffix_mask = self._left_pad(suffixes)
         attention_mask = torch.cat((torch.zeros((len(prompts), past), dtype=torch.long), suffix_mask), dim=1)
         for row, (length, _) in enumerate(hits):
@@ -315,7 +314,6 @@ class HFEngine(Engine):
                     keys[row, :, past - length :] = kv[index][0][:, :length]
                     values[row, :, past - length :] = kv[index][1][:, :length]
             cache.update(keys, values, index)
-        assert input_ids.shape[1] == width
         return input_ids, attention_mask, position_ids, cache
 
     def _keep_prefixes(self, prefix: PrefixCache, prompts: list[list[int]], cache: DynamicCache,
