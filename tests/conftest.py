@@ -310,9 +310,10 @@ class Recording:
 
 def three_turn_trajectory_gap(engine, backend, tokenizer):
     """Run 2 prompts x 2 episodes of 3 turns on ``engine``; check that every trajectory is exactly the engine's
-    generated ids and log-probabilities with the observations' own ids between them (asserts), and return the
+    generated ids and log-probabilities with the observations' own ids between them (after a turn cut at the budget,
+    the tokens that close a turn first: ``turn_end_ids``) (asserts), and return the
     largest |trainer - engine| log-probability over the model's tokens, and the samples."""
-    from gcore.envs.episodes import run_episodes
+    from gcore.envs.episodes import run_episodes, turn_end_ids
     from gcore.types import Prompt, SamplingParams, collate
 
     params = SamplingParams(n=2, max_new_tokens=5, temperature=0.9, stop_token_ids=(tokenizer.eos_token_id,))
@@ -329,8 +330,9 @@ def three_turn_trajectory_gap(engine, backend, tokenizer):
             expected += generation.token_ids
             logprobs += generation.logprobs
             mask += [1] * len(generation.token_ids)
-            if turn < 3:
-                observation = tokenizer.encode(f"|{turn}|", add_special_tokens=False)
+            if turn < 3:  # a turn cut at the budget is closed first (``turn_end_ids``), as context
+                observation = ([] if generation.finished else turn_end_ids(tokenizer)) + tokenizer.encode(
+                    f"|{turn}|", add_special_tokens=False)
                 expected += observation
                 logprobs += [0.0] * len(observation)
                 mask += [0] * len(observation)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import torch
 
 from gcore.engines.base import Engine, EngineCapabilities, Visual, warn_ignored_generation_values
+from gcore.engines.prefix_cache import LayerKV, PrefixCache
 from gcore.engines.static_cache import StaticCacheDecoder  # also imported from here (tests)
 from gcore.errors import ConfigError
 from gcore.model import DTYPES, ModelSource, cache_keyword, causal_lm_class, check_compiler
@@ -56,6 +57,11 @@ class HFEngine(Engine):
             a pad token there would read as padding, and HF's embedding gives it no gradient. Where pad is
             the EOS token (most instruct checkpoints) only bos differs, and a trained model rarely puts
             mass on it; docs/engines.md, "Sampling".
+        prefix_cache_tokens: keep the keys and values of the prompts prefilled, up to this many tokens in all (least
+            recently used evicted first), so that a prompt extending one of them (a multi-turn episode's next turn)
+            prefills only its new tokens; 0 turns it off. Dropped on every weight update and on ``sleep``; text
+            prompts of the engine's own loop only (image prompts and ``use_generate`` bypass it). Each token held
+            costs ``2 x layers x kv_heads x head_dim`` numbers of the engine's dtype; docs/engines.md, "Prefix cache".
 
     Sampling is ``SamplingParams`` alone (temperature, top-k, top-p): the checkpoint's
     ``generation_config.json`` gives only the eos, pad and bos ids; its sampling values (its own
@@ -84,9 +90,15 @@ class HFEngine(Engine):
         compile: bool = False,
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
         sample_special_tokens: bool = False,
+        prefix_cache_tokens: int = 16384,
     ) -> None:
         if dtype != "auto" and dtype not in DTYPES:
             raise ConfigError(f"--engine.dtype {dtype!r}: valid choices: auto, {', '.join(DTYPES)}")
+        if isinstance(prefix_cache_tokens, bool) or not isinstance(prefix_cache_tokens, int) or prefix_cache_tokens < 0:
+            raise ConfigError(f"--engine.prefix_cache_tokens {prefix_cache_tokens!r}: a number of tokens >= 0 "
+                              "(0: no prefix cache)")
+        self.prefix_cache_tokens = prefix_cache_tokens
+        self._prefix: PrefixCache | None = None
         self.dtype = dtype
         self.max_batch_size = max_batch_size
         self.offload_when_asleep = offload_when_asleep
@@ -127,6 +139,8 @@ class HFEngine(Engine):
         model.eval()
         model.requires_grad_(False)
         self.model = model
+        self._prefix = PrefixCache(self.prefix_cache_tokens) if self.prefix_cache_tokens else None
+        self._prefix_checked = False  # the model's KV cache is one the prefix cache can take apart (``_prefill``)
         config = model.config
         generation = getattr(model, "generation_config", None) or GenerationConfig()
         eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
@@ -159,6 +173,8 @@ class HFEngine(Engine):
         flat_visual = [v for v in (visual or [None] * len(prompts)) for _ in range(params.n)]
         chunk = self.max_batch_size or len(flat)
         generations: list[Generation] = []
+        if self._prefix is not None:
+            self._prefix.new_call()
         for start in range(0, len(flat), chunk):
             if self.use_generate:
                 generations.extend(self._generate(model, flat[start : start + chunk], params))
@@ -239,25 +255,101 @@ class HFEngine(Engine):
         distinct = {key: i for i, key in enumerate(dict.fromkeys(keys))}
         rows = torch.tensor([distinct[key] for key in keys], dtype=torch.long, device=device)
         firsts = {key: row for row, key in reversed(list(enumerate(keys)))}
-        input_ids, attention_mask = self._left_pad([list(key[0]) for key in distinct])
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        texts = [list(key[0]) for key in distinct]
         inputs = {k: v.to(device) for k, v in concat_visual([images[firsts[key]] for key in distinct]).items()}
-        # positions count real tokens only, so a left-padded row sees the positions it would see alone
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        prefix = self._prefix if not inputs else None  # image prompts bypass the prefix cache
+        hits = [prefix.longest(tuple(p)) for p in texts] if prefix is not None else []
+        if any(length for length, _ in hits):  # the cached prefixes' KV, then each prompt's new tokens after it
+            input_ids, attention_mask, position_ids, cache = self._after_prefixes(model, texts, hits)
+        else:
+            input_ids, attention_mask = self._left_pad(texts)
+            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+            # positions count real tokens only, so a left-padded row sees the positions it would see alone
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+            cache = DynamicCache(config=model.config)
         rope = multimodal_positions(model, input_ids, attention_mask, inputs) if inputs else None
         if rope is not None:  # M-RoPE: 3D positions over the images; a text token ``t`` is at ``t + delta``
             position_ids, deltas = rope
-        cache = DynamicCache(config=model.config)
         with_cache = {cache_keyword(model): cache}
         logits = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             use_cache=True, logits_to_keep=1, **inputs, **with_cache,
         ).logits[:, -1][rows]
+        if prefix is not None:
+            prefilled = int(attention_mask[:, -input_ids.shape[1]:].sum())
+            prefix.stats.prefilled_tokens += prefilled
+            logger.debug("prefix cache: %d prompt tokens reused, %d prefilled, over %d distinct prompts",
+                         sum(length for length, _ in hits), prefilled, len(texts))
+            self._keep_prefixes(prefix, texts, cache, attention_mask)
         prompt_lengths = attention_mask.sum(-1)[rows]
         if rope is not None:
             prompt_lengths = prompt_lengths + deltas[rows, 0].to(device)
         return _Prefill(rows, attention_mask, cache, with_cache, logits, prompt_lengths, bool(inputs),
                         rope is not None)
+
+    def _after_prefixes(self, model: PreTrainedModel, prompts: list[list[int]], hits: list[tuple[int, LayerKV | None]],
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache]:
+        """The prefill's inputs where some prompts have a cached prefix: a ``DynamicCache`` holding each prompt's
+        cached KV (left-padded to the longest cached prefix), and each prompt's remaining tokens (left-padded) as the
+        input ids. The attention mask covers both (0 on both paddings, so a row may have a gap between its prefix
+        and its new tokens), and the positions count real tokens only: each row sees what it would see alone."""
+        from transformers import DynamicCache
+
+        device = self.device
+        past = max(length for length, _ in hits)
+        suffixes = [p[length:] for p, (length, _) in zip(prompts, hits, strict=True)]
+        input_ids, suffix_mask = self._left_pad(suffixes)
+        attention_mask = torch.cat((torch.zeros((len(prompts), past), dtype=torch.long), suffix_mask), dim=1)
+        for row, (length, _) in enumerate(hits):
+            attention_mask[row, past - length : past] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
+        reference = next(kv for _, kv in hits if kv is not None)
+        cache = DynamicCache(config=model.config)
+        for index, (ref_keys, ref_values) in enumerate(reference):
+            keys = ref_keys.new_zeros((len(prompts), ref_keys.shape[0], past, ref_keys.shape[2]))
+            values = ref_values.new_zeros((len(prompts), ref_values.shape[0], past, ref_values.shape[2]))
+            for row, (length, kv) in enumerate(hits):
+                if kv is not None and length:
+                    keys[row, :, past - length :] = kv[index][0][:, :length]
+                    values[row, :, past - length :] = kv[index][1][:, :length]
+            cache.update(keys, values, index)
+        return input_ids, attention_mask, position_ids, cache
+
+    def _keep_prefixes(self, prefix: PrefixCache, prompts: list[list[int]], cache: DynamicCache,
+                       attention_mask: torch.Tensor) -> None:
+        """Keep each prompt's KV from the prefill's ``cache`` in the prefix cache. The first time, check that the
+        model's cache is one whose layers hold plain full-attention keys and values (``DynamicLayer``); else the
+        prefix cache is turned off for this engine, with a line in the log."""
+        from transformers.cache_utils import DynamicLayer
+
+        layers = getattr(cache, "layers", None)
+        if not self._prefix_checked:
+            keys = [getattr(layer, "keys", None) for layer in layers or ()]
+            if not layers or any(type(layer) is not DynamicLayer for layer in layers) or any(
+                    not isinstance(k, torch.Tensor) or k.dim() != 4 for k in keys):
+                logger.info("--engine.prefix_cache_tokens: %s's KV cache is not one of full-attention layers only: "
+                            "no prefix cache", type(self.model).__name__)
+                self._prefix = None
+                return
+            self._prefix_checked = True
+        assert layers is not None  # checked above
+        for row, prompt in enumerate(prompts):
+            real = attention_mask[row].nonzero().squeeze(-1)
+
+            def kv(row: int = row, real: torch.Tensor = real) -> LayerKV:
+                return [(layer.keys[row].index_select(1, real), layer.values[row].index_select(1, real))
+                        for layer in layers]
+
+            prefix.put(tuple(prompt), kv)
+
+    @property
+    def prefix_stats(self) -> dict[str, int]:
+        """The prefix cache's counts since ``setup`` (``PrefixStats``; all 0 when off) and the tokens it holds."""
+        if self._prefix is None:
+            return {"lookups": 0, "hits": 0, "hit_tokens": 0, "prefilled_tokens": 0, "stored": 0, "evicted": 0,
+                    "dropped": 0, "held_tokens": 0}
+        return {**self._prefix.stats.as_dict(), "held_tokens": self._prefix.tokens}
 
     def _decode_step(self, model: PreTrainedModel, prefill: _Prefill,
                      budget: int) -> tuple[Advance, StaticCacheDecoder | None]:
@@ -398,6 +490,8 @@ class HFEngine(Engine):
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         if self.model is None:
             raise RuntimeError("HFEngine.update_weights called before setup")
+        if self._prefix is not None:  # KV computed with the old weights is never reused
+            self._prefix.clear()
         own = self.model.state_dict()
         received = 0
         for name, tensor in weights:
@@ -414,6 +508,8 @@ class HFEngine(Engine):
         return received
 
     def sleep(self) -> None:
+        if self._prefix is not None:
+            self._prefix.clear()
         if self.model is not None and self.offload_when_asleep and self.device.type != "cpu" and not self.asleep:
             self._decoder = None  # its KV buffers and CUDA graph; moving the weights makes it stale anyway
             _move(self.model, torch.device("cpu"))
@@ -428,6 +524,7 @@ class HFEngine(Engine):
     def shutdown(self) -> None:
         self.model = None
         self._decoder = None
+        self._prefix = None
 
 
 def _move(model: torch.nn.Module, device: torch.device) -> None:

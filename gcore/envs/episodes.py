@@ -6,7 +6,10 @@ turn's generated ids and every observation's ids, in order) with one sample. The
 the model generated is kept as the engine returned it (ids and log-probabilities), never decoded and
 re-encoded; an observation is tokenized once, when it is appended. So the trainer trains on exactly
 the ids and behaviour log-probabilities the engine produced, and ``Sample.response_mask`` tells the
-model's tokens (trained) from the observations' (context).
+model's tokens (trained) from the observations' (context). A turn cut at the token budget (the engine's
+generation unfinished) is closed before its observation with the tokens that close an assistant turn
+(``turn_end_ids``: the chat template's end-of-turn token, or the EOS), as context (mask 0): the
+observation follows a closed turn whether the model ended it or the budget did.
 
 The environment's ``reset`` and ``step`` run on ``workers`` threads, each call in a child process of
 its own by default (``--env.isolation process``, ``gcore/envs/isolation.py``: a call past
@@ -72,6 +75,8 @@ class Episode:
     failed: bool = False  # its environment step raised or timed out
     over: bool = False  # no more turns: done, truncated or failed
     observed: int = 0  # observation tokens appended so far (``--env.max_observation_tokens``)
+    closing: list[int] = field(default_factory=list)  # ``turn_end_ids``: what closes a turn cut at the budget
+    cut: bool = False  # its last turn was cut at the token budget (unfinished): closed before the observation
 
     def where(self) -> str:
         """``episode 2 of 4 of prompt data.jsonl:3: '7='``: which sample a message is about."""
@@ -110,7 +115,8 @@ def run_episodes(env: Environment, generate: Generate, prompts: Sequence[Prompt]
         return list(own(generate, prompts, sampling, tokenizer, first_group, policy_version, stats))
     budget = env.max_tokens or sys.maxsize  # 0: turns of at most max_new_tokens, max_turns of them
     starts = [replace(p, token_ids=list(env.prompt_ids(p))) for p in prompts]
-    episodes = [Episode(p, first_group + g, None, number=k, of=sampling.n)
+    closing = turn_end_ids(tokenizer)
+    episodes = [Episode(p, first_group + g, None, number=k, of=sampling.n, closing=closing)
                 for g, p in enumerate(starts) for k in range(sampling.n)]
     if not episodes:
         return []
@@ -204,6 +210,7 @@ def _take_turn(episode: Episode, generation: Generation, tokenizer: Tokenizer) -
     episode.logprobs += generation.logprobs
     episode.mask += [1] * len(generation.token_ids)
     episode.turns += 1
+    episode.cut = not generation.finished  # at the budget: the loop's engines finish a turn or run to its budget
     episode.last_text = str(tokenizer.decode(generation.token_ids, skip_special_tokens=True))
 
 
@@ -338,14 +345,50 @@ def _observe(env: Environment, episode: Episode, future: Future[tuple[Any, float
                               f"observation tokens in the episode: more than --env.max_observation_tokens {limit} "
                               f"per episode, on {episode.where()}: the episode ended", kind="oversized")
         return False
-    if episode.turns >= env.max_turns or len(episode.ids) + len(ids) >= budget:
+    closing = episode.closing if episode.cut else []  # the cut turn closed as the template closes a turn
+    if episode.turns >= env.max_turns or len(episode.ids) + len(closing) + len(ids) >= budget:
         episode.over = True  # truncated: no room for another turn
         return False
-    episode.ids += ids
-    episode.logprobs += [0.0] * len(ids)
-    episode.mask += [0] * len(ids)
+    episode.ids += closing + ids
+    episode.logprobs += [0.0] * (len(closing) + len(ids))
+    episode.mask += [0] * (len(closing) + len(ids))
     episode.observed += len(ids)
     return True
+
+
+#: the text an assistant message's content is rendered with to find what the chat template writes after it
+_CONTENT = "gcore-turn-end-probe"
+
+
+def turn_end_ids(tokenizer: Tokenizer) -> list[int]:
+    """The tokens that close an assistant turn, as the model writes them when it ends a turn itself: with a chat
+    template, what the template writes after an assistant message's content, up to and including its first special
+    token (ChatML's ``<|im_end|>``, Llama 3's ``<|eot_id|>``, Gemma's ``<end_of_turn>``; what follows it, a newline,
+    belongs to the next message, which ``ToolEnvironment`` renders in its observations); without a chat template,
+    or one that writes no special token there, the EOS token; ``[]`` when the tokenizer has neither."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    fallback = [eos] if isinstance(eos, int) else []
+    template = getattr(tokenizer, "chat_template", None)
+    apply = getattr(tokenizer, "apply_chat_template", None)
+    if not template or apply is None:
+        return fallback
+    messages = [{"role": "user", "content": "U"}, {"role": "assistant", "content": _CONTENT}]
+    try:
+        text = str(apply(messages, tokenize=False, add_generation_prompt=False))
+    except Exception:  # noqa: BLE001  a template that cannot render this conversation: the EOS
+        return fallback
+    if _CONTENT not in text:
+        return fallback
+    after = text[text.rindex(_CONTENT) + len(_CONTENT):]
+    ids = list(tokenizer.encode(after, add_special_tokens=False)) if after else []
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special |= {i for i, token in added.items() if getattr(token, "special", False)}
+    special.discard(getattr(tokenizer, "unk_token_id", None))  # a character the vocabulary lacks is no turn's end
+    for index, token in enumerate(ids):
+        if token in special:
+            return ids[: index + 1]
+    return fallback
 
 
 def _observation_ids(env: Environment, observation: object, tokenizer: Tokenizer, episode: Episode) -> list[int]:

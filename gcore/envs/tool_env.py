@@ -176,14 +176,22 @@ class ToolEnvironment(Environment):
 
     def _render_suffix(self, messages: list[dict[str, str]]) -> str:
         """What the chat template writes after an assistant turn's end-of-turn token for ``messages``, up
-        to the next assistant turn's start (the conversation before it is a placeholder)."""
+        to the next assistant turn's start (the conversation before it is a placeholder). The end-of-turn token
+        is the one the model writes to end its turn (``turn_end_ids``: ChatML's ``<|im_end|>``, Gemma's
+        ``<end_of_turn>``), or the EOS; a turn cut at the budget gets it from the episode loop."""
+        from gcore.envs.episodes import turn_end_ids
+
         base = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
         before = self._apply(base, add_generation_prompt=False)
         full = self._apply(base + messages, add_generation_prompt=True)
-        eos = getattr(self._tokenizer(), "eos_token", None) or ""
+        tokenizer = self._tokenizer()
+        closing = str(tokenizer.decode(turn_end_ids(tokenizer)))
+        eos = getattr(tokenizer, "eos_token", None) or ""
         end = before.rindex("A") + 1
-        if eos and before.startswith(eos, end):
-            end += len(eos)
+        for token in (closing, eos):
+            if token and before.startswith(token, end):
+                end += len(token)
+                break
         if full[:end] != before[:end]:
             raise ConfigError("--env tools: the chat template renders an assistant turn differently when more "
                               "messages follow it; gcore cannot append tool results as tokens to it")

@@ -96,8 +96,12 @@ def test_an_observation_over_the_character_limit_ends_its_episode(tiny):
 def test_observation_tokens_per_episode_are_limited(tiny):
     stats = EpisodeStats()
     samples = _run(tiny, ManyIds(ids=100, max_observation_tokens=250), stats=stats)
-    # two observations of 100 fit, the third would make 300 tokens
-    assert all(s.turns == 3 and sum(1 - m for m in s.response_mask) == 200 for s in samples)
+    # two observations of 100 fit, the third would make 300 tokens; the context tokens are those 200 and the EOS
+    # closing each turn cut at the 3-token budget before them (docs/agents.md, "A turn cut at the token budget")
+    eos = tiny[0].eos_token_id
+    for s in samples:
+        context = [t for t, m in zip(s.response_ids, s.response_mask, strict=True) if not m]
+        assert s.turns == 3 and context.count(5) == 200 and len(context) - 200 == context.count(eos) <= 2
     assert stats.counts["oversized"] == 4
     assert "more than --env.max_observation_tokens 250 per episode" in stats.first_error
     stats = EpisodeStats()
