@@ -3,16 +3,19 @@
 ``gcore fit --env reveal`` and nothing else: the prompt hides a digit (``?=``), the environment shows it 32 times
 after the model's first turn, and the second turn scores the share of its 16 characters equal to it. A policy that
 ignores the observation can at best repeat one digit always: 0.1 on average; ``--env.show false`` is that control.
-Measured on the 2-core CPU (2026-11-28, 30 steps, every other option at its default, beside three helpers' tests:
-load 5-10; last-10 mean reward per seed; per-step rewards in benchmarks/results/raw/reveal-defaults-2026-11-28/):
+Measured on the 2-core CPU (30 steps, every other option at its default; last-10 mean reward per seed; per-step
+rewards in benchmarks/results/raw/reveal-defaults-2026-11-29/ and -2026-11-28/):
 
-- revealed: seeds 0, 1, 2, 3: 0.430, 0.277 (0.530 in a second run: episodes reach the engine in the order their
-  environment calls end, so a seed is not a fixed run), 0.168, 0.298 (mean of seeds 0-3: 0.293);
-- hidden (``show=False``): seeds 0, 1, 2: 0.094, 0.063, 0.100.
+- 2026-11-29, with a turn cut at the budget closed by the EOS (gcore/envs/episodes.py ``turn_end_ids``), beside a
+  fresh clone's test suite (load 3-5): revealed, seeds 0-3: 0.510, 0.340, 0.400, 0.447; hidden (``show=False``):
+  0.086, 0.095, 0.083;
+- 2026-11-28, before that change, load 5-10: revealed 0.430, 0.277 (0.530 in a second run: episodes reach the
+  engine in the order their environment calls end, so a seed is not a fixed run), 0.168, 0.298; hidden 0.094,
+  0.063, 0.100.
 
 With 8 copies (the earlier default) the same command ended at 0.08-0.10, the control's level, and the model only
-took off after step 40. The 4-seed mean must exceed ``MIN_MEAN`` (0.2: twice the control's highest seed, and
-below the revealed 4-seed mean, 0.29).
+took off after step 40. The mean over seeds 0-2 must exceed ``MIN_MEAN`` (0.2: twice the control's highest seed,
+and below the lowest 3-seed mean of the revealed runs, 0.29).
 """
 
 import pytest
@@ -20,7 +23,7 @@ import pytest
 from gcore import Trainer, TrainerConfig
 from gcore.envs.reveal import RevealEnvironment
 
-SEEDS = (0, 1, 2, 3)
+SEEDS = (0, 1, 2)
 MIN_MEAN = 0.2
 pytestmark = pytest.mark.timeout(1800)
 
