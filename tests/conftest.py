@@ -255,6 +255,20 @@ def spawn(devices, fn, *args, accelerator="cpu"):
     return Fabric(accelerator=accelerator, devices=devices, strategy="ddp_spawn").launch(_run_then_leave, fn, *args)
 
 
+def tiny_hf_engine(folder, layers: int = 2, hidden: int = 64, intermediate: int = 128):
+    """The embedded tiny model (character tokenizer) written to ``folder`` and loaded in an ``hf`` engine on the CPU:
+    ``(tokenizer, checkpoint path, engine)``, for a module fixture of the episode-loop and engine tests."""
+    from gcore import HFEngine, ModelConfig
+    from gcore.model import ModelSource, char_tokenizer, materialize
+
+    tokenizer = char_tokenizer()
+    path = materialize(ModelConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=intermediate),
+                       tokenizer, seed=0, workdir=str(folder))
+    engine = HFEngine()
+    engine.setup(ModelSource(path), torch.device("cpu"))
+    return tokenizer, path, engine
+
+
 def hf_checkpoint(tmp_path, model_type: str) -> str:
     """A tiny random checkpoint of ``model_type`` (GQA, biases as the architecture has them)."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -11,25 +11,19 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
+from conftest import tiny_hf_engine
 from hostile_envs import BadIds, Broken, Exits, Hangs, HangsInReset, Huge, ManyIds, NanReward
 
 from gcore import ModelConfig, Prompt, SamplingParams
-from gcore.engines import HFEngine
 from gcore.envs.episodes import EpisodeStats, close_runner, env_runner, run_episodes
 from gcore.errors import ConfigError, RewardError
-from gcore.model import ModelSource, char_tokenizer, materialize
 
 HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    tokenizer = char_tokenizer()
-    path = materialize(ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64), tokenizer, seed=0,
-                       workdir=str(tmp_path_factory.mktemp("model")))
-    engine = HFEngine()
-    engine.setup(ModelSource(path), torch.device("cpu"))
+    tokenizer, path, engine = tiny_hf_engine(tmp_path_factory.mktemp("model"), layers=1, hidden=32, intermediate=64)
     return tokenizer, engine
 
 

@@ -4,23 +4,19 @@ import threading
 
 import pytest
 import torch
-from conftest import Recording, Scripted, three_turn_trajectory_gap
+from conftest import Recording, Scripted, three_turn_trajectory_gap, tiny_hf_engine
 from lightning.fabric import Fabric
 
-from gcore import GRPO, HFEngine, ModelConfig, Prompt, SamplingParams, TorchBackend
+from gcore import GRPO, Prompt, SamplingParams, TorchBackend
 from gcore.envs import Environment, Turn
 from gcore.envs.episodes import EpisodeStats, run_episodes
 from gcore.errors import ConfigError
-from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.model import ModelSource
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    tokenizer = char_tokenizer()
-    path = materialize(ModelConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128), tokenizer, seed=0,
-                       workdir=str(tmp_path_factory.mktemp("model")))
-    engine = HFEngine()
-    engine.setup(ModelSource(path), torch.device("cpu"))
+    tokenizer, path, engine = tiny_hf_engine(tmp_path_factory.mktemp("model"))
     return tokenizer, path, engine
 
 

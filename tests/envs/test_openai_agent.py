@@ -7,14 +7,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import Recording
+from conftest import Recording, tiny_hf_engine
 
-from gcore import HFEngine, ModelConfig, Prompt, SamplingParams
+from gcore import Prompt, SamplingParams
 from gcore.envs.episodes import EpisodeStats, run_episodes
 from gcore.envs.openai_agent import CHATML, OpenAIAgentEnvironment
 from gcore.errors import ConfigError
-from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.model import char_tokenizer
 from gcore.types import Generation
 
 pytest.importorskip("openai")
@@ -24,11 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    tokenizer = char_tokenizer()
-    path = materialize(ModelConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128), tokenizer, seed=0,
-                       workdir=str(tmp_path_factory.mktemp("model")))
-    engine = HFEngine()
-    engine.setup(ModelSource(path), torch.device("cpu"))
+    tokenizer, path, engine = tiny_hf_engine(tmp_path_factory.mktemp("model"))
     return tokenizer, engine
 
 

@@ -3,11 +3,11 @@ observation (``gcore.envs.episodes.turn_end_ids``)."""
 
 import pytest
 import torch
-from conftest import Recording, Scripted
+from conftest import Recording, Scripted, tiny_hf_engine
 
-from gcore import HFEngine, ModelConfig, Prompt, SamplingParams
+from gcore import Prompt, SamplingParams
 from gcore.envs.episodes import run_episodes, turn_end_ids
-from gcore.model import ModelSource, char_tokenizer, materialize
+from gcore.model import char_tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -17,11 +17,7 @@ GEMMA = ("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content']
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    tokenizer = char_tokenizer()
-    path = materialize(ModelConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128), tokenizer, seed=0,
-                       workdir=str(tmp_path_factory.mktemp("model")))
-    engine = HFEngine()
-    engine.setup(ModelSource(path), torch.device("cpu"))
+    tokenizer, path, engine = tiny_hf_engine(tmp_path_factory.mktemp("model"))
     return tokenizer, engine
 
 
