@@ -79,9 +79,7 @@ class Episode:
     cut: bool = False  # its last turn was cut at the token budget (unfinished): closed before the observation
 
     def where(self) -> str:
-        """``episode 2 of 4 of prompt data.jsonl:3: '7='``: which sample a message is about."""
-        return (f"episode {self.number + 1} of {self.of} of prompt {self.prompt.source or self.prompt.index}: "
-                f"{_clip(self.prompt.text)!r}")
+        return where(self.prompt, self.number, self.of)
 
     def sample(self, policy_version: int) -> Sample:
         return Sample(prompt=self.prompt, group=self.group, response_ids=self.ids, response_logprobs=self.logprobs,
@@ -420,6 +418,11 @@ def vocab_size(tokenizer: Tokenizer) -> int | None:
 
 def _short(value: int) -> str:
     return str(value) if value.bit_length() < 128 else f"an int of {value.bit_length()} bits"
+
+
+def where(prompt: Prompt, number: int, of: int) -> str:
+    """``episode 2 of 4 of prompt data.jsonl:3: '7='``: which sample a message is about."""
+    return f"episode {number + 1} of {of} of prompt {prompt.source or prompt.index}: {_clip(prompt.text)!r}"
 
 
 def _clip(text: str, limit: int = 40) -> str:

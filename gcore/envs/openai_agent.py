@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gcore.envs.base import Environment, Turn
-from gcore.envs.episodes import EpisodeStats, Generate, Tokenizer, env_runner
+from gcore.envs.episodes import EpisodeStats, Generate, Tokenizer, env_runner, where
 from gcore.envs.isolation import CallFailed, CallPool, CallTimeout, ProcessRunner, run_call
 from gcore.envs.openai_server import ChatServer, error_body
 from gcore.envs.tools import ToolCall, ToolCallError, get_parser
@@ -100,8 +100,7 @@ class _Episode:
     malformed: int = 0
 
     def where(self) -> str:
-        text = self.prompt.text if len(self.prompt.text) <= 40 else self.prompt.text[:37] + "..."
-        return f"episode {self.number + 1} of {self.of} of prompt {self.prompt.source or self.prompt.index}: {text!r}"
+        return where(self.prompt, self.number, self.of)
 
 
 @dataclass
