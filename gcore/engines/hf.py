@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import torch
 
 from gcore.engines.base import Engine, EngineCapabilities, Visual, warn_ignored_generation_values
-from gcore.engines.prefix_cache import LayerKV, PrefixCache
+from gcore.engines.prefix_cache import LayerKV, PrefixCache, PrefixStats
 from gcore.engines.static_cache import StaticCacheDecoder  # also imported from here (tests)
 from gcore.errors import ConfigError
 from gcore.model import DTYPES, ModelSource, cache_keyword, causal_lm_class, check_compiler
@@ -347,8 +347,7 @@ class HFEngine(Engine):
     def prefix_stats(self) -> dict[str, int]:
         """The prefix cache's counts since ``setup`` (``PrefixStats``; all 0 when off) and the tokens it holds."""
         if self._prefix is None:
-            return {"lookups": 0, "hits": 0, "hit_tokens": 0, "prefilled_tokens": 0, "stored": 0, "evicted": 0,
-                    "dropped": 0, "held_tokens": 0}
+            return {**PrefixStats().as_dict(), "held_tokens": 0}
         return {**self._prefix.stats.as_dict(), "held_tokens": self._prefix.tokens}
 
     def _decode_step(self, model: PreTrainedModel, prefill: _Prefill,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -34,9 +34,7 @@ class PrefixStats:
     dropped: int = 0  # times the whole cache was dropped (weights changed, sleep)
 
     def as_dict(self) -> dict[str, int]:
-        return {"lookups": self.lookups, "hits": self.hits, "hit_tokens": self.hit_tokens,
-                "prefilled_tokens": self.prefilled_tokens, "stored": self.stored, "evicted": self.evicted,
-                "dropped": self.dropped}
+        return asdict(self)
 
 
 class PrefixCache:

@@ -101,6 +101,15 @@ class EpisodeStats:
     def add(self, name: str, value: float = 1.0) -> None:
         self.counts[name] = self.counts.get(name, 0.0) + value
 
+    def error(self, message: str, timeout: bool = False, kind: str = "") -> None:
+        """An episode ended as an error: counted in ``env/errors`` (and ``env/timeouts``, ``env/<kind>``)."""
+        self.add("errors")
+        if timeout:
+            self.add("timeouts")
+        if kind:
+            self.add(kind)
+        self.first_error = self.first_error or message
+
 
 def run_episodes(env: Environment, generate: Generate, prompts: Sequence[Prompt], sampling: SamplingParams,
                  tokenizer: Tokenizer, first_group: int = 0, policy_version: int = 0,
@@ -280,12 +289,7 @@ def _wait(pending: dict[Future[tuple[Any, float]], Episode], deadline: dict[Futu
 
 
 def _fail(episode: Episode, stats: EpisodeStats, message: str, timeout: bool = False, kind: str = "") -> None:
-    stats.add("errors")
-    if timeout:
-        stats.add("timeouts")
-    if kind:
-        stats.add(kind)
-    stats.first_error = stats.first_error or message
+    stats.error(message, timeout, kind)
     episode.over = episode.failed = True
 
 

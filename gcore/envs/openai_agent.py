@@ -328,10 +328,7 @@ class OpenAIAgentEnvironment(Environment):
             episode.reward = reward
 
     def _fail(self, episode: _Episode, stats: EpisodeStats, message: str, timeout: bool = False) -> None:
-        stats.add("errors")
-        if timeout:
-            stats.add("timeouts")
-        stats.first_error = stats.first_error or message
+        stats.error(message, timeout)
         with episode.lock:
             episode.closed = episode.failed = True
 
