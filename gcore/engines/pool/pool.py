@@ -32,6 +32,8 @@ from gcore.types import Generation, SamplingParams, VisualInputs
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
+    from gcore.engines.pool.ray_cluster import RayWorkers
+
 log = logging.getLogger(__name__)
 
 
@@ -69,12 +71,15 @@ class WorkerPool:
             Every controller of the machine builds its ``WorkerPool`` with the same arguments at the same point.
         liveness_timeout_s: the deadline of every connect, authentication handshake and started read between a
             controller and a worker (``transport``); 30 s, as ``--trainer.heartbeat_timeout``'s default.
+        ray_address: the workers are actors of the Ray cluster at this address (``ray_cluster.py``), spread over
+            its nodes, and the weights go through its object store; ``peers`` are then every controller of the
+            job (``Peers.of_the_job``). Empty: worker processes of this machine.
     """
 
     def __init__(self, size: int, specs: dict[Role, RoleSpec], roles: Sequence[Role], threads: int = 0, seed: int = 0,
                  release: bool = True, job_timeout_s: float = 600.0, retries: int = 2,
                  startup_timeout_s: float = 900.0, device: str = "cpu", peers: Peers | None = None,
-                 liveness_timeout_s: float = 30.0) -> None:
+                 liveness_timeout_s: float = 30.0, ray_address: str = "") -> None:
         if size < 1 or len(roles) != size:
             raise GcoreError(f"a worker pool needs >= 1 worker and one role per worker, got {size} and {list(roles)}")
         for role in roles:
@@ -92,6 +97,19 @@ class WorkerPool:
         self._first = peers.index * size // peers.clients if peers is not None else 0  # where ``_dispatch`` looks first
         visible = torch.cuda.device_count() if device.startswith("cuda") else 0
         self.device, self.devices = device, worker_devices(device, size, visible)
+        self.ray: RayWorkers | None = None  # the owner's handles on the workers' Ray actors
+        if ray_address:
+            from gcore.engines.pool.ray_cluster import RayWorkers, connect
+
+            if self.owner:
+                self.ray = RayWorkers.connect(size, self.threads, device.startswith("cuda"), ray_address,
+                                              startup_timeout_s)
+                self.devices = [self.ray.device()] * size
+            else:  # every controller is a Ray driver of its own
+                connect(ray_address)
+        #: the Ray node of each worker ("" on one machine), and this controller's requests served on each node
+        self.nodes: list[str] = [""] * size
+        self.served: dict[str, int] = {}
         self._specs = pickle.dumps(specs)
         # a worker whose engine starts processes of its own (SGLang) cannot be daemonic
         self._daemon = not any(spec.engine is not None and spec.engine.capabilities.starts_processes
@@ -126,7 +144,8 @@ class WorkerPool:
         self.swaps = 0  # role changes done by workers
         self.held: list[tuple[Role, ...]] = [(role,) for role in roles]  # engines resident in each worker
         self.closed = False
-        if not self._daemon:  # multiprocessing joins a non-daemonic child at exit: the workers are stopped before
+        if not self._daemon or self.ray is not None:  # multiprocessing joins a non-daemonic child at exit (and Ray
+            # actors outlive their driver): the workers are stopped before
             atexit.register(self.close)
         self._start(list(range(size)))
 
@@ -134,14 +153,18 @@ class WorkerPool:
     def _start(self, indices: list[int]) -> None:
         """The owner starts workers ``indices``; then every controller connects to them (``transport.connect``:
         each connect and handshake within ``liveness_timeout_s``; a worker that dies meanwhile is named at once)."""
-        if self.owner:
+        if self.owner and self.ray is not None:
+            self._start_actors(indices)
+        elif self.owner:
             self._spawn(indices)
             self._wait_ready(indices)
         share = self.peers.share if self.peers is not None else (lambda value: value)
-        self._authkey, addresses, pids = cast(
-            "tuple[bytes, list[Address], list[int | None]]",
-            share((self._authkey, [self._addresses[i] for i in indices], [self.pids[i] for i in indices])))
-        for i, address, pid in zip(indices, addresses, pids, strict=True):
+        self._authkey, addresses, pids, nodes = cast(
+            "tuple[bytes, list[Address], list[int | None], list[str]]",
+            share((self._authkey, [self._addresses[i] for i in indices], [self.pids[i] for i in indices],
+                   [self.nodes[i] for i in indices])))
+        for i, address, pid, node in zip(indices, addresses, pids, nodes, strict=True):
+            self.nodes[i] = node
             old = self._conns[i]
             if old is not None:
                 old.close()
@@ -154,6 +177,8 @@ class WorkerPool:
     def _exited(self, i: int) -> str | None:
         """How worker ``i``'s process ended (``was killed by SIGKILL``), or ``None`` while it runs (or, on a
         controller other than the owner, which does not hold the process, when that is not known)."""
+        if self.ray is not None:
+            return self.ray.exited(i)
         process = self.processes[i] if self.owner else None
         if process is None or process.is_alive():
             return None
@@ -165,6 +190,10 @@ class WorkerPool:
         process = self.processes[i] if self.owner else None
         if process is not None and process.is_alive():
             process.join(REAP_S)  # a worker whose connection just closed is usually exiting: its status says why
+        if self.ray is not None:
+            deadline = time.monotonic() + REAP_S
+            while self._exited(i) is None and time.monotonic() < deadline:
+                time.sleep(0.1)
         exited = self._exited(i)
         if exited is not None:
             return exited
@@ -176,7 +205,7 @@ class WorkerPool:
             self._ready[i] = False
             startup, writer = self._ctx.Pipe(duplex=False)
             self._startup[i] = startup
-            weights = self.weights.ref() if self.weights is not None else None
+            weights = self._latest_weights()
             process = self._ctx.Process(
                 target=worker_main, name=f"gcore-engine-worker-{i}", daemon=self._daemon,
                 args=(i, self.threads, self.seed + i, self._specs, self.roles[i], weights, self.release,
@@ -189,6 +218,26 @@ class WorkerPool:
             writer.close()  # the worker holds the only writing end: its death reads as end of file
             self.processes[i] = process
             self.pids[i] = process.pid
+
+    def _start_actors(self, indices: list[int]) -> None:
+        """The owner starts workers ``indices`` as Ray actors (``ray_cluster.RayWorkers``) and waits for each one's
+        address; a worker that fails to start ends the run in one line, as a local one does."""
+        assert self.ray is not None
+        clients = self.peers.clients if self.peers is not None else 1
+        weights = self.ray.latest()
+        for i in indices:
+            self._ready[i] = False
+            self.ray.spawn(i, (i, self.threads, self.seed + i, self._specs, self.roles[i], weights, self.release,
+                               self.devices[i], self._authkey, self.liveness_timeout_s), clients,
+                           self.startup_timeout_s)
+        for i, (kind, payload) in sorted(self.ray.ready(indices).items()):
+            self.pids[i], self.nodes[i] = self.ray.pids[i], self.ray.nodes[i]
+            if kind != "ready":
+                why = str(payload).strip().splitlines()[-1:] or ["no error reported"]
+                log.error("engine worker %d failed to start on Ray node %s:\n%s", i, self.nodes[i][:8], payload)
+                raise GcoreError(f"engine worker {i} (pid {self.pids[i]}, Ray node {self.nodes[i][:8]}) failed while "
+                                 f"starting: {why[0]}")
+            self._addresses[i] = payload
 
     def _wait_ready(self, indices: Iterable[int]) -> None:
         """Wait for each worker's ``ready`` (with the address it listens on) on its startup pipe."""
@@ -223,6 +272,8 @@ class WorkerPool:
         """Whether worker ``i`` is connected (and, for the owner, its process runs)."""
         if self._conns[i] is None:
             return False
+        if self.ray is not None:
+            return self.ray.exited(i) is None
         return not self.owner or (self.processes[i] is not None and self.processes[i].is_alive())
 
     def revive(self) -> int:
@@ -238,12 +289,18 @@ class WorkerPool:
             log.warning("respawning engine workers %s", lost)
             if self.owner:
                 for i in lost:
-                    if self.processes[i] is not None and self.processes[i].is_alive():
-                        self.processes[i].kill()
-                        self.processes[i].join(timeout=10)
+                    self._kill(i)
             self._start(lost)
             self.respawned += len(lost)
         return len(lost)
+
+    def _kill(self, i: int) -> None:
+        """The owner ends worker ``i`` (hung, or lost by another controller) before it is started again."""
+        if self.ray is not None:
+            self.ray.kill(i)
+        elif self.processes[i] is not None and self.processes[i].is_alive():
+            self.processes[i].kill()
+            self.processes[i].join(timeout=10)
 
     def close(self) -> None:
         """Stop the workers (the owner) or leave them (another controller), and remove the shared weights."""
@@ -264,6 +321,11 @@ class WorkerPool:
         for conn in self._conns:
             if conn is not None:
                 conn.close()
+        if self.ray is not None:  # the workers' engines stop on ``stop``; their actors are killed after a moment
+            deadline = time.monotonic() + 10
+            while any(self.ray.exited(i) is None for i in range(self.size)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            self.ray.close()
         for process in self.processes if self.owner else []:
             if process is not None:
                 process.join(timeout=10)
@@ -347,7 +409,7 @@ class WorkerPool:
     def assign(self, roles: Sequence[Role]) -> float:
         """Give worker ``i`` the role ``roles[i]`` (a real swap where it changes); returns seconds."""
         started = time.perf_counter()
-        weights = self.weights.ref() if self.weights is not None else None
+        weights = self._latest_weights()
         jobs = []
         for i, role in enumerate(roles):
             if role != self.roles[i]:
@@ -373,40 +435,53 @@ class WorkerPool:
             self.peers.barrier()
             return {"bytes": 0.0, "shm_bytes": 0.0, "copy_s": 0.0, "load_s": 0.0, "s": time.perf_counter() - started}
         named = [(name, tensor.detach()) for name, tensor in named]
-        if self.weights is None:
-            self.weights = create_shared(named)
         self.wait(self._syncs)
-        views = dict(self.weights.views())
-        if set(views) != {name for name, _ in named}:
-            raise GcoreError("weight sync: the trainer's parameter names changed since the first sync")
-        for name, tensor in named:
-            views[name].copy_(tensor)
-        self.weights.version += 1
+        if self.ray is not None:  # into Ray's object store, staged on every worker actor
+            self.ray.put_weights(named)
+            nbytes = self.ray.nbytes
+        else:
+            if self.weights is None:
+                self.weights = create_shared(named)
+            views = dict(self.weights.views())
+            if set(views) != {name for name, _ in named}:
+                raise GcoreError("weight sync: the trainer's parameter names changed since the first sync")
+            for name, tensor in named:
+                views[name].copy_(tensor)
+            self.weights.version += 1
+            nbytes = self.weights.nbytes
         copied = time.perf_counter()
         jobs = [self._send_sync(i) for i in range(self.size) if self.roles[i] == POLICY]
         if self.queue_syncs and self.peers is None:
             self._syncs = jobs
-            loaded = self.weights.nbytes * len(jobs)
+            loaded = nbytes * len(jobs)
         else:  # a shared pool waits: another controller's next request must find the new weights
             self.wait(jobs)
             loaded = sum(int(cast(SupportsInt, j.result)) for j in jobs)  # the bytes each worker loaded
             if self.peers is not None:
                 self.peers.barrier()
         end = time.perf_counter()
-        return {"bytes": float(loaded), "shm_bytes": float(self.weights.nbytes), "copy_s": copied - started,
+        return {"bytes": float(loaded), "shm_bytes": float(nbytes), "copy_s": copied - started,
                 "load_s": end - copied, "s": end - started}
+
+    def _latest_weights(self) -> tuple | None:
+        """What a worker is told to load the latest policy weights from: the shared-memory file's ``ref()``, or the
+        version staged in Ray's object store; ``None`` before the first sync."""
+        if self.ray is not None:
+            return self.ray.latest()
+        return self.weights.ref() if self.weights is not None else None
 
     def _send_sync(self, i: int) -> Job:
         """Worker ``i``'s weight sync: queued behind its requests, or, during a partial rollout's generation (a
         ``generate`` request that says ``partial``), sent at once: the worker takes it between two tokens."""
-        assert self.weights is not None  # set by sync_weights
+        weights = self._latest_weights()
+        assert weights is not None  # set by sync_weights
         running = self._busy_with[i]
         conn = self._conns[i]
         # with ``partial_rollouts`` every policy generate request says ``partial`` (``submit_split``, dynamic placement)
         generating = running is not None and running.kind == "generate" and running.role == POLICY
         if not (self.partial_rollouts and generating and conn is not None and i not in self._side):
-            return self.submit("sync", (self.weights.ref(),), [i])
-        job = Job(next(self._ids), "sync", (self.weights.ref(),), (i,), worker=i, sent=time.monotonic(), attempts=1)
+            return self.submit("sync", (weights,), [i])
+        job = Job(next(self._ids), "sync", (weights,), (i,), worker=i, sent=time.monotonic(), attempts=1)
         self._jobs[job.id] = job
         self._side[i] = job
         try:
@@ -465,8 +540,7 @@ class WorkerPool:
             elif self.job_timeout_s and now - job.sent > self.job_timeout_s:
                 log.warning("engine worker %d did not answer in %.0fs: dropping it", i, self.job_timeout_s)
                 if self.owner:
-                    self.processes[i].kill()
-                    self.processes[i].join(timeout=10)
+                    self._kill(i)
                 self._drop(i)  # the owner restarts it at the next ``revive``
                 self._fail_worker(i, f"it did not answer within job_timeout_s {self.job_timeout_s:.0f}s")
         self._revive_if_stuck()
@@ -513,6 +587,7 @@ class WorkerPool:
             job.done = job.ok = True
             if job.kind in ("generate", "logprobs", "score"):
                 self.busy[job.role] = self.busy.get(job.role, 0.0) + job.busy_s
+                self.served[self.nodes[i]] = self.served.get(self.nodes[i], 0) + 1
             elif job.kind == "role":
                 self.swaps += 1
                 self.held[i] = cast("tuple[Role, ...]", job.result)  # ``_WorkerRuntime.switch``'s

@@ -60,7 +60,8 @@ def _first_line(err: BaseException) -> str:
 
 
 class WorkerListener:
-    """A worker's listening socket on the loopback interface: ``accept`` returns its ``clients`` authenticated
+    """A worker's listening socket, on the loopback interface (``host``; a worker of a Ray cluster listens on its
+    node's address, ``gcore/engines/pool/ray_cluster.py``): ``accept`` returns its ``clients`` authenticated
     controller connections.
 
     Each connection is authenticated in a thread of its own within ``timeout_s`` (``SO_RCVTIMEO`` and
@@ -68,10 +69,10 @@ class WorkerListener:
     dropped and closed, and the listener goes on. ``dropped`` counts them.
     """
 
-    def __init__(self, authkey: bytes, timeout_s: float, name: str) -> None:
+    def __init__(self, authkey: bytes, timeout_s: float, name: str, host: str = "127.0.0.1") -> None:
         self.authkey, self.timeout_s, self.name = authkey, timeout_s, name
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock.bind((host, 0))
         self._sock.listen(64)
         self._sock.settimeout(POLL_S)  # the accept loop looks at ``_closed`` between connections
         self.address: Address = self._sock.getsockname()

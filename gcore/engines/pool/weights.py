@@ -1,4 +1,5 @@
-"""The policy weights' hand-off from the owner controller to the workers: one file in ``/dev/shm``.
+"""The policy weights' hand-off from the owner controller to the workers: one file in ``/dev/shm`` (a pool on
+one machine), or Ray's object store (a pool on a Ray cluster: ``ray_cluster.put_weights``).
 
 The owner copies its tensors into the file once per step (one region per parameter, 64-byte aligned); every
 worker that holds the policy maps the file and copies from it into its engine (``SharedWeights.views``).
@@ -79,6 +80,16 @@ def create_shared(named: list[tuple[str, torch.Tensor]]) -> SharedWeights:
         raise
     os.close(fd)
     return SharedWeights(path, nbytes, layout)
+
+
+def open_weights(ref: tuple) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors of a weight hand-off, in a worker: ``ref`` is a ``SharedWeights.ref()`` (a file in
+    ``/dev/shm``) or a ``ray_cluster.put_weights`` reference (``("ray", ...)``: buckets in Ray's object store)."""
+    if ref and ref[0] == "ray":
+        from gcore.engines.pool.ray_cluster import get_weights
+
+        return get_weights(ref)
+    return SharedWeights(*ref).views()
 
 
 def remove(path: str) -> None:

@@ -21,7 +21,7 @@ import torch
 from gcore.engines.base import POLICY, Engine, Role
 from gcore.engines.pool.jobs import JobKind, Reply, RoleSpec, Scorer
 from gcore.engines.pool.transport import WorkerListener
-from gcore.engines.pool.weights import SharedWeights
+from gcore.engines.pool.weights import open_weights
 from gcore.errors import GcoreError
 from gcore.types import Generation, Sample, SamplingParams, VisualInputs
 
@@ -49,25 +49,44 @@ def worker_main(index: int, threads: int, seed: int, specs: bytes, role: Role, w
     it stops waiting when the owner, its parent, is gone), then serve their requests one at a time until told
     to stop or every controller is gone. A request is ``(kind, job id, *args)`` (``("stop", None)`` ends the
     worker); each is answered on the connection it came on."""
-    torch.set_num_threads(threads)
-    torch.manual_seed(seed)
-    name = f"engine worker {index}"
     try:
-        import transformers
-
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-        runtime = _WorkerRuntime(pickle.loads(specs), release, torch.device(device))
-        runtime.switch(role, weights)
-        listener = WorkerListener(authkey, timeout_s, name)
+        runtime, listener = start_worker(index, threads, seed, specs, role, weights, release, device, authkey,
+                                         timeout_s)
     except BaseException:  # noqa: BLE001  report why it could not start, whatever it was, then exit
         _send(startup, ("fatal", index, None, traceback.format_exc()))
         return
+    _send(startup, ("ready", index, None, listener.address))
+    parent = os.getppid()
+    serve_worker(index, runtime, listener, clients, keep_waiting=lambda: os.getppid() == parent)
+
+
+def start_worker(index: int, threads: int, seed: int, specs: bytes, role: Role, weights: tuple | None,
+                 release: bool, device: str, authkey: bytes, timeout_s: float = 30.0,
+                 host: str = "127.0.0.1") -> tuple[_WorkerRuntime, WorkerListener]:
+    """A worker's first half: its engine built in ``role`` and its listener on ``host`` (``worker_main``'s, and a Ray
+    actor's: ``ray_cluster.py``). Raises whatever stopped it."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    runtime = _WorkerRuntime(pickle.loads(specs), release, torch.device(device))
+    try:
+        runtime.switch(role, weights)
+        return runtime, WorkerListener(authkey, timeout_s, f"engine worker {index}", host)
+    except BaseException:
+        runtime.shutdown()
+        raise
+
+
+def serve_worker(index: int, runtime: _WorkerRuntime, listener: WorkerListener, clients: int,
+                 keep_waiting: Callable[[], bool]) -> None:
+    """A worker's second half: take its ``clients`` controllers' connections (as long as ``keep_waiting()``), serve
+    them until a ``stop`` or until none is left, then shut its engines down."""
     try:  # the engines are shut down however the worker ends: an engine's own processes (SGLang's) would
         # otherwise keep it alive (multiprocessing joins them at exit)
-        _send(startup, ("ready", index, None, listener.address))
-        parent = os.getppid()
-        controllers = listener.accept(clients, keep_waiting=lambda: os.getppid() == parent)
+        controllers = listener.accept(clients, keep_waiting=keep_waiting)
         _serve_controllers(index, runtime, controllers)
     finally:
         runtime.shutdown()
@@ -178,7 +197,7 @@ class _WorkerRuntime:
         self.specs, self.release, self.device = specs, release, device
         self.engines: dict[Role, Engine | Scorer] = {}
         self.role: Role | None = None
-        self.weights: tuple | None = None  # the latest policy weights sent (a ``SharedWeights.ref()``)
+        self.weights: tuple | None = None  # the latest policy weights sent (``weights.open_weights`` reads it)
         self.partial_served = 0  # partial rollouts' generate requests served (``HOLD_ENV``)
         self.hold = int(os.environ.get(HOLD_ENV, "0") or 0)
 
@@ -199,7 +218,7 @@ class _WorkerRuntime:
         assert spec.source is not None, f"the {role} role has an engine but no ModelSource"
         engine.setup(spec.source, self.device)
         if role == POLICY and weights is not None:
-            engine.update_weights(SharedWeights(*weights).views())
+            engine.update_weights(open_weights(weights))
         return engine
 
     def switch(self, role: Role, weights: tuple | None) -> tuple[Role, ...]:
@@ -222,7 +241,7 @@ class _WorkerRuntime:
             if isinstance(held, Engine):
                 held.wake_up()
             if role == POLICY and weights is not None:
-                self._engine(role).update_weights(SharedWeights(*weights).views())
+                self._engine(role).update_weights(open_weights(weights))
         else:
             self.engines[role] = self._load(role, weights)
         self.role = role
@@ -332,4 +351,4 @@ class _WorkerRuntime:
         self.weights = weights
         if POLICY not in self.engines:  # released: it loads the latest weights when it wakes up
             return 0
-        return self._engine(POLICY).update_weights(SharedWeights(*weights).views())
+        return self._engine(POLICY).update_weights(open_weights(weights))

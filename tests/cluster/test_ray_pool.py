@@ -1,0 +1,113 @@
+"""The engine worker pool on a Ray cluster (``--placement.cluster ray``): a cluster of 3 nodes started on this machine
+(a head and two worker nodes, each its own raylet with its own CPU resources: Ray's documented way of testing
+multi-node), workers on every node, weights through the object store, lost workers and nodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gcore.engines.hf import HFEngine
+from gcore.engines.pool import JUDGE, POLICY, RoleSpec, WorkerPool
+from gcore.errors import ConfigError
+from gcore.model import ModelConfig, ModelSource, char_tokenizer, materialize
+from gcore.types import SamplingParams
+
+ray = pytest.importorskip("ray")
+
+TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+GREEDY = SamplingParams(n=1, max_new_tokens=6, temperature=0.0)
+SAMPLED = SamplingParams(n=2, max_new_tokens=6, temperature=1.0)
+#: logical CPUs of each node: 6 one-thread workers fit on any two of the three nodes (a lost node's are re-placed)
+NODE_CPUS = 3
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": NODE_CPUS, "include_dashboard": False})
+    workers = [nodes.add_node(num_cpus=NODE_CPUS) for _ in range(2)]
+    nodes.wait_for_nodes()
+    yield nodes, workers
+    if ray.is_initialized():
+        ray.shutdown()
+    nodes.shutdown()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tokenizer = char_tokenizer()
+    root = tmp_path_factory.mktemp("models")
+    policy = materialize(ModelConfig(**TINY), tokenizer, seed=0, workdir=str(root / "policy"))
+    judge = materialize(ModelConfig(**TINY), tokenizer, seed=1, workdir=str(root / "judge"))
+    return policy, judge
+
+
+def local_engine(path: str) -> HFEngine:
+    engine = HFEngine()
+    engine.setup(ModelSource(path), torch.device("cpu"))
+    return engine
+
+
+def tokens(outputs):
+    return [[g.token_ids for g in row] for row in outputs]
+
+
+def test_a_pool_of_six_workers_spans_the_three_nodes_and_serves_as_the_local_pool_does(cluster, models):
+    nodes, _ = cluster
+    policy_path, judge_path = models
+    specs = {POLICY: RoleSpec(HFEngine(), ModelSource(policy_path)),
+             JUDGE: RoleSpec(HFEngine(), ModelSource(judge_path))}
+    roles = [POLICY, POLICY, POLICY, JUDGE, JUDGE, JUDGE]
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12], [13], [14, 15], [16, 17, 18]]
+    local = WorkerPool(2, specs, [POLICY, JUDGE], threads=1, seed=3)
+    try:
+        # three requests (seeds 11, 12, 13), as the Ray pool's three policy workers get, all served by worker 0
+        expected = tokens(local.collect_generate(local.submit_generate(POLICY, prompts, SAMPLED, [0, 0, 0], seed=11)))
+        judged = tokens(local.generate(JUDGE, prompts, GREEDY, [1]))
+    finally:
+        local.close()
+    pool = WorkerPool(6, specs, roles, threads=1, seed=3, ray_address=nodes.address)
+    try:
+        assert pool.ray is not None and len(set(pool.nodes)) == 3  # two workers on each node
+        # the same samples for the same seed, whichever worker on whichever node served them
+        got = tokens(pool.collect_generate(pool.submit_generate(POLICY, prompts, SAMPLED, [0, 1, 2], seed=11)))
+        assert got == expected
+        assert tokens(pool.generate(JUDGE, prompts, GREEDY, [3, 4, 5])) == judged
+        served = {node for node, count in pool.served.items() if count > 0}
+        assert served == set(pool.nodes)  # every node served requests
+
+        # weights through Ray's object store: every policy worker samples as an engine holding the new weights
+        reference = local_engine(policy_path)
+        new = [(name, t + 0.05 * torch.randn_like(t)) for name, t in reference.model.state_dict().items()
+               if name != "lm_head.weight"]
+        before = tokens(pool.generate(POLICY, prompts, GREEDY, [0, 1, 2]))
+        sync = pool.sync_weights(new)
+        reference.update_weights(new)
+        assert sync["bytes"] == 3 * sync["shm_bytes"] > 0 and pool.weights is None  # nothing in /dev/shm
+        after = tokens(pool.generate(POLICY, prompts, GREEDY, [0, 1, 2]))
+        assert after == tokens(reference.generate(prompts, GREEDY)) and after != before
+
+        # a judge worker's actor killed: its request is served by another, the worker is started again on the
+        # cluster, and, given the policy role, loads the latest weights from the object store
+        ray.kill(pool.ray.actors[3], no_restart=True)
+        job = pool.submit("generate", (JUDGE, prompts, GREEDY), [3], JUDGE)
+        pool.wait([job])
+        assert tokens(job.result) == judged and pool.respawned == 1 and "died on Ray node" in job.errors[0]
+        pool.assign([POLICY, POLICY, POLICY, POLICY, JUDGE, JUDGE])
+        assert tokens(pool.generate(POLICY, prompts, GREEDY, [3])) == tokens(reference.generate(prompts, GREEDY))
+    finally:
+        pool.close()
+    assert not any(p for p in ray.util.placement_group_table().values() if p["state"] == "CREATED")
+
+
+def test_an_unreachable_cluster_or_too_few_cpus_is_refused_in_one_line(cluster, models):
+    nodes, _ = cluster
+    policy_path, _ = models
+    specs = {POLICY: RoleSpec(HFEngine(), ModelSource(policy_path))}
+    with pytest.raises(ConfigError, match=r"--placement.address .*: the Ray cluster has 9 CPUs on 3 node\(s\); "
+                                          r"10 engine workers x 1 CPU need 10"):
+        WorkerPool(10, specs, [POLICY] * 10, threads=1, ray_address=nodes.address)
