@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import pickle
 import time
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 
@@ -74,6 +74,11 @@ class DynamicPlacement(PlacementPolicy):
         worker_timeout_s: a worker that does not answer a request in this time is killed and the
             request sent to another worker.
         retries: further attempts for a failed worker request before the step fails.
+        cluster: ``local``: each machine's workers are processes of that machine, split among its controllers;
+            ``ray``: the workers are actors of a Ray cluster (``address``), spread over its nodes, one pool and one
+            split for every controller of the job (docs/cluster.md).
+        address: the Ray cluster's address (``host:port`` of its head, or ``auto``: the one ``ray start`` runs on
+            this machine, or ``RAY_ADDRESS``); with ``cluster ray`` only.
     """
 
     def __init__(
@@ -87,6 +92,8 @@ class DynamicPlacement(PlacementPolicy):
         stream_groups: int = 1,
         worker_timeout_s: float = 600.0,
         retries: int = 2,
+        cluster: Literal["local", "ray"] = "local",
+        address: str = "auto",
     ) -> None:
         for name, value in (("judge_fraction", judge_fraction), ("min_fraction", min_fraction)):
             if not 0 < value < 1:
@@ -102,6 +109,11 @@ class DynamicPlacement(PlacementPolicy):
                               f"{threads}, {stream_groups}, {retries}")
         self.threads, self.stream_groups = threads, stream_groups
         self.worker_timeout_s, self.retries = worker_timeout_s, retries
+        if cluster not in CLUSTERS:
+            raise ConfigError(f"--placement.cluster {cluster!r} is not a cluster gcore runs on; valid choices: "
+                              f"{', '.join(CLUSTERS)}")
+        self.cluster, self.address = cluster, address
+        self._nodes: dict[str, int] = {}  # a Ray node -> its number in the metrics (``placement/node<k>_requests``)
         self.total = 0
         self.device_type = "cpu"
         self.judge_devices = 0
@@ -162,7 +174,11 @@ class DynamicPlacement(PlacementPolicy):
         gpu = self.device_type == "cuda"
         shared = " shared by the machine's controllers" if self.world_size > 1 else ""
         workers = f"{self.total} engine worker process{'es' if self.total != 1 else ''}{shared}"
-        if gpu:
+        if self.cluster == "ray":
+            shared = " shared by every controller of the job" if self.world_size > 1 else ""
+            workers = (f"{self.total} engine workers as actors of the Ray cluster at {self.address}, spread over its "
+                       f"nodes{shared}")
+        elif gpu:
             gpus = torch.cuda.device_count()
             workers += f" spread over {min(self.total, gpus)} GPUs" if gpus > 1 else " sharing one GPU"
         if self.reward_role == JUDGE:
@@ -192,14 +208,15 @@ class DynamicPlacement(PlacementPolicy):
 
         if self.total == 0:
             raise RuntimeError("DynamicPlacement.launch called before setup")
-        peers = Peers.of_this_machine()
+        ray = self.cluster == "ray"
+        peers = Peers.of_the_job() if ray else Peers.of_this_machine()
         if peers is not None:
             self.controllers, self.machines = peers.clients, peers.machines
         self.pool, self.policy_engine, self.judge_engine = launch_workers(
             "--placement dynamic", engine, reward, source=source, device=device, roles=self._roles(),
             threads=self.threads, seed=seed, release=True, job_timeout_s=self.worker_timeout_s, retries=self.retries,
             reward_workers=self.reward_role == REWARD and self.max_reward_devices > 0, peers=peers,
-            liveness_timeout_s=self.heartbeat_timeout)
+            liveness_timeout_s=self.heartbeat_timeout, ray_address=self.address if ray else "")
         if self.reward_role == REWARD:
             self.reward_pool = PoolReward(self.pool, [])
         return self.policy_engine
@@ -474,13 +491,31 @@ class DynamicPlacement(PlacementPolicy):
             "placement/moved": float(moved),
             "placement/idle_generate_s": idle_generate,
             "placement/idle_judge_s": idle_judge,
+            **self._node_metrics(),
         }
+
+    def _node_metrics(self) -> dict[str, float]:
+        """On a Ray cluster: the workers on each node now (``placement/node<k>_workers``), this controller's
+        requests each node has served so far (``placement/node<k>_requests``; nodes numbered as first seen), and the
+        workers started again after a loss (``placement/respawned``)."""
+        pool = self.pool
+        if pool is None or self.cluster != "ray":
+            return {}
+        for node in sorted(set(pool.nodes) | set(pool.served)):
+            self._nodes.setdefault(node, len(self._nodes))
+        out = {"placement/respawned": float(pool.respawned)}
+        for node, k in self._nodes.items():
+            out[f"placement/node{k}_workers"] = float(pool.nodes.count(node))
+            out[f"placement/node{k}_requests"] = float(pool.served.get(node, 0))
+        return out
 
 
 #: the least share of the predicted rollout a move must save: below it, the measurements' own noise could decide the
 #: split (a generation latency floor measured near its whole busy time makes a generation worker look free to give
 #: away for any saving at all)
 MIN_GAIN = 0.01
+#: where the engine workers run (``--placement.cluster``)
+CLUSTERS = ("local", "ray")
 
 
 def _picklable(reward: RewardModel | None) -> bool:

@@ -63,6 +63,7 @@ def launch_workers(
     reward_workers: bool = False,
     peers: Peers | None = None,
     liveness_timeout_s: float = 30.0,
+    ray_address: str = "",
 ) -> tuple[WorkerPool, PoolEngine, PoolEngine | None]:
     """Start a pool with the policy engine and (if the reward has one) the generative judge's engine.
 
@@ -80,6 +81,7 @@ def launch_workers(
         peers: the controllers that share the pool (``WorkerPool``'s); ``None``: this controller's own.
         liveness_timeout_s: as ``WorkerPool``'s: the run's ``--trainer.heartbeat_timeout``
             (``PlacementPolicy.heartbeat_timeout``).
+        ray_address: as ``WorkerPool``'s: the workers are actors of the Ray cluster there (``peers``: the job's).
 
     Returns the pool, the policy's ``PoolEngine`` and the judge's (``None`` without a judge).
     """
@@ -106,8 +108,8 @@ def launch_workers(
                               f"worker process: {err}") from err
     pool = WorkerPool(len(roles), specs, roles, threads=threads, seed=seed, release=release,
                       job_timeout_s=job_timeout_s, retries=retries, device=str(device), peers=peers,
-                      liveness_timeout_s=liveness_timeout_s)
-    if pool.owner and pool.threads * len(roles) > usable_cores():
+                      liveness_timeout_s=liveness_timeout_s, ray_address=ray_address)
+    if pool.owner and not ray_address and pool.threads * len(roles) > usable_cores():
         log.info("%d engine workers x %d threads on %d cores: oversubscribed", len(roles), pool.threads, usable_cores())
     policy = PoolEngine(pool, POLICY, [i for i, r in enumerate(roles) if r == POLICY])
     judge = None

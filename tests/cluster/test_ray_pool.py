@@ -111,3 +111,37 @@ def test_an_unreachable_cluster_or_too_few_cpus_is_refused_in_one_line(cluster, 
     with pytest.raises(ConfigError, match=r"--placement.address .*: the Ray cluster has 9 CPUs on 3 node\(s\); "
                                           r"10 engine workers x 1 CPU need 10"):
         WorkerPool(10, specs, [POLICY] * 10, threads=1, ray_address=nodes.address)
+
+
+def test_two_controllers_share_one_pool_over_the_three_nodes_and_move_it_to_the_judge(cluster, models, gcore_cli,
+                                                                                      tmp_path):
+    """End to end, as a user runs it: `gcore fit --placement dynamic --placement.cluster ray` with 2 controllers and
+    6 workers over the 3 nodes; the prompts' judged share rises from 0 to 1 (``mixed`` task, routed reward) and the
+    split follows it to the judge. The judge is a random tiny model (its verdicts never parse: this shows the
+    placement over the cluster, not the judge's quality)."""
+    import csv
+    import json
+
+    nodes, _ = cluster
+    _, judge_path = models
+    judge = {"class_path": "gcore.rewards.generative.GenerativeReward",
+             "init_args": {"path": judge_path, "batch_size": 1, "max_new_tokens": 48, "verdict": "yes_no"}}
+    routes = json.dumps({"class_path": "gcore.rewards.routed.RoutedReward", "init_args": {"routes": {
+        "math": {"class_path": "gcore.rewards.math.MathReward"}, "judge": judge}}})
+    result = gcore_cli("--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.max_steps", "6",
+                       "--data.task", "mixed", "--data.task_judged_share", "[0, 1]", "--data.shuffle", "false",
+                       "--data.num_synthetic_prompts", "32", "--data.prompts_per_step", "6", "--sampling.n", "4",
+                       "--sampling.max_new_tokens", "8", "--reward", routes, "--placement", "dynamic",
+                       "--placement.workers", "6", "--placement.min_fraction", "0.15",
+                       "--placement.max_move_fraction", "0.34", "--placement.cluster", "ray",
+                       "--placement.address", nodes.address, timeout=1500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "6 engine workers as actors of the Ray cluster" in result.stdout
+    rows = list(csv.DictReader(next((tmp_path / "runs").rglob("metrics.csv")).open()))
+    judges = [float(r["placement/judge_devices"]) for r in rows]
+    assert len(judges) == 6 and judges[0] == 1 and judges[-1] >= 3, judges  # the split moved to the judge
+    last = rows[-1]
+    workers = [float(last[f"placement/node{k}_workers"]) for k in range(3)]
+    requests = [float(last[f"placement/node{k}_requests"]) for k in range(3)]
+    assert workers == [2.0, 2.0, 2.0] and all(r > 0 for r in requests), (workers, requests)  # every node served
+    assert float(last["placement/respawned"]) == 0 and float(last["sync/gb"]) > 0

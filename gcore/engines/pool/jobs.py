@@ -53,8 +53,9 @@ class Peers:
     ``owner``: this controller starts and stops the workers and sends them the weights (the first
     controller of the machine). ``clients``: how many controllers connect to each worker.
     ``gather(value)``: every controller of the machine's ``value``, the owner's first (a collective of all
-    controllers). ``barrier()``: every controller has reached it. ``machines``: how many machines run
-    controllers (each with a pool of its own). ``index``: this controller's place among the machine's.
+    controllers). ``barrier()``: every controller has reached it. ``machines``: how many pools the job's
+    controllers form (one per machine, or one on a Ray cluster). ``index``: this controller's place among the
+    pool's.
     """
 
     owner: bool
@@ -88,6 +89,23 @@ class Peers:
 
         return cls(owner=rank == mine[0], clients=len(mine), gather=gather, barrier=dist.barrier,
                    machines=len(set(nodes)), index=mine.index(rank))
+
+    @classmethod
+    def of_the_job(cls) -> Peers | None:
+        """Every controller of the job, on every machine, sharing one pool (a pool on a Ray cluster): the first
+        controller (rank 0) owns it. ``None`` when this process is the only controller."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        rank, world = dist.get_rank(), dist.get_world_size()
+
+        def gather(value: object) -> list[object]:
+            gathered: list[object] = [None] * world
+            dist.all_gather_object(gathered, value)
+            return gathered
+
+        return cls(owner=rank == 0, clients=world, gather=gather, barrier=dist.barrier, machines=1, index=rank)
 
 
 @dataclass(eq=False)
