@@ -456,7 +456,8 @@ class WorkerPool:
             loaded = nbytes * len(jobs)
         else:  # a shared pool waits: another controller's next request must find the new weights
             self.wait(jobs)
-            loaded = sum(int(cast(SupportsInt, j.result)) for j in jobs)  # the bytes each worker loaded
+            # the bytes each worker loaded (none by a lost one: it loads them when started again)
+            loaded = sum(int(cast(SupportsInt, j.result or 0)) for j in jobs)
             if self.peers is not None:
                 self.peers.barrier()
         end = time.perf_counter()
@@ -633,6 +634,12 @@ class WorkerPool:
         shared with other controllers, which restart workers together between steps, fails)."""
         for job in self._pending:
             if not any(self.alive(i) for i in job.workers):
+                if self.peers is not None and job.kind in ("sync", "role"):  # started again with the latest
+                    # weights and its role at the next step (``revive``, every controller at once)
+                    self._pending.remove(job)
+                    job.done = job.ok = True
+                    del self._jobs[job.id]
+                    return
                 if self.peers is not None:
                     self._pending.remove(job)
                     job.done, job.ok = True, False

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 import traceback
@@ -66,6 +67,7 @@ def connect(address: str) -> bool:
     if not address:
         raise ConfigError("--placement.address is empty: give the Ray cluster's address (host:port of its head, or "
                           "auto for the one started on this machine with `ray start`)")
+    _probe(address)
     try:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
     except Exception as err:  # noqa: BLE001  ConnectionError, ValueError, a timeout: said in one line
@@ -74,6 +76,24 @@ def connect(address: str) -> bool:
                           f"({type(err).__name__}: {text[0] if text else ''}); start one with `ray start --head` "
                           "(docs/cluster.md)") from None
     return True
+
+
+#: how long ``connect`` tries to open a TCP connection to a ``host:port`` address before it says it cannot
+PROBE_S = 10.0
+
+
+def _probe(address: str) -> None:
+    """A ``host:port`` address that nothing answers on is refused at once: ``ray.init`` would retry it for
+    minutes. ``auto`` and ``ray://`` addresses are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=PROBE_S).close()
+    except OSError as err:
+        raise ConfigError(f"--placement.address {address!r}: cannot reach a Ray cluster there (nothing answers: "
+                          f"{type(err).__name__}: {err}); start one with `ray start --head` "
+                          "(docs/cluster.md)") from None
 
 
 def check_resources(size: int, threads: int, gpu: bool, address: str) -> None:
@@ -178,17 +198,23 @@ class RayWorkers:
     def connect(cls, size: int, threads: int, gpu: bool, address: str, startup_timeout_s: float) -> RayWorkers:
         """Connect to the cluster, check it has the devices, and reserve one bundle per worker over its nodes."""
         connected = connect(address)
-        check_resources(size, threads, gpu, address)
-        from ray.util.placement_group import placement_group
-
-        bundle = {"GPU": 1.0, "CPU": 1.0} if gpu else {"CPU": float(threads)}
-        group = placement_group([bundle] * size, strategy="SPREAD", name=f"gcore-pool-{os.getpid()}")
         ray = _ray()
         try:
-            ray.get(group.ready(), timeout=startup_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise GcoreError(f"--placement.address {address!r}: Ray could not reserve {size} x {bundle} within "
-                             f"{startup_timeout_s:.0f}s") from None
+            check_resources(size, threads, gpu, address)
+            from ray.util.placement_group import placement_group, remove_placement_group
+
+            bundle = {"GPU": 1.0, "CPU": 1.0} if gpu else {"CPU": float(threads)}
+            group = placement_group([bundle] * size, strategy="SPREAD", name=f"gcore-pool-{os.getpid()}")
+            try:
+                ray.get(group.ready(), timeout=startup_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                remove_placement_group(group)
+                raise GcoreError(f"--placement.address {address!r}: Ray could not reserve {size} x {bundle} within "
+                                 f"{startup_timeout_s:.0f}s") from None
+        except BaseException:
+            if connected:  # a pool that could not start leaves no Ray driver behind
+                ray.shutdown()
+            raise
         return cls(size, threads, gpu, address, startup_timeout_s, connected, group, [None] * size, [None] * size,
                    [None] * size, [""] * size, [None] * size)
 
