@@ -12,7 +12,8 @@ What Ray does here, and what it does not:
   machine. No process sits between a controller and a worker; Ray's driver API is used to start, stage weights
   and stop.
 - **Weights go through Ray's object store**, not ``/dev/shm``: the owner puts the policy's tensors in buckets of at
-  most ``BUCKET_BYTES`` (``ray.put``), hands the bucket references to every worker actor (``stage``, a Ray call: the
+  most ``BUCKET_BYTES`` (``ray.put``, each tensor as a numpy array of its bytes, which Ray stores and reads
+  without a copy), hands the bucket references to every worker actor (``stage``, a Ray call: the
   references are counted, and freed when the next version replaces them), and then sends each policy worker its
   ``sync`` request on its socket, in order behind its earlier requests; the worker reads the buckets
   (``ray.get``, from whichever node holds them) and copies them into its engine. No shared file system or disk.
@@ -30,6 +31,7 @@ import socket
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -163,8 +165,11 @@ def get_weights(ref: tuple) -> list[tuple[str, torch.Tensor]]:
                              f"{STAGE_WAIT_S:.0f}s (staged: {sorted(_staged)})")
         refs = _staged[max(_staged)]
     named: list[tuple[str, torch.Tensor]] = []
-    for bucket in ray.get(refs):
-        named.extend(bucket)
+    with warnings.catch_warnings():  # the object store's arrays are read-only; the engine copies from them
+        warnings.simplefilter("ignore", UserWarning)
+        for bucket in ray.get(refs):
+            for name, dtype, shape, flat in bucket:
+                named.append((name, torch.from_numpy(flat).view(getattr(torch, dtype)).reshape(shape)))
     return named
 
 
@@ -291,14 +296,16 @@ class RayWorkers:
         """Put the policy's tensors in Ray's object store (buckets of at most ``BUCKET_BYTES``), stage them on every
         worker actor (``latest`` is then the reference the workers' ``sync`` requests carry)."""
         ray = _ray()
-        buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+        buckets: list[list[tuple[str, str, tuple[int, ...], Any]]] = [[]]
         size = nbytes = 0
         for name, tensor in named:
             n = tensor.numel() * tensor.element_size()
             if buckets[-1] and size + n > BUCKET_BYTES:
                 buckets.append([])
                 size = 0
-            buckets[-1].append((name, tensor.detach().contiguous().cpu()))
+            # as bytes in a numpy array: Ray stores and reads those without a copy (a torch tensor is pickled)
+            flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            buckets[-1].append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), flat))
             size += n
             nbytes += n
         self.version += 1
