@@ -58,15 +58,17 @@ def run(reward: GenerativeReward, rows: list[dict[str, str]], seed: int, label: 
     for i, ((sample, kind), value, ok, n, reply) in enumerate(zip(data, scores, parsed, tokens, replies, strict=True)):
         cut = "yes" if reward.verdict != "probability" and n >= budget else ""
         shown = reply.replace("\n", "\\n").replace("|", "\\|")
-        print(f"| {i} | {kind} | {sample.response_text!r} | {value:.3f} | {'yes' if ok else 'NO'} | {n:.0f} | {cut} | "
+        length = "-" if reward.verdict == "probability" else f"{n:.0f}"  # the next token is read, none generated
+        print(f"| {i} | {kind} | {sample.response_text!r} | {value:.3f} | {'yes' if ok else 'NO'} | {length} | {cut} | "
               f"{shown} |")
     right = [v for v, t in zip(scores, truth, strict=True) if t]
     wrong = [v for v, t in zip(scores, truth, strict=True) if not t]
     pairs = [(scores[i], scores[i + 1]) for i in range(0, len(data), 5)] + \
         [(scores[i + 2], scores[i + 3]) for i in range(0, len(data), 5)]
     parsed_truth = [(v > 0.5) == t for v, t, p in zip(scores, truth, parsed, strict=True) if p]
-    return [label, str(len(samples)), f"{statistics.mean(parsed):.2f}", f"{sum(not p for p in parsed)}",
-            f"{statistics.mean(tokens):.1f}", f"{statistics.median(tokens):.0f}", f"{max(tokens):.0f}",
+    lengths = ["-"] * 3 if reward.verdict == "probability" else [
+        f"{statistics.mean(tokens):.1f}", f"{statistics.median(tokens):.0f}", f"{max(tokens):.0f}"]
+    return [label, str(len(samples)), f"{statistics.mean(parsed):.2f}", f"{sum(not p for p in parsed)}", *lengths,
             f"{auc(scores, truth):.3f}", f"{statistics.mean(float(r > w) + 0.5 * (r == w) for r, w in pairs):.3f}",
             f"{statistics.mean(parsed_truth):.3f}" if parsed_truth else "-",
             f"{statistics.mean(right):.3f}", f"{statistics.mean(wrong):.3f}", f"{seconds:.0f}"]

@@ -59,6 +59,7 @@ YES_SPELLINGS = ("yes", " yes", "Yes", " Yes")
 NO_SPELLINGS = ("no", " no", "No", " No")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
+_DENOMINATOR = re.compile(r"/\s*\d+(?:\.\d+)?")
 
 
 def parse_verdict(text: str, verdict: Literal["yes_no", "score"], max_score: float,
@@ -68,7 +69,8 @@ def parse_verdict(text: str, verdict: Literal["yes_no", "score"], max_score: flo
     Without ``pattern``: the first yes or no (``yes_no``) or the first number (``score``) in the text. With one
     (a reasoning judge's verdict line): only the pattern's last match counts, its first group (or the whole match
     where it has none) read as above; no match is unparsable. So a critique's own yes and no and its numbers are
-    not the verdict, and nor is a verdict the critique quotes before its final one.
+    not the verdict, and nor is a verdict the critique quotes before its final one; nor is a scale's denominator
+    (``/10``) a score.
     """
     if pattern is not None:
         matches = list(pattern.finditer(text))
@@ -78,6 +80,8 @@ def parse_verdict(text: str, verdict: Literal["yes_no", "score"], max_score: flo
         text = last.group(1) if pattern.groups else last.group(0)
         if text is None:  # an optional group that did not take part
             return None
+        # a scale's denominator is not the score: "7/10" reads 7, a template's "N/10" echoed back reads nothing
+        text = _DENOMINATOR.sub("", text)
     if verdict == "yes_no":
         hit = _YES_NO.search(text)
         return None if hit is None else float(hit.group(1).lower() == "yes")

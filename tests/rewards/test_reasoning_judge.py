@@ -65,6 +65,9 @@ def test_a_score_verdict_line_is_scaled_and_the_critiques_numbers_are_not_read()
     assert parse_verdict(reply, "score", 10) is None  # the whole text: its first number, 42, is out of range
     assert parse_verdict("Verdict: 3 out of 5\nVerdict: 5/5", "score", 5, LINE) == 1.0
     assert parse_verdict("Verdict: 12/10", "score", 10, LINE) is None
+    # SmolLM2-135M-Instruct echoing the template's placeholder: not 10/10 (the denominator was read before)
+    assert parse_verdict("I'm glad you're pleased with the final answer. Verdict: N/10", "score", 10, LINE) is None
+    assert parse_verdict("Verdict: 8 / 10", "score", 10, LINE) == 0.8
 
 
 def test_a_verdict_pattern_of_ones_own_without_a_group_reads_its_whole_last_match():
