@@ -144,8 +144,8 @@ class GenerativeReward(RewardModel):
             message with the generation prompt added (the verdict is read right after it); ``false`` sends the
             filled template as it is.
         max_score: the top of the judge's score scale.
-        max_new_tokens: the judge's generation budget (``yes_no`` and ``score``). Unset: 128 where a verdict line
-            is read after a critique (template ``reasoning`` or a ``verdict_pattern``), else 8. A critique cut at
+        max_new_tokens: the judge's generation budget (``yes_no`` and ``score``). 0: 128 where a verdict line is
+            read after a critique (template ``reasoning`` or a ``verdict_pattern``), else 8. A critique cut at
             this budget before its verdict line is an unparsable verdict.
         batch_size: samples per judge call.
         unparsable_score: the reward of a sample whose verdict cannot be parsed (counted in
@@ -170,7 +170,7 @@ class GenerativeReward(RewardModel):
         verdict_pattern: str | None = None,
         chat_template: bool = True,
         max_score: float = 10.0,
-        max_new_tokens: int | None = None,
+        max_new_tokens: int = 0,
         batch_size: int = 16,
         unparsable_score: float | None = 0.0,
         retries: int = 1,
@@ -185,7 +185,7 @@ class GenerativeReward(RewardModel):
             raise ConfigError(f"--reward.verdict {verdict!r}: valid choices: auto, {', '.join(VERDICTS)}")
         self.pattern = _verdict_pattern(verdict_pattern, reasoning, verdict)
         template = _template(template, verdict)
-        if max_new_tokens is None:
+        if max_new_tokens == 0:
             max_new_tokens = REASONING_TOKENS if self.pattern is not None else ONE_WORD_TOKENS
         if batch_size <= 0 or max_new_tokens <= 0 or retries < 0:
             raise ConfigError("--reward.batch_size and max_new_tokens must be positive, retries >= 0")
