@@ -51,7 +51,7 @@ def test_a_finished_conversion_of_the_same_file_is_reused_and_another_file_is_co
 
 
 # converting the GGUF (about 10 s, minutes at a load of 8) and loading the 135M judge in the engine workers take most
-# of the time: measured 264 s on a 2-core machine at load 5-8
+# of the time: measured 150 s and 264 s on a 2-core machine at load 5-8
 @pytest.mark.real_model
 @pytest.mark.slow
 @pytest.mark.integration
