@@ -297,6 +297,7 @@ def eval_main(argv: Sequence[str]) -> int:
     --data.task arithmetic --data.chat_template true --reward math --sampling.max_new_tokens 48``.
     """
     import json
+    import os
     import shutil
     import tempfile
 
@@ -305,6 +306,7 @@ def eval_main(argv: Sequence[str]) -> int:
     from gcore.data import load_eval_prompts
     from gcore.evaluation import evaluate
     from gcore.model import load_tokenizer, materialize
+    from gcore.rewards.base import prepare_judges
 
     argv = list(argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -335,6 +337,7 @@ def eval_main(argv: Sequence[str]) -> int:
             sampling.stop_token_ids = (*sampling.stop_token_ids, tokenizer.eos_token_id)
         torch.manual_seed(init["trainer"].seed)
         engine.setup(source, device)
+        prepare_judges(reward, os.path.join(workdir, "judge"))  # a .gguf judge, converted into the eval's folder
         reward.setup(device)
         env.setup(tokenizer)
         metrics = evaluate(engine, reward, tokenizer, prompts, sampling, env=env)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,15 +254,15 @@ def is_gguf(path: str) -> bool:
     return path.lower().endswith(".gguf")
 
 
-def _check_path(path: str) -> None:
+def _check_path(path: str, flag: str = "--model.path") -> None:
     if is_gguf(path):
         if not os.path.isfile(path):
-            raise ConfigError(f"--model.path {path!r}: no such GGUF file")
+            raise ConfigError(f"{flag} {path!r}: no such GGUF file")
         return
     if not os.path.isdir(path):
-        raise ConfigError(f"--model.path {path!r} is not a directory (expected a local HF checkpoint or a .gguf file)")
+        raise ConfigError(f"{flag} {path!r} is not a directory (expected a local HF checkpoint or a .gguf file)")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"--model.path {path!r} has no config.json: not an HF checkpoint directory")
+        raise ConfigError(f"{flag} {path!r} has no config.json: not an HF checkpoint directory")
 
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -439,6 +440,58 @@ def import_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float32
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+#: the file a finished ``converted_gguf`` folder holds: what it was converted from
+CONVERTED_FROM = "gcore-converted-from.json"
+
+
+def converted_gguf(gguf_path: str, folder: str, dtype: torch.dtype = torch.float32, flag: str = "--model.path",
+                   announce: str = "") -> str:
+    """The HF checkpoint folder of ``gguf_path`` under ``folder``, converted (``import_gguf``) only where no
+    finished conversion of the same file (its absolute path, size and modification time) is there yet.
+
+    For a file several processes of one run load (the generative judge's: every controller and engine worker):
+    the first converts it, the others find it. A conversion is written to a folder of its own and renamed into
+    place when complete, so a process never loads a half-written one; two processes converting at once both
+    finish and one of the two folders is kept. Leftovers of converting processes that are gone are removed.
+    ``announce`` is printed when this process converts.
+    """
+    import json
+
+    _check_path(gguf_path, flag)
+    stat = os.stat(gguf_path)
+    origin = {"gguf": os.path.abspath(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+              "dtype": str(dtype).removeprefix("torch.")}
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(gguf_path)[: -len(".gguf")])
+    target = os.path.join(folder, f"{stem}-{origin['dtype']}")
+    marker = os.path.join(target, CONVERTED_FROM)
+    if os.path.isfile(marker):
+        with open(marker, encoding="utf-8") as f:
+            if json.load(f) == origin:
+                return target
+        shutil.rmtree(target, ignore_errors=True)  # another file of that name (or a changed one): converted again
+    os.makedirs(folder, exist_ok=True)
+    host = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())  # a shared folder may see other machines' processes
+    for name in os.listdir(folder):  # a conversion whose process (on this machine) was killed
+        match = re.match(rf"\.converting-{host}-(\d+)-", name)
+        if match and not _alive(int(match.group(1))):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+    if announce:
+        print(announce, flush=True)
+    work = tempfile.mkdtemp(prefix=f".converting-{host}-{os.getpid()}-", dir=folder)
+    try:
+        import_gguf(gguf_path, work, dtype)
+        with open(os.path.join(work, CONVERTED_FROM), "w", encoding="utf-8") as f:
+            json.dump(origin, f)
+        try:
+            os.rename(work, target)
+        except OSError:  # another process put its conversion there first: use that one
+            if not os.path.isfile(marker):
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
 
 
 def import_main(argv) -> int:  # noqa: ANN001

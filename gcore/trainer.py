@@ -34,7 +34,7 @@ from gcore.loggers import make_logger, quiet_dependencies
 from gcore.model import ModelConfig, ModelSource, image_text_to_text, load_tokenizer, make_workdir, materialize
 from gcore.placement.base import PlacementPolicy
 from gcore.rendezvous import loopback_store
-from gcore.rewards.base import RewardModel
+from gcore.rewards.base import RewardModel, prepare_judges
 from gcore.run_config import FitResult, TrainerConfig
 from gcore.run_dir import check_root_writable, check_run_writable, open_run_dir
 from gcore.run_lock import RunLock
@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from lightning.fabric import Fabric
     from lightning.fabric.loggers import Logger
     from transformers import PreTrainedTokenizerBase
+
+#: the run directory's folder of a ``.gguf`` judge's conversion (``GenerativeReward.prepare``), removed at the end
+JUDGE_FOLDER = "converted-judge"
 
 
 class Trainer:
@@ -194,6 +197,12 @@ class Trainer:
             if images and not image_text_to_text(source.path, source.trust_remote_code):
                 raise ConfigError(f"--model.path {source.path}: image prompts need an image-text-to-text checkpoint "
                                   "(one AutoModelForImageTextToText loads), with its processor")
+            # a .gguf judge converted once for the run, before any controller or engine worker loads it: the
+            # controllers this process launches find the conversion in the run directory
+            judge_folder = os.path.join(c.default_root_dir, c.name, JUDGE_FOLDER)
+            if _launching_process():
+                cleanup.callback(shutil.rmtree, judge_folder, ignore_errors=True)
+            prepare_judges(self.reward, judge_folder)
             # the single-node rendezvous store lives as long as the run
             cleanup.enter_context(loopback_store(fabric, c.num_nodes, c.collective_timeout))
             cleanup.enter_context(threads.launching())  # Fabric's OMP_NUM_THREADS in a controller is not the user's

@@ -188,12 +188,23 @@ class Judge:
 
     A placement policy that runs the judge in engine processes of its own builds a copy of
     ``engine`` (configured, not set up) there from ``source``, and calls ``use`` with the engine that
-    reaches those processes, before the reward's ``setup``: the reward then asks that one.
+    reaches those processes, before the reward's ``setup``: the reward then asks that one. ``prepare``, where
+    given, makes the judge's checkpoint folder once per run (a ``.gguf`` judge's conversion) under the folder
+    it is called with; the trainer calls it in every controller process before any engine starts
+    (``prepare_judges``), and ``source`` then names that folder.
     """
 
     engine: Engine
     source: ModelSource
     use: Callable[[Engine], None]
+    prepare: Callable[[str], None] | None = None
+
+
+def prepare_judges(reward: RewardModel, folder: str) -> None:
+    """Let each of ``reward``'s judges make its checkpoint under ``folder`` (``Judge.prepare``)."""
+    for judge in reward.judges():
+        if judge.prepare is not None:
+            judge.prepare(folder)
 
 
 class RewardModel(ABC):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import re
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
@@ -12,7 +14,7 @@ import torch
 
 from gcore.engines.base import Engine
 from gcore.errors import ConfigError, RewardError
-from gcore.model import ModelSource
+from gcore.model import ModelSource, converted_gguf, is_gguf
 from gcore.rewards.base import Judge, RewardModel
 from gcore.types import Sample, SamplingParams, VisualInputs
 
@@ -29,16 +31,57 @@ DEFAULT_TEMPLATE = (
     "You are a strict grader. The correct answer is {answer}.\n\nReply to grade: {response}\n\n"
     "Is the reply correct? Answer with one word: yes or no."
 )
+#: the built-in judge prompts that ask for a short critique first and then a verdict line, which the judge's
+#: text is read at (the last one: ``VERDICT_LINE``), per ``--reward.verdict``
+REASONING_TEMPLATES = {
+    "yes_no": (
+        "You are a strict grader. The correct answer is {answer}.\n\nReply to grade: {response}\n\n"
+        "In one or two short sentences, say whether the reply's final answer is the correct answer. "
+        "Then end with a last line that is exactly 'Verdict: yes' if it is, or 'Verdict: no' if it is not."
+    ),
+    "score": (
+        "You are a strict grader. The correct answer is {answer}.\n\nReply to grade: {response}\n\n"
+        "In one or two short sentences, say how well the reply answers: is its final answer the correct answer? "
+        "Then end with a last line 'Verdict: N/{max_score}', where N is a whole number from 0 (wrong) to "
+        "{max_score} (correct)."
+    ),
+}
+#: ``--reward.template``'s built-in names (any other value is a template of its own, with ``{response}``)
+TEMPLATES = ("default", "reasoning")
 VERDICTS = ("probability", "yes_no", "score")
+#: where a reasoning judge's verdict is read: the text after ``Verdict:`` (any case, markdown ``**`` around
+#: it allowed) to the end of its line; the last such line in the reply counts
+VERDICT_LINE = r"(?i)\bverdict\b[^\w\n]{0,4}?:[^\w\n]*(\w[^\n]*)"
+#: the judge's generation budget: one word, or a critique and a verdict line
+ONE_WORD_TOKENS, REASONING_TOKENS = 8, 128
 #: the spellings whose first tokens count as a yes (or a no) in the ``probability`` verdict
 YES_SPELLINGS = ("yes", " yes", "Yes", " Yes")
 NO_SPELLINGS = ("no", " no", "No", " No")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
+_DENOMINATOR = re.compile(r"/\s*\d+(?:\.\d+)?")
 
 
-def parse_verdict(text: str, verdict: Literal["yes_no", "score"], max_score: float) -> float | None:
-    """The judge's reward in [0, 1] from its text, or None when it cannot be parsed."""
+def parse_verdict(text: str, verdict: Literal["yes_no", "score"], max_score: float,
+                  pattern: re.Pattern[str] | None = None) -> float | None:
+    """The judge's reward in [0, 1] from its text, or None when it cannot be parsed.
+
+    Without ``pattern``: the first yes or no (``yes_no``) or the first number (``score``) in the text. With one
+    (a reasoning judge's verdict line): only the pattern's last match counts, its first group (or the whole match
+    where it has none) read as above; no match is unparsable. So a critique's own yes and no and its numbers are
+    not the verdict, and nor is a verdict the critique quotes before its final one; nor is a scale's denominator
+    (``/10``) a score.
+    """
+    if pattern is not None:
+        matches = list(pattern.finditer(text))
+        if not matches:
+            return None
+        last = matches[-1]
+        text = last.group(1) if pattern.groups else last.group(0)
+        if text is None:  # an optional group that did not take part
+            return None
+        # a scale's denominator is not the score: "7/10" reads 7, a template's "N/10" echoed back reads nothing
+        text = _DENOMINATOR.sub("", text)
     if verdict == "yes_no":
         hit = _YES_NO.search(text)
         return None if hit is None else float(hit.group(1).lower() == "yes")
@@ -79,19 +122,31 @@ class GenerativeReward(RewardModel):
     """Asks a judge LLM about each sample and turns its verdict into a reward.
 
     Args:
-        path: local checkpoint directory of the judge (with its tokenizer).
+        path: local checkpoint directory of the judge (with its tokenizer), or a ``.gguf`` file: converted once
+            per run into an HF checkpoint folder in the run directory (``converted-judge/``, removed when the run
+            ends), which every controller and engine worker loads (``gcore import`` converts it for good).
         engine: the engine that runs the judge (``hf`` on CPU).
-        template: the judge prompt; ``{prompt}``, ``{response}`` and ``{answer}`` are filled in.
+        template: the judge prompt; ``{prompt}``, ``{response}``, ``{answer}`` (and ``{max_score}``) are filled
+            in. Or a built-in one by name: ``default`` (one word: yes or no) or ``reasoning`` (a short critique,
+            then a last line ``Verdict: yes`` / ``Verdict: no``, or ``Verdict: N/max_score`` with
+            ``verdict score``; the verdict is read from the last such line: ``verdict_pattern``).
         verdict: ``probability`` (the reward is P(yes) / (P(yes) + P(no)) of the judge's next token after
             the prompt, summed over the first tokens of ``yes``/``Yes`` with and without a leading space, and
             likewise for no: never unparsable; needs an engine with ``next_token_logprobs``, such as ``hf``),
             ``yes_no`` (generated text: yes -> 1, no -> 0) or ``score`` (generated text: a number in
-            ``[0, max_score]``, scaled to [0, 1]).
+            ``[0, max_score]``, scaled to [0, 1]). ``auto``: ``yes_no`` where a verdict line is read (template
+            ``reasoning`` or a ``verdict_pattern``), else ``probability``.
+        verdict_pattern: a regular expression (Python ``re``) for the verdict in the judge's generated text: its
+            LAST match is read (its group, where it has one, else the whole match) as ``verdict`` says; no match
+            is an unparsable verdict. Unset: the built-in ``Verdict:`` line with template ``reasoning``
+            (``VERDICT_LINE``), else the whole text (the first yes/no or number in it).
         chat_template: when the judge's tokenizer has a chat template, send the filled ``template`` as one user
             message with the generation prompt added (the verdict is read right after it); ``false`` sends the
             filled template as it is.
         max_score: the top of the judge's score scale.
-        max_new_tokens: the judge's generation budget (``yes_no`` and ``score``).
+        max_new_tokens: the judge's generation budget (``yes_no`` and ``score``). 0: 128 where a verdict line is
+            read after a critique (template ``reasoning`` or a ``verdict_pattern``), else 8. A critique cut at
+            this budget before its verdict line is an unparsable verdict.
         batch_size: samples per judge call.
         unparsable_score: the reward of a sample whose verdict cannot be parsed (counted in
             ``reward/errors``; the controller warns once per step with the first such verdict);
@@ -111,10 +166,11 @@ class GenerativeReward(RewardModel):
         path: str,
         engine: Engine | None = None,
         template: str = DEFAULT_TEMPLATE,
-        verdict: Literal["probability", "yes_no", "score"] = "probability",
+        verdict: Literal["auto", "probability", "yes_no", "score"] = "auto",
+        verdict_pattern: str | None = None,
         chat_template: bool = True,
         max_score: float = 10.0,
-        max_new_tokens: int = 8,
+        max_new_tokens: int = 0,
         batch_size: int = 16,
         unparsable_score: float | None = 0.0,
         retries: int = 1,
@@ -122,15 +178,22 @@ class GenerativeReward(RewardModel):
         trust_remote_code: bool = False,
         images: bool = True,
     ) -> None:
+        reasoning = template == "reasoning"
+        if verdict == "auto":
+            verdict = "yes_no" if reasoning or verdict_pattern is not None else "probability"
         if verdict not in VERDICTS:
-            raise ConfigError(f"--reward.verdict {verdict!r}: valid choices: {', '.join(VERDICTS)}")
-        if "{response}" not in template:
-            raise ConfigError("--reward.template must contain {response}")
+            raise ConfigError(f"--reward.verdict {verdict!r}: valid choices: auto, {', '.join(VERDICTS)}")
+        self.pattern = _verdict_pattern(verdict_pattern, reasoning, verdict)
+        template = _template(template, verdict)
+        if max_new_tokens == 0:
+            max_new_tokens = REASONING_TOKENS if self.pattern is not None else ONE_WORD_TOKENS
         if batch_size <= 0 or max_new_tokens <= 0 or retries < 0:
             raise ConfigError("--reward.batch_size and max_new_tokens must be positive, retries >= 0")
         from gcore.engines.hf import HFEngine
 
         self.path, self.engine = path, engine or HFEngine()
+        #: the judge's HF checkpoint folder where ``path`` is a ``.gguf`` file, once converted (``prepare``)
+        self.checkpoint: str | None = None
         #: the engine as configured: it runs the judge here, or copies of it run it in engine workers
         #: (``_use_engine``), so it says what the judge can take (``_check_images``)
         self.configured: Engine = self.engine
@@ -148,6 +211,9 @@ class GenerativeReward(RewardModel):
         self.no_ids: list[int] = []
         self.last_unparsable = 0
         self.last_judge_tokens = 0
+        #: the judge's generated replies in the last ``score``, in the samples' order (each sample's reply length
+        #: in tokens is its ``reward_info["judge_tokens"]``); none for the ``probability`` verdict
+        self.last_replies: list[str] = []
 
     def _check_engine(self, engine: Engine) -> None:
         if self.verdict == "probability" and not _gives_logprobs(engine):
@@ -157,29 +223,50 @@ class GenerativeReward(RewardModel):
 
     @property
     def source(self) -> ModelSource:
-        """The judge checkpoint (loaded in float32)."""
-        return ModelSource(self.path, torch.float32, self.trust_remote_code)
+        """The judge checkpoint (loaded in float32): ``path``, or its conversion where it is a ``.gguf`` file
+        (made here, in a folder of this process's own, where no ``prepare`` made it for the run)."""
+        if is_gguf(self.path) and self.checkpoint is None:
+            self.prepare(_own_folder())
+        return ModelSource(self.checkpoint or self.path, torch.float32, self.trust_remote_code)
+
+    def prepare(self, folder: str) -> None:
+        """Where ``path`` is a ``.gguf`` file, convert it into an HF checkpoint under ``folder`` unless a process
+        of the run did (``converted_gguf``); the judge is loaded from there. Called once per process before the
+        judge's engines start (``Judge.prepare``: the trainer, with the run directory's ``converted-judge``)."""
+        if not is_gguf(self.path) or self.checkpoint is not None:
+            return
+        self.checkpoint = converted_gguf(
+            self.path, folder, torch.float32, "--reward.path",
+            announce=f"converting the judge {self.path} to an HF checkpoint in {folder} for this run "
+                     "(`gcore import` converts it once for later runs)")
 
     def setup(self, device) -> None:  # noqa: ANN001
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
+        source = self.source
+        self.tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=self.trust_remote_code)
         if self.verdict == "probability":
             self.yes_ids, self.no_ids = verdict_token_ids(self.tokenizer)
+        elif self.tokenizer.eos_token_id is not None:  # a critique ends at the tokenizer's end of turn
+            stops = tuple(dict.fromkeys((*self.params.stop_token_ids, self.tokenizer.eos_token_id)))
+            self.params = SamplingParams(n=1, max_new_tokens=self.params.max_new_tokens, temperature=0.0,
+                                         stop_token_ids=stops)
         self.processor, self._stand_in = None, None
         if self.images and self.chat_template:
             from gcore.model import image_text_to_text
 
-            if image_text_to_text(self.path, self.trust_remote_code):
+            if image_text_to_text(source.path, self.trust_remote_code):
                 from gcore.vision import load_processor
 
-                self.processor = load_processor(self.path, self.trust_remote_code)
+                self.processor = load_processor(source.path, self.trust_remote_code)
         device = torch.device(device) if device is not None else torch.device("cpu")
-        self.engine.setup(self.source, device)
+        self.engine.setup(source, device)
 
     def judges(self) -> list[Judge]:
-        """This reward's judge: a placement policy may run it on engine workers of its own."""
-        return [Judge(self.engine, self.source, self._use_engine)]
+        """This reward's judge: a placement policy may run it on engine workers of its own. Its ``source`` is
+        the converted folder once ``prepare`` ran (the trainer runs it first), else ``path`` as given."""
+        source = ModelSource(self.checkpoint or self.path, torch.float32, self.trust_remote_code)
+        return [Judge(self.engine, source, self._use_engine, self.prepare)]
 
     def _use_engine(self, engine: Engine) -> None:
         self._check_engine(engine)
@@ -196,7 +283,7 @@ class GenerativeReward(RewardModel):
 
     def _filled(self, sample: Sample) -> str:
         return self.template.format(prompt=sample.prompt.text, response=sample.response_text,
-                                    answer=sample.prompt.answer or "")
+                                    answer=sample.prompt.answer or "", max_score=f"{self.max_score:g}")
 
     def judge_inputs(self, sample: Sample) -> tuple[list[int], VisualInputs | None]:
         """The judge's prompt token ids and the images it sees with them: for an image-text-to-text judge and a
@@ -288,8 +375,9 @@ class GenerativeReward(RewardModel):
                               f"for --reward.verdict {self.verdict}; use --reward.engine {engines}, or "
                               "--reward.images false")
 
-    def _judge(self, prompts: list[list[int]], visual: list[VisualInputs | None]) -> list[str]:
-        """The judge's generated verdicts (``yes_no``, ``score``), with the images where there are any."""
+    def _judge(self, prompts: list[list[int]], visual: list[VisualInputs | None]) -> list[tuple[str, int, bool]]:
+        """The judge's generated verdicts (``yes_no``, ``score``), with the images where there are any: each
+        reply's text, its length in tokens, and whether it was cut at ``max_new_tokens``."""
         if any(v is not None for v in visual):
             self._check_images()
 
@@ -300,7 +388,8 @@ class GenerativeReward(RewardModel):
                 return self.engine.generate(prompts, self.params)
         outs = self._call("verdicts", call, len(prompts))
         self.last_judge_tokens += sum(len(o[0].token_ids) for o in outs)
-        return [self.tokenizer.decode(o[0].token_ids, skip_special_tokens=True) for o in outs]
+        return [(self.tokenizer.decode(o[0].token_ids, skip_special_tokens=True), len(o[0].token_ids),
+                 not o[0].finished) for o in outs]
 
     def _probabilities(self, prompts: list[list[int]], visual: list[VisualInputs | None]) -> list[float]:
         """P(yes) / (P(yes) + P(no)) of each prompt's next token (``probability``), with the images where there
@@ -324,6 +413,7 @@ class GenerativeReward(RewardModel):
         if self.tokenizer is None:
             self.setup(None)
         self.last_errors = self.last_unparsable = self.last_judge_tokens = 0
+        self.last_replies = []
         self.last_error = None
         scores: list[float] = []
         for start in range(0, len(samples), self.batch_size):
@@ -333,21 +423,77 @@ class GenerativeReward(RewardModel):
             if self.verdict == "probability":
                 scores.extend(self._probabilities(prompts, visual))
                 continue
-            for sample, text in zip(chunk, self._judge(prompts, visual), strict=False):
-                value = parse_verdict(text, self.verdict, self.max_score)
+            for sample, (text, tokens, cut) in zip(chunk, self._judge(prompts, visual), strict=False):
+                self.last_replies.append(text)
+                sample.reward_info["judge_tokens"] = float(tokens)
+                value = parse_verdict(text, self.verdict, self.max_score, self.pattern)
                 if value is None:
                     self.last_unparsable += 1
+                    why = f"unparsable judge verdict {text!r}"
+                    if self.pattern is not None:
+                        why += (f" (no verdict line; cut at --reward.max_new_tokens {self.params.max_new_tokens})"
+                                if cut else " (no verdict line: --reward.verdict_pattern)")
                     if self.unparsable_score is None:
                         raise RewardError(
-                            f"unparsable judge verdict {text!r} for prompt "
-                            f"{sample.prompt.source or sample.prompt.index}; "
+                            f"{why} for prompt {sample.prompt.source or sample.prompt.index}; "
                             "set --reward.unparsable_score to score such samples and go on"
                         )
                     if self.last_error is None:  # no log line per sample: reward/errors counts them
                         where, score = sample.prompt.source or sample.prompt.index, self.unparsable_score
-                        self.last_error = f"unparsable judge verdict {text!r} for prompt {where}, scored {score}"
+                        self.last_error = f"{why} for prompt {where}, scored {score}"
                     value = self.unparsable_score
                     sample.reward_info["judge_unparsable"] = 1.0
                 scores.append(float(value))
         self.last_errors = self.last_unparsable
         return scores
+
+
+def _template(template: str, verdict: str) -> str:
+    """``--reward.template``: a built-in one by name (``TEMPLATES``), or the user's own, with ``{response}``."""
+    if template == "default":
+        return DEFAULT_TEMPLATE
+    if template == "reasoning":
+        if verdict not in REASONING_TEMPLATES:
+            raise ConfigError(f"--reward.template reasoning reads a verdict line after a critique: it needs a "
+                              f"generated verdict, not --reward.verdict {verdict}; valid choices: "
+                              f"{', '.join(REASONING_TEMPLATES)}")
+        return REASONING_TEMPLATES[verdict]
+    if "{response}" not in template:
+        shown = template if len(template) <= 40 else template[:37] + "..."
+        raise ConfigError(f"--reward.template {shown!r}: neither a built-in template (valid choices: "
+                          f"{', '.join(TEMPLATES)}) nor a template with {{response}} in it")
+    return template
+
+
+def _verdict_pattern(pattern: str | None, reasoning: bool, verdict: str) -> re.Pattern[str] | None:
+    """``--reward.verdict_pattern`` compiled (``VERDICT_LINE`` for the ``reasoning`` template where unset)."""
+    if pattern is None:
+        return re.compile(VERDICT_LINE) if reasoning else None
+    if verdict == "probability":
+        raise ConfigError("--reward.verdict_pattern reads the judge's generated text: it needs --reward.verdict "
+                          "yes_no or score, not probability (which reads the next token's probabilities)")
+    try:
+        compiled = re.compile(pattern)
+    except re.error as err:
+        raise ConfigError(f"--reward.verdict_pattern {pattern!r}: not a regular expression ({err})") from None
+    if compiled.groups > 1:
+        raise ConfigError(f"--reward.verdict_pattern {pattern!r}: {compiled.groups} groups; it may have at most one "
+                          "(the verdict), or none (the whole match is the verdict); use (?:...) for the others")
+    if compiled.search("") is not None:
+        raise ConfigError(f"--reward.verdict_pattern {pattern!r} matches empty text, so every reply would have a "
+                          "verdict; make it require the verdict's words")
+    return compiled
+
+
+_folder: list[str] = []  # this process's folder for judges converted outside a run (``_own_folder``)
+
+
+def _own_folder() -> str:
+    """A temp folder of this process's own for ``.gguf`` judges converted outside a run (a judge used as a library,
+    ``gcore eval``), removed when the process exits (and by a later process if this one is killed)."""
+    if not _folder:
+        from gcore.model import make_workdir
+
+        _folder.append(make_workdir())
+        atexit.register(shutil.rmtree, _folder[0], ignore_errors=True)
+    return _folder[0]

@@ -284,7 +284,8 @@ def test_an_engine_without_next_token_logprobs_fails_at_config(judge_dir):
     assert "\n" not in message and message.startswith("--reward.verdict probability needs an engine")
     assert "TextOnly" in message and message.endswith("valid choices: probability, yes_no, score")
     GenerativeReward(judge_dir, engine=TextOnly(), verdict="yes_no")  # a free-text verdict needs no log-probabilities
-    with pytest.raises(ConfigError, match=r"^--reward.verdict 'maybe': valid choices: probability, yes_no, score$"):
+    with pytest.raises(ConfigError,
+                       match=r"^--reward.verdict 'maybe': valid choices: auto, probability, yes_no, score$"):
         GenerativeReward(judge_dir, verdict="maybe")  # type: ignore[arg-type]
 
     class Refusing(HFEngine):  # e.g. a pool worker whose own engine has none: it raises at the first score
