@@ -57,12 +57,13 @@ def test_a_finished_conversion_of_the_same_file_is_reused_and_another_file_is_co
 @pytest.mark.integration
 @pytest.mark.timeout(1200)
 def test_fit_with_a_gguf_judge_on_dynamic_placement_with_two_controllers(tmp_path):
-    """The issue's command, 2 steps (2 controllers sharing 2 engine workers), with the reasoning template on a short
+    """The issue's command, 1 step (2 controllers sharing 2 engine workers), with the reasoning template on a short
     budget: the judge loads in the workers from one conversion in the run directory, which the run removes at its
     end; its critiques cut at 16 tokens have no verdict line and are counted in reward/errors."""
     runs = tmp_path / "runs"
     try:
-        result = run_gcore("fit", "--trainer.default_root_dir", str(runs), *FAST, "--trainer.devices", "2",
+        result = run_gcore("fit", "--trainer.default_root_dir", str(runs), *FAST, "--trainer.max_steps", "1",
+                           "--trainer.devices", "2",
                            "--placement", "dynamic", "--placement.workers", "2", "--reward", "generative",
                            "--reward.path", smollm2_gguf(), "--reward.template", "reasoning",
                            "--reward.max_new_tokens", "16", cwd=tmp_path, timeout=1100)
@@ -74,7 +75,7 @@ def test_fit_with_a_gguf_judge_on_dynamic_placement_with_two_controllers(tmp_pat
     assert f"in {runs / 'gcore' / 'converted-judge'}" in result.stdout
     assert not (runs / "gcore" / "converted-judge").exists()  # removed when the run ended
     rows = [r for r in csv.DictReader(next(runs.rglob("metrics.csv")).open()) if r.get("placement/judge_devices")]
-    assert len(rows) == 2
+    assert len(rows) == 1  # one step: the CI budget (the judge's load in each worker is most of the time)
     for r in rows:
         assert float(r["placement/judge_devices"]) >= 1 and float(r["time/reward"]) > 0
         # 16 tokens are too few for SmolLM2's critique and its verdict line: unparsable, counted, scored 0
