@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 BUCKET_BYTES = 256 << 20
 #: how long a worker waits for the weights it is told to load to be staged (they are staged before it is told)
 STAGE_WAIT_S = 60.0
+#: how often the owner asks Ray whether a worker's actor still runs (``RayWorkers.exited``)
+CHECK_S = 1.0
 #: the Ray namespace of gcore's actors
 NAMESPACE = "gcore"
 
@@ -197,6 +199,7 @@ class RayWorkers:
     pids: list[int | None] = field(default_factory=list)
     version: int = 0
     refs: list = field(default_factory=list)
+    checked: dict[int, float] = field(default_factory=dict)  # worker -> when Ray last said it runs
     nbytes: int = 0
 
     @classmethod
@@ -240,6 +243,7 @@ class RayWorkers:
             runtime_env={"env_vars": thread_env(self.threads)},
         ).remote()
         self.actors[i] = actor
+        self.checked.pop(i, None)
         if self.refs:  # the latest weights are there before it is told to load them
             actor.stage.remote(self.version, self.refs)
         self.serving[i] = None
@@ -273,13 +277,19 @@ class RayWorkers:
         return out
 
     def exited(self, i: int) -> str | None:
-        """How worker ``i`` ended (its actor died, its node was lost), or ``None`` while it runs."""
+        """How worker ``i`` ended (its actor died, its node was lost), or ``None`` while it runs. Ray is asked at most
+        every ``CHECK_S`` per worker: the pool asks at every dispatch, and a worker that dies closes its sockets,
+        which the pool sees at once."""
         ray = _ray()
         serving = self.serving[i]
         if serving is None:
             return None
+        now = time.monotonic()
+        if now - self.checked.get(i, -CHECK_S) < CHECK_S:
+            return None
         done, _ = ray.wait([serving], timeout=0)
         if not done:
+            self.checked[i] = now
             return None
         try:
             ray.get(serving)
