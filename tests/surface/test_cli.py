@@ -1,11 +1,12 @@
-"""The command line, run as a user runs it: in a fresh process."""
+"""The command line, run as a user runs it: in a fresh process. Its help and printed configs are read from ``main``
+called in the test's process (``run_gcore_here``): a fresh process would only import gcore again."""
 
 import csv
 import dataclasses
 import json
 
 import pytest
-from conftest import run_gcore
+from conftest import run_gcore, run_gcore_here
 
 from gcore import registry
 from gcore.trainer import TrainerConfig
@@ -42,11 +43,11 @@ def test_kl_is_logged_when_used_and_tensorboard_logger(gcore_cli, tmp_path):
     assert list((tmp_path / "runs").glob("gcore/version_*/events.out.tfevents.*"))
 
 
-def test_config_file_with_plugin_names_and_overrides(gcore_cli, tmp_path):
+def test_config_file_with_plugin_names_and_overrides(gcore_cli, gcore_here, tmp_path):
     (tmp_path / "cfg.yaml").write_text(
         "algorithm:\n  class_path: grpo\n  init_args:\n    clip_eps: 0.3\nreward: target_char\n"
     )
-    printed = gcore_cli("--config", "cfg.yaml", "--algorithm.loss_agg", "token_mean", "--print_config")
+    printed = gcore_here("--config", "cfg.yaml", "--algorithm.loss_agg", "token_mean", "--print_config")
     assert printed.returncode == 0, printed.stderr
     assert "class_path: gcore.algorithms.grpo.GRPO" in printed.stdout or "class_path: gcore.GRPO" in printed.stdout
     assert "clip_eps: 0.3" in printed.stdout and "loss_agg: token_mean" in printed.stdout
@@ -55,11 +56,11 @@ def test_config_file_with_plugin_names_and_overrides(gcore_cli, tmp_path):
     assert again.returncode == 0, again.stderr
 
 
-def test_a_plugin_chosen_on_the_command_line_overrides_the_config_files(gcore_cli, tmp_path):
+def test_a_plugin_chosen_on_the_command_line_overrides_the_config_files(gcore_here, tmp_path):
     """`--config` names one reward; `--reward NAME --reward.OPTION` after it picks another and sets its option
     (the choice used to be moved before the file, which then chose its own class back)."""
     (tmp_path / "cfg.yaml").write_text("reward: target_char\nalgorithm: grpo\n")
-    printed = gcore_cli("--config", "cfg.yaml", "--reward", "regex", "--reward.pattern", "a+", "--print_config")
+    printed = gcore_here("--config", "cfg.yaml", "--reward", "regex", "--reward.pattern", "a+", "--print_config")
     assert printed.returncode == 0, printed.stderr[-2000:]
     assert "gcore.rewards.rule.RegexReward" in printed.stdout and "pattern: a+" in printed.stdout
 
@@ -78,9 +79,9 @@ def test_plugins_lists_every_family_with_its_package():
 
 
 def test_help_shows_plugin_options():
-    result = run_gcore("fit", "--algorithm.help", "grpo")
+    result = run_gcore_here("fit", "--algorithm.help", "grpo")
     assert result.returncode == 0 and "--algorithm.clip_eps" in result.stdout
-    result = run_gcore("fit", "--help")
+    result = run_gcore_here("fit", "--help")
     assert {"dapo", "grpo", "ppo", "rloo"} <= set(registry.names("algorithm"))
     assert result.returncode == 0 and f"--algorithm: {ALGORITHMS} (default grpo)" in result.stdout
 
