@@ -5,7 +5,7 @@ import json
 import math
 
 import pytest
-from conftest import FAST, run_gcore
+from conftest import FAST, run_gcore, run_gcore_here
 
 from gcore.data import DataConfig, load_eval_prompts, load_prompts
 from gcore.errors import ConfigError, DataError
@@ -185,7 +185,7 @@ def test_eval_every_logs_held_out_accuracy_and_report_plots_it(tmp_path):
         if r.get("eval/accuracy_greedy"):
             assert 0 <= float(r["eval/accuracy_greedy"]) <= 1 and float(r["eval/prompts"]) == 4
     pytest.importorskip("matplotlib")
-    report = run_gcore("report", str(run))
+    report = run_gcore_here("report", str(run))  # the CLI's main, in this process
     assert report.returncode == 0, report.stderr
     assert "steps: 3" in report.stdout and "eval/accuracy_greedy:" in report.stdout
     assert "(3 evaluations)" in report.stdout
@@ -206,7 +206,7 @@ def test_gcore_eval_prints_the_metrics(tmp_path):
 def test_gguf_paths_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="no such GGUF file"):
         load_tokenizer(ModelConfig(path=str(tmp_path / "missing.gguf")))
-    result = run_gcore("import", str(tmp_path / "model.bin"), str(tmp_path / "out"))
+    result = run_gcore_here("import", str(tmp_path / "model.bin"), str(tmp_path / "out"))
     assert result.returncode == 2 and "expected a .gguf file" in result.stderr
 
 
