@@ -37,8 +37,10 @@ def test_fit_writes_metrics_and_final_checkpoint(gcore_cli, tmp_path):
     assert (final / "config.json").exists() and (final / "tokenizer.json").exists()
 
 
-def test_kl_is_logged_when_used_and_tensorboard_logger(gcore_cli, tmp_path):
-    result = gcore_cli("--algorithm.kl_coef", "0.1", "--trainer.logger", "[csv, tensorboard]")
+def test_kl_is_logged_when_used_and_tensorboard_logger(gcore_here, tmp_path):
+    """A 2-step ``gcore fit`` through ``main`` in this process (``test_fit_writes_metrics_and_final_checkpoint`` runs
+    one in a fresh process): the option's value reaches the algorithm and the logger list reaches the loggers."""
+    result = gcore_here("--algorithm.kl_coef", "0.1", "--trainer.logger", "[csv, tensorboard]")
     assert result.returncode == 0, result.stderr
     assert float(_metrics(tmp_path)[-1]["kl"]) >= 0
     assert list((tmp_path / "runs").glob("gcore/version_*/events.out.tfevents.*"))
@@ -66,8 +68,8 @@ def test_a_plugin_chosen_on_the_command_line_overrides_the_config_files(gcore_he
     assert "gcore.rewards.rule.RegexReward" in printed.stdout and "pattern: a+" in printed.stdout
 
 
-def test_class_path_for_a_plugin(gcore_cli):
-    result = gcore_cli("--algorithm", "gcore.algorithms.grpo.GRPO", "--algorithm.scale_rewards", "false")
+def test_class_path_for_a_plugin(gcore_here):
+    result = gcore_here("--algorithm", "gcore.algorithms.grpo.GRPO", "--algorithm.scale_rewards", "false")
     assert result.returncode == 0, result.stderr
 
 
