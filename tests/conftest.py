@@ -173,6 +173,8 @@ def run_gcore_here(*args: str, cwd=None) -> subprocess.CompletedProcess:
                 code = main(list(args))
             except SystemExit as done:  # jsonargparse's help and printed config, and its refusals
                 code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+                if done.code is not None and not isinstance(done.code, int):  # as Python prints sys.exit("text")
+                    print(done.code, file=sys.stderr)
     finally:
         os.chdir(previous)
     return subprocess.CompletedProcess(["gcore", *args], code, out.getvalue(), err.getvalue())
