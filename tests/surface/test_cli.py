@@ -143,7 +143,8 @@ def test_unknown_config_key_is_named(gcore_here):
     assert result.returncode == 2 and "clip_epsilon" in result.stderr
 
 
-def test_reward_that_raises_stops_naming_the_sample_unless_told_to_score_zero(gcore_cli, tmp_path):
+def test_reward_that_raises_stops_naming_the_sample_unless_told_to_score_zero(gcore_here, tmp_path):
+    """Two 2-step ``gcore fit`` runs through ``main`` in this process (a fresh one would only import gcore again)."""
     (tmp_path / "myreward.py").write_text(
         "def score(prompt, response, answer):\n"
         "    if prompt.startswith('3'):\n        raise ValueError('cannot score this one')\n"
@@ -153,11 +154,11 @@ def test_reward_that_raises_stops_naming_the_sample_unless_told_to_score_zero(gc
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     common = ["--data.path", "d.jsonl", "--data.prompts_per_step", "10", "--reward", "python",
               "--reward.function", "myreward.py:score"]
-    result = gcore_cli(*common)
+    result = gcore_here(*common)
     assert result.returncode == 2
     assert "ValueError: cannot score this one on sample (prompt d.jsonl:4: '3='" in result.stderr
     assert "--reward.on_error zero" in result.stderr
-    result = gcore_cli(*common, "--reward.on_error", "zero")
+    result = gcore_here(*common, "--reward.on_error", "zero")
     assert result.returncode == 0, result.stderr
     assert float(_metrics(tmp_path)[-1]["reward/errors"]) == 2.0  # n=2 samples of prompt '3=' per step
 
