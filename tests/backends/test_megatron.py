@@ -489,17 +489,17 @@ def test_cli_fit_at_tensor_or_pipeline_parallel_2_saves_an_hf_model(gcore_cli, t
 
 
 @pytest.mark.integration
-def test_cli_rejects_a_tensor_parallel_size_that_does_not_divide_the_ranks(gcore_cli):
+def test_cli_rejects_a_tensor_parallel_size_that_does_not_divide_the_ranks(gcore_here):
     _megatron()
-    run = gcore_cli("--backend", "megatron", "--backend.tensor_parallel_size", "2", "--trainer.accelerator", "cpu")
+    run = gcore_here("--backend", "megatron", "--backend.tensor_parallel_size", "2", "--trainer.accelerator", "cpu")
     assert run.returncode != 0
     assert "tensor_parallel_size 2 does not divide the number of ranks (1)" in run.stderr
 
 
 @pytest.mark.integration
-def test_cli_rejects_a_sequence_parallel_size_that_does_not_divide_the_ranks(gcore_cli):
+def test_cli_rejects_a_sequence_parallel_size_that_does_not_divide_the_ranks(gcore_here):
     _megatron()
-    run = gcore_cli("--backend", "megatron", "--backend.sequence_parallel_size", "2", "--trainer.accelerator", "cpu")
+    run = gcore_here("--backend", "megatron", "--backend.sequence_parallel_size", "2", "--trainer.accelerator", "cpu")
     assert run.returncode != 0
     assert "sequence_parallel_size 2 times --backend.tensor_parallel_size 1 does not divide the number of ranks (1)" \
         in run.stderr

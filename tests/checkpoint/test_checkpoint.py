@@ -121,7 +121,7 @@ def test_manifest_lists_every_file(tmp_path):
 
 @pytest.mark.integration
 def test_export_to_hf(tmp_path):
-    from conftest import run_gcore
+    from conftest import run_gcore_here  # gcore export through the CLI's main, in this process
     from transformers import AutoModelForCausalLM
 
     backend, model_dir = _backend_and_path(tmp_path)
@@ -131,10 +131,10 @@ def test_export_to_hf(tmp_path):
     manager.wait()
     path = latest_checkpoint(str(tmp_path / "ckpt"))
     assert "hf/config.json" in verify(path)["files"]
-    result = run_gcore("export", path, "--to", "hf", str(tmp_path / "out"))
+    result = run_gcore_here("export", path, "--to", "hf", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     for name, tensor in backend.named_weights():
         assert torch.equal(exported.state_dict()[name], tensor), name
-    bad = run_gcore("export", path, "--to", "onnx", str(tmp_path / "x"))
+    bad = run_gcore_here("export", path, "--to", "onnx", str(tmp_path / "x"))
     assert bad.returncode == 2 and "valid formats: hf" in bad.stderr

@@ -182,11 +182,13 @@ def test_resize_images_scales_a_large_image_within_the_decode_limit(tmp_path, ki
 
 @pytest.mark.integration
 def test_a_bomb_is_one_line_through_the_cli(bomb, tmp_path):
-    """``gcore fit`` with the 20000x20000 PNG: exit 2, one ``gcore: error:`` line (was: a 35-line traceback)."""
-    from conftest import run_gcore
+    """``gcore fit`` with the 20000x20000 PNG: exit 2, one ``gcore: error:`` line (was: a 35-line traceback). Through
+    the CLI's ``main`` in this process (a fresh one would only import gcore again): an exception ``main`` does not
+    turn into its line fails the test."""
+    from conftest import run_gcore_here
 
     data = _write_jsonl(bomb / "rows.jsonl", [{"prompt": "c=", "answer": "r", "image": "bomb.png"}])
-    run = run_gcore("fit", "--data.path", data, "--data.image_key", "image", "--data.resize_images", "true",
+    run = run_gcore_here("fit", "--data.path", data, "--data.image_key", "image", "--data.resize_images", "true",
                     "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path), cwd=tmp_path)
     assert run.returncode == 2, run.stderr[-2000:]
     lines = [line for line in run.stderr.splitlines() if line.strip()]

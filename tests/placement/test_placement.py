@@ -218,14 +218,15 @@ def test_simulator_dynamic_follows_judge_cost(tmp_path):
 
 @pytest.mark.integration
 def test_simulate_cli(tmp_path):
-    from conftest import run_gcore
+    """``gcore simulate`` through the CLI's ``main``, in this process (a fresh one would only import gcore again)."""
+    from conftest import run_gcore_here
 
     pytest.importorskip("matplotlib")
     plot = tmp_path / "sim.png"
-    result = run_gcore("simulate", "--devices", "16", "--steps", "3", "--plot", str(plot))
+    result = run_gcore_here("simulate", "--devices", "16", "--steps", "3", "--plot", str(plot))
     assert result.returncode == 0, result.stderr
     assert "dynamic/static" in result.stdout and plot.stat().st_size > 0
-    result = run_gcore("simulate", "--devices", "16", "--steps", "3", "--plot", "", cwd=tmp_path)
+    result = run_gcore_here("simulate", "--devices", "16", "--steps", "3", "--plot", "", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "plot:" not in result.stdout and sorted(p.name for p in tmp_path.iterdir()) == ["sim.png"]  # no ".png"
 

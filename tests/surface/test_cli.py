@@ -1,11 +1,13 @@
-"""The command line, run as a user runs it: in a fresh process."""
+"""The command line, run as a user runs it: in a fresh process. Its help, printed configs and the refusals made
+while parsing or building the plugins are read from ``main`` called in the test's process (``run_gcore_here``): a
+fresh process would only import gcore again (12-45 s each on the 2 cores)."""
 
 import csv
 import dataclasses
 import json
 
 import pytest
-from conftest import run_gcore
+from conftest import run_gcore_here
 
 from gcore import registry
 from gcore.trainer import TrainerConfig
@@ -35,18 +37,20 @@ def test_fit_writes_metrics_and_final_checkpoint(gcore_cli, tmp_path):
     assert (final / "config.json").exists() and (final / "tokenizer.json").exists()
 
 
-def test_kl_is_logged_when_used_and_tensorboard_logger(gcore_cli, tmp_path):
-    result = gcore_cli("--algorithm.kl_coef", "0.1", "--trainer.logger", "[csv, tensorboard]")
+def test_kl_is_logged_when_used_and_tensorboard_logger(gcore_here, tmp_path):
+    """A 2-step ``gcore fit`` through ``main`` in this process (``test_fit_writes_metrics_and_final_checkpoint`` runs
+    one in a fresh process): the option's value reaches the algorithm and the logger list reaches the loggers."""
+    result = gcore_here("--algorithm.kl_coef", "0.1", "--trainer.logger", "[csv, tensorboard]")
     assert result.returncode == 0, result.stderr
     assert float(_metrics(tmp_path)[-1]["kl"]) >= 0
     assert list((tmp_path / "runs").glob("gcore/version_*/events.out.tfevents.*"))
 
 
-def test_config_file_with_plugin_names_and_overrides(gcore_cli, tmp_path):
+def test_config_file_with_plugin_names_and_overrides(gcore_cli, gcore_here, tmp_path):
     (tmp_path / "cfg.yaml").write_text(
         "algorithm:\n  class_path: grpo\n  init_args:\n    clip_eps: 0.3\nreward: target_char\n"
     )
-    printed = gcore_cli("--config", "cfg.yaml", "--algorithm.loss_agg", "token_mean", "--print_config")
+    printed = gcore_here("--config", "cfg.yaml", "--algorithm.loss_agg", "token_mean", "--print_config")
     assert printed.returncode == 0, printed.stderr
     assert "class_path: gcore.algorithms.grpo.GRPO" in printed.stdout or "class_path: gcore.GRPO" in printed.stdout
     assert "clip_eps: 0.3" in printed.stdout and "loss_agg: token_mean" in printed.stdout
@@ -55,22 +59,24 @@ def test_config_file_with_plugin_names_and_overrides(gcore_cli, tmp_path):
     assert again.returncode == 0, again.stderr
 
 
-def test_a_plugin_chosen_on_the_command_line_overrides_the_config_files(gcore_cli, tmp_path):
+def test_a_plugin_chosen_on_the_command_line_overrides_the_config_files(gcore_here, tmp_path):
     """`--config` names one reward; `--reward NAME --reward.OPTION` after it picks another and sets its option
     (the choice used to be moved before the file, which then chose its own class back)."""
     (tmp_path / "cfg.yaml").write_text("reward: target_char\nalgorithm: grpo\n")
-    printed = gcore_cli("--config", "cfg.yaml", "--reward", "regex", "--reward.pattern", "a+", "--print_config")
+    printed = gcore_here("--config", "cfg.yaml", "--reward", "regex", "--reward.pattern", "a+", "--print_config")
     assert printed.returncode == 0, printed.stderr[-2000:]
     assert "gcore.rewards.rule.RegexReward" in printed.stdout and "pattern: a+" in printed.stdout
 
 
-def test_class_path_for_a_plugin(gcore_cli):
-    result = gcore_cli("--algorithm", "gcore.algorithms.grpo.GRPO", "--algorithm.scale_rewards", "false")
+def test_class_path_for_a_plugin(gcore_here):
+    result = gcore_here("--algorithm", "gcore.algorithms.grpo.GRPO", "--algorithm.scale_rewards", "false")
     assert result.returncode == 0, result.stderr
 
 
 def test_plugins_lists_every_family_with_its_package():
-    result = run_gcore("plugins")
+    # through main in this process; a fresh `gcore plugins` lists an installed plugin package in
+    # tests/surface/test_plugin_package.py (and in .ci/run)
+    result = run_gcore_here("plugins")
     assert result.returncode == 0
     for line in ("grpo", "hf", "static", "dynamic", "torch", "target_char", "python", "regex"):
         assert line in result.stdout
@@ -78,9 +84,9 @@ def test_plugins_lists_every_family_with_its_package():
 
 
 def test_help_shows_plugin_options():
-    result = run_gcore("fit", "--algorithm.help", "grpo")
+    result = run_gcore_here("fit", "--algorithm.help", "grpo")
     assert result.returncode == 0 and "--algorithm.clip_eps" in result.stdout
-    result = run_gcore("fit", "--help")
+    result = run_gcore_here("fit", "--help")
     assert {"dapo", "grpo", "ppo", "rloo"} <= set(registry.names("algorithm"))
     assert result.returncode == 0 and f"--algorithm: {ALGORITHMS} (default grpo)" in result.stdout
 
@@ -104,38 +110,43 @@ def test_help_shows_plugin_options():
         (["--reward", "regex", "--reward.pattern", "("], "is not a valid regular expression"),
     ],
 )
-def test_bad_input_is_one_clear_line(gcore_cli, args, message):
-    result = gcore_cli(*args)
+def test_bad_input_is_one_clear_line(gcore_cli, gcore_here, args, message):
+    # refused while parsing or building the plugins: in this process; those that must come before the controllers
+    # are launched (--trainer.devices 2) in a fresh one, where a late refusal would launch them
+    result = (gcore_cli if "--trainer.devices" in args else gcore_here)(*args)
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_malformed_dataset_names_file_and_line(gcore_cli, tmp_path):
+def test_malformed_dataset_names_file_and_line(gcore_here, tmp_path):
     (tmp_path / "d.jsonl").write_text('{"prompt": "1=", "answer": "1"}\n{"prompt": oops}\n')
-    result = gcore_cli("--data.path", "d.jsonl")
+    result = gcore_here("--data.path", "d.jsonl")
     assert result.returncode == 2 and "d.jsonl:2: malformed JSON line" in result.stderr
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--trainer.max_steps", "abc"], "--trainer.max_steps: Expected a <class 'int'>. Got value: abc"),
-    (["--algorithm.clip_eps", "abc"], "--algorithm.clip_eps: Expected a <class 'float'>. Got value: abc"),
+@pytest.mark.parametrize("args, message, fresh", [
+    (["--trainer.max_steps", "abc"], "--trainer.max_steps: Expected a <class 'int'>. Got value: abc", True),
+    (["--algorithm.clip_eps", "abc"], "--algorithm.clip_eps: Expected a <class 'float'>. Got value: abc", False),
     (["--trainer.nonexistent", "3"], "unknown option --trainer.nonexistent; valid choices under --trainer: "
-     + ", ".join(f.name for f in dataclasses.fields(TrainerConfig))),
+     + ", ".join(f.name for f in dataclasses.fields(TrainerConfig)), False),
 ])
-def test_a_value_of_the_wrong_type_is_one_line_without_the_usage(gcore_cli, args, message):
-    result = gcore_cli(*args)
+def test_a_value_of_the_wrong_type_is_one_line_without_the_usage(gcore_cli, gcore_here, args, message, fresh):
+    """The whole of stderr is the one line: in a fresh process once (nothing its imports print comes before it),
+    the other refusals of the same parser in this process."""
+    result = (gcore_cli if fresh else gcore_here)(*args)
     assert result.returncode == 2 and result.stderr.strip() == f"gcore: error: {message} (gcore fit --help lists " \
                                                                  "the options)"
 
 
-def test_unknown_config_key_is_named(gcore_cli):
-    result = gcore_cli("--algorithm.clip_epsilon", "0.2")
+def test_unknown_config_key_is_named(gcore_here):
+    result = gcore_here("--algorithm.clip_epsilon", "0.2")
     assert result.returncode == 2 and "clip_epsilon" in result.stderr
 
 
-def test_reward_that_raises_stops_naming_the_sample_unless_told_to_score_zero(gcore_cli, tmp_path):
+def test_reward_that_raises_stops_naming_the_sample_unless_told_to_score_zero(gcore_here, tmp_path):
+    """Two 2-step ``gcore fit`` runs through ``main`` in this process (a fresh one would only import gcore again)."""
     (tmp_path / "myreward.py").write_text(
         "def score(prompt, response, answer):\n"
         "    if prompt.startswith('3'):\n        raise ValueError('cannot score this one')\n"
@@ -145,29 +156,29 @@ def test_reward_that_raises_stops_naming_the_sample_unless_told_to_score_zero(gc
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     common = ["--data.path", "d.jsonl", "--data.prompts_per_step", "10", "--reward", "python",
               "--reward.function", "myreward.py:score"]
-    result = gcore_cli(*common)
+    result = gcore_here(*common)
     assert result.returncode == 2
     assert "ValueError: cannot score this one on sample (prompt d.jsonl:4: '3='" in result.stderr
     assert "--reward.on_error zero" in result.stderr
-    result = gcore_cli(*common, "--reward.on_error", "zero")
+    result = gcore_here(*common, "--reward.on_error", "zero")
     assert result.returncode == 0, result.stderr
     assert float(_metrics(tmp_path)[-1]["reward/errors"]) == 2.0  # n=2 samples of prompt '3=' per step
 
 
-def test_vllm_engine_without_vllm_names_the_extra(gcore_cli):
+def test_vllm_engine_without_vllm_names_the_extra(gcore_here):
     import importlib.util
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
-    result = gcore_cli("--engine", "vllm")
+    result = gcore_here("--engine", "vllm")
     assert result.returncode == 2
     assert "--engine vllm needs vLLM" in result.stderr and "gcore[vllm]" in result.stderr
 
 
-def test_wandb_logger_without_wandb_says_what_to_install(gcore_cli):
+def test_wandb_logger_without_wandb_says_what_to_install(gcore_here):
     import importlib.util
 
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here")
-    result = gcore_cli("--trainer.logger", "wandb")
+    result = gcore_here("--trainer.logger", "wandb")
     assert result.returncode == 2 and "--trainer.logger wandb needs the wandb package" in result.stderr

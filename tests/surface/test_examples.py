@@ -5,7 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import run_gcore
+from conftest import run_gcore_here
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -14,7 +14,8 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 @pytest.mark.parametrize("config", sorted([*EXAMPLES.glob("*.yaml"), *EXAMPLES.glob("real_model/*.yaml")]),
                          ids=lambda p: p.name)
 def test_example_config_parses(config, tmp_path):
-    result = run_gcore("fit", "--config", str(config), "--print_config", cwd=tmp_path)
+    """Parsed by the CLI's ``main`` in this process (a fresh process per example only imported gcore again)."""
+    result = run_gcore_here("fit", "--config", str(config), "--print_config", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "class_path:" in result.stdout
 

@@ -5,7 +5,7 @@ import json
 import math
 
 import pytest
-from conftest import FAST, run_gcore
+from conftest import FAST, run_gcore_here
 
 from gcore.data import DataConfig, load_eval_prompts, load_prompts
 from gcore.errors import ConfigError, DataError
@@ -171,7 +171,8 @@ def test_evaluate_reports_greedy_and_sampled_accuracy():
 @pytest.mark.integration
 def test_eval_every_logs_held_out_accuracy_and_report_plots_it(tmp_path):
     root = tmp_path / "runs"
-    result = run_gcore("fit", *FAST, "--trainer.max_steps", "3", "--trainer.eval_every", "2",
+    # gcore fit and gcore report through the CLI's main, in this process (a fresh one would only import gcore again)
+    result = run_gcore_here("fit", *FAST, "--trainer.max_steps", "3", "--trainer.eval_every", "2",
                        "--data.num_eval_prompts", "4", "--trainer.default_root_dir", str(root), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     run = next(root.glob("*/version_0"))
@@ -185,7 +186,7 @@ def test_eval_every_logs_held_out_accuracy_and_report_plots_it(tmp_path):
         if r.get("eval/accuracy_greedy"):
             assert 0 <= float(r["eval/accuracy_greedy"]) <= 1 and float(r["eval/prompts"]) == 4
     pytest.importorskip("matplotlib")
-    report = run_gcore("report", str(run))
+    report = run_gcore_here("report", str(run))
     assert report.returncode == 0, report.stderr
     assert "steps: 3" in report.stdout and "eval/accuracy_greedy:" in report.stdout
     assert "(3 evaluations)" in report.stdout
@@ -194,7 +195,7 @@ def test_eval_every_logs_held_out_accuracy_and_report_plots_it(tmp_path):
 
 @pytest.mark.integration
 def test_gcore_eval_prints_the_metrics(tmp_path):
-    result = run_gcore("eval", "--model.num_hidden_layers", "1", "--model.hidden_size", "32",
+    result = run_gcore_here("eval", "--model.num_hidden_layers", "1", "--model.hidden_size", "32",
                        "--model.intermediate_size", "64", "--sampling.max_new_tokens", "4",
                        "--data.num_eval_prompts", "3", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -206,7 +207,7 @@ def test_gcore_eval_prints_the_metrics(tmp_path):
 def test_gguf_paths_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="no such GGUF file"):
         load_tokenizer(ModelConfig(path=str(tmp_path / "missing.gguf")))
-    result = run_gcore("import", str(tmp_path / "model.bin"), str(tmp_path / "out"))
+    result = run_gcore_here("import", str(tmp_path / "model.bin"), str(tmp_path / "out"))
     assert result.returncode == 2 and "expected a .gguf file" in result.stderr
 
 

@@ -105,6 +105,27 @@ def test_wait_policy_is_set_only_before_torch_and_only_without_the_users_own():
     assert threads.set_wait_policy(env, torch_imported=False) == "user" and env == {"GOMP_SPINCOUNT": "300000"}
 
 
+def test_what_gcore_leaves_in_the_environment_once_torch_is_imported(monkeypatch):
+    """``gcore/__init__``'s two calls on an environment as a fresh process would see it (the fresh process of
+    ``test_importing_gcore_first_sets_the_wait_before_torch`` runs them on the real one, without and with torch first):
+    a fixed thread count keeps gcore's passive wait; the user's own settings stay, gcore's own spin count too."""
+    monkeypatch.setattr(threads, "wait_policy_by", "libgomp")
+    monkeypatch.setattr(threads, "wait", "")
+
+    def imported(env: dict[str, str]) -> tuple[str, str, dict[str, str]]:
+        by = threads.set_wait_policy(env, torch_imported=False)
+        threads.forget_spin_count(env)
+        return by, threads.wait, env
+
+    assert imported({"OMP_NUM_THREADS": "1"}) == (
+        "gcore", "OMP_WAIT_POLICY=PASSIVE", {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"})
+    monkeypatch.setattr(threads, "wait", "")
+    assert imported({"OMP_WAIT_POLICY": "active"}) == ("user", "", {"OMP_WAIT_POLICY": "active"})
+    # the user's own setting, even of gcore's value, stays: only the spin count gcore set itself is taken out
+    assert imported({"GOMP_SPINCOUNT": threads.SPIN_COUNT}) == ("user", "", {"GOMP_SPINCOUNT": threads.SPIN_COUNT})
+    assert imported({}) == ("gcore", f"GOMP_SPINCOUNT={threads.SPIN_COUNT}", {})
+
+
 def _policy_seen_by_a_fresh_process(env: dict[str, str], code: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True)
     return out.stdout.strip()
@@ -112,19 +133,15 @@ def _policy_seen_by_a_fresh_process(env: dict[str, str], code: str) -> str:
 
 @pytest.mark.integration
 def test_importing_gcore_first_sets_the_wait_before_torch(no_user_settings):
-    """The effect in a real process: gcore sets the wait before torch is imported, not after, keeps the user's, and
-    takes its own spin count out of the environment once torch read it (the processes it starts choose their own)."""
+    """The effect in a real process: gcore sets the wait before torch is imported, not after, and takes its own spin
+    count out of the environment once torch read it (the processes it starts choose their own). Two fresh processes
+    (each imports gcore: 12-18 s on the 2 cores): the other environments, a fixed thread count and the user's own
+    settings, go through the same two calls, in ``test_what_gcore_leaves_in_the_environment_once_torch_is_imported``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     show = ("import os, gcore.threads as t; print(t.wait_policy_by, t.wait, os.environ.get('GOMP_SPINCOUNT'), "
             "os.environ.get('OMP_WAIT_POLICY'))")
     assert _policy_seen_by_a_fresh_process(env, "import gcore; " + show) == "gcore GOMP_SPINCOUNT=30000 None None"
-    assert _policy_seen_by_a_fresh_process({**env, "OMP_NUM_THREADS": "1"}, "import gcore; " + show) == \
-        "gcore OMP_WAIT_POLICY=PASSIVE None PASSIVE"
     assert _policy_seen_by_a_fresh_process(env, "import torch, gcore; " + show) == "libgomp  None None"
-    assert _policy_seen_by_a_fresh_process({**env, "OMP_WAIT_POLICY": "active"}, "import gcore; " + show) == \
-        "user  None active"
-    assert _policy_seen_by_a_fresh_process({**env, "GOMP_SPINCOUNT": "30000"}, "import gcore; " + show) == \
-        "user  30000 None"  # the user's own setting, even of gcore's value, stays
 
 
 def test_free_threads_leaves_the_cores_others_took():
