@@ -305,6 +305,30 @@ def tiny_hf_engine(folder, layers: int = 2, hidden: int = 64, intermediate: int 
     return tokenizer, path, engine
 
 
+#: the engine-worker pool tests' models: one layer, hidden 32 (cheap to load in every worker)
+POOL_MODEL = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                  intermediate_size=64)
+
+
+def pool_models(root) -> tuple[str, str]:
+    """A tiny policy and a tiny judge (``POOL_MODEL``, seeds 0 and 1) written under ``root``: the pool tests'."""
+    from gcore.model import ModelConfig, char_tokenizer, materialize
+
+    tokenizer = char_tokenizer()
+    return (materialize(ModelConfig(**POOL_MODEL), tokenizer, seed=0, workdir=str(root / "policy")),
+            materialize(ModelConfig(**POOL_MODEL), tokenizer, seed=1, workdir=str(root / "judge")))
+
+
+def local_engine(path: str):
+    """An ``hf`` engine on the CPU holding the checkpoint at ``path`` (what a pool worker should sample as)."""
+    from gcore import HFEngine
+    from gcore.model import ModelSource
+
+    engine = HFEngine()
+    engine.setup(ModelSource(path), torch.device("cpu"))
+    return engine
+
+
 def hf_checkpoint(tmp_path, model_type: str) -> str:
     """A tiny random checkpoint of ``model_type`` (GQA, biases as the architecture has them)."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import local_engine, pool_models
 
 from gcore.engines.hf import HFEngine
 from gcore.engines.pool import JUDGE, POLICY, RoleSpec, WorkerPool
 from gcore.errors import ConfigError
-from gcore.model import ModelConfig, ModelSource, char_tokenizer, materialize
+from gcore.model import ModelSource
 from gcore.types import SamplingParams
 
 ray = pytest.importorskip("ray")
 
-TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
 GREEDY = SamplingParams(n=1, max_new_tokens=6, temperature=0.0)
 SAMPLED = SamplingParams(n=2, max_new_tokens=6, temperature=1.0)
 #: logical CPUs of each node: 6 one-thread workers fit on any two of the three nodes (a lost node's are re-placed)
@@ -43,17 +43,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    tokenizer = char_tokenizer()
-    root = tmp_path_factory.mktemp("models")
-    policy = materialize(ModelConfig(**TINY), tokenizer, seed=0, workdir=str(root / "policy"))
-    judge = materialize(ModelConfig(**TINY), tokenizer, seed=1, workdir=str(root / "judge"))
-    return policy, judge
-
-
-def local_engine(path: str) -> HFEngine:
-    engine = HFEngine()
-    engine.setup(ModelSource(path), torch.device("cpu"))
-    return engine
+    return pool_models(tmp_path_factory.mktemp("models"))
 
 
 def tokens(outputs):
