@@ -34,7 +34,9 @@ further attempts the request fails with a ``GcoreError`` and no result of it is 
 
 The modules: ``jobs`` (requests, answers, ``RoleSpec``, ``Peers``), ``worker`` (the worker process),
 ``transport`` (connections, authentication, timeouts), ``weights`` (the shared-memory hand-off),
-``environment`` (what a worker inherits), ``pool`` (``WorkerPool``), ``engine`` (``PoolEngine``). None imports
+``environment`` (what a worker inherits), ``pool`` (``WorkerPool``), ``engine`` (``PoolEngine``), ``ray_cluster`` (the
+workers as actors of a Ray cluster, ``--placement.cluster ray``: docs/cluster.md) and ``ray_weights`` (a Ray worker's
+staged weights). None imports
 from the floors above (trainer, controller, placement).
 """
 

@@ -28,16 +28,15 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 import traceback
-import warnings
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from gcore.engines.pool.ray_weights import stage
 from gcore.errors import ConfigError, GcoreError
 from gcore.threads import thread_env
 
@@ -45,8 +44,6 @@ log = logging.getLogger(__name__)
 
 #: the most bytes of one object of a weight hand-off in Ray's object store
 BUCKET_BYTES = 256 << 20
-#: how long a worker waits for the weights it is told to load to be staged (they are staged before it is told)
-STAGE_WAIT_S = 60.0
 #: how often the owner asks Ray whether a worker's actor still runs (``RayWorkers.exited``)
 CHECK_S = 1.0
 #: the Ray namespace of gcore's actors
@@ -117,10 +114,6 @@ def check_resources(size: int, threads: int, gpu: bool, address: str) -> None:
 # The worker actor (one process per worker, on whichever node Ray placed its bundle)
 # ---------------------------------------------------------------------------------------------------------------
 
-_staged: dict[int, list] = {}  # version -> bucket references, in this worker actor's process
-_staged_lock = threading.Condition()
-
-
 class WorkerActor:
     """The body of a worker actor: ``start`` builds the engine and the listener, ``serve`` runs the worker's loop
     (it returns when the worker is told to stop or every controller is gone), ``stage`` takes a weight version's
@@ -149,30 +142,7 @@ class WorkerActor:
         serve_worker(self.index, self.runtime, self.listener, clients, keep_waiting=lambda: time.monotonic() < deadline)
 
     def stage(self, version: int, refs: list) -> None:
-        with _staged_lock:
-            for old in [v for v in _staged if v < version]:
-                del _staged[old]  # its references go: Ray frees the buckets once nothing else holds them
-            _staged[version] = refs
-            _staged_lock.notify_all()
-
-
-def get_weights(ref: tuple) -> list[tuple[str, torch.Tensor]]:
-    """In a worker actor: the named tensors of a staged weight version (``("ray", version, nbytes)``), or of a newer
-    one staged since (a worker loads the latest weights)."""
-    ray = _ray()
-    _, version, _ = ref
-    with _staged_lock:
-        if not _staged_lock.wait_for(lambda: max(_staged, default=-1) >= version, STAGE_WAIT_S):
-            raise GcoreError(f"engine worker: weight version {version} was not staged in Ray's object store within "
-                             f"{STAGE_WAIT_S:.0f}s (staged: {sorted(_staged)})")
-        refs = _staged[max(_staged)]
-    named: list[tuple[str, torch.Tensor]] = []
-    with warnings.catch_warnings():  # the object store's arrays are read-only; the engine copies from them
-        warnings.simplefilter("ignore", UserWarning)
-        for bucket in ray.get(refs):
-            for name, dtype, shape, flat in bucket:
-                named.append((name, torch.from_numpy(flat).view(getattr(torch, dtype)).reshape(shape)))
-    return named
+        stage(version, refs)
 
 
 # ---------------------------------------------------------------------------------------------------------------

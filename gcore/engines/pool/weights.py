@@ -84,9 +84,10 @@ def create_shared(named: list[tuple[str, torch.Tensor]]) -> SharedWeights:
 
 def open_weights(ref: tuple) -> list[tuple[str, torch.Tensor]]:
     """The named tensors of a weight hand-off, in a worker: ``ref`` is a ``SharedWeights.ref()`` (a file in
-    ``/dev/shm``) or a ``ray_cluster.put_weights`` reference (``("ray", ...)``: buckets in Ray's object store)."""
+    ``/dev/shm``) or a ``RayWorkers.put_weights`` reference (``("ray", ...)``: buckets in Ray's object store,
+    ``ray_weights.py``)."""
     if ref and ref[0] == "ray":
-        from gcore.engines.pool.ray_cluster import get_weights
+        from gcore.engines.pool.ray_weights import get_weights
 
         return get_weights(ref)
     return SharedWeights(*ref).views()
