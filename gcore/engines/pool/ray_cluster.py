@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from gcore.engines.pool.ray_weights import stage
+from gcore.engines.pool.transport import first_line
 from gcore.errors import ConfigError, GcoreError
 from gcore.threads import thread_env
 
@@ -72,10 +73,8 @@ def connect(address: str) -> bool:
     try:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
     except Exception as err:  # noqa: BLE001  ConnectionError, ValueError, a timeout: said in one line
-        text = str(err).strip().splitlines()
-        raise ConfigError(f"--placement.address {address!r}: cannot reach a Ray cluster there "
-                          f"({type(err).__name__}: {text[0] if text else ''}); start one with `ray start --head` "
-                          "(docs/cluster.md)") from None
+        raise ConfigError(f"--placement.address {address!r}: cannot reach a Ray cluster there ({first_line(err)}); "
+                          "start one with `ray start --head` (docs/cluster.md)") from None
     return True
 
 
@@ -93,8 +92,7 @@ def _probe(address: str) -> None:
         socket.create_connection((host, int(port)), timeout=PROBE_S).close()
     except OSError as err:
         raise ConfigError(f"--placement.address {address!r}: cannot reach a Ray cluster there (nothing answers: "
-                          f"{type(err).__name__}: {err}); start one with `ray start --head` "
-                          "(docs/cluster.md)") from None
+                          f"{first_line(err)}); start one with `ray start --head` (docs/cluster.md)") from None
 
 
 def check_resources(size: int, threads: int, gpu: bool, address: str) -> None:
@@ -237,7 +235,7 @@ class RayWorkers:
                 try:
                     kind, payload, node, pid = ray.get(ref)
                 except ray.exceptions.RayError as err:
-                    kind, payload, node, pid = "fatal", _first_line(err), "", None
+                    kind, payload, node, pid = "fatal", first_line(err), "", None
                 self.nodes[i], self.pids[i] = node, pid
                 _, clients, accept_s = self.starting[i]
                 self.starting[i] = None
@@ -264,7 +262,7 @@ class RayWorkers:
         try:
             ray.get(serving)
         except ray.exceptions.RayError as err:
-            return f"died on Ray node {self.nodes[i][:8]} ({_first_line(err)})"
+            return f"died on Ray node {self.nodes[i][:8]} ({first_line(err)})"
         return "ended"
 
     def kill(self, i: int) -> None:
@@ -295,7 +293,7 @@ class RayWorkers:
         try:
             ray.get(staged, timeout=self.startup_timeout_s)
         except ray.exceptions.RayError as err:  # a worker that died meanwhile is respawned with the latest weights
-            log.warning("staging weight version %d on a Ray worker failed: %s", self.version, _first_line(err))
+            log.warning("staging weight version %d on a Ray worker failed: %s", self.version, first_line(err))
 
     def latest(self) -> tuple | None:
         """The reference of the latest staged weights (``None`` before the first sync)."""
@@ -322,7 +320,3 @@ class RayWorkers:
         if self.connected_here:
             ray.shutdown()
 
-
-def _first_line(err: BaseException) -> str:
-    lines = [line for line in str(err).strip().splitlines() if line.strip()]
-    return f"{type(err).__name__}: {lines[0] if lines else ''}"

@@ -54,7 +54,8 @@ def set_timeouts(fd: int, recv_s: float, send_s: float) -> None:
         sock.close()
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """An error in one line: its type and the first line of its message."""
     text = str(err).strip()
     return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
@@ -126,7 +127,7 @@ class WorkerListener:
         except OSError as err:
             sock.close()
             self._handshakes.release()
-            self._drop(peer, _first_line(err))
+            self._drop(peer, first_line(err))
             return
         try:
             deliver_challenge(conn, self.authkey)
@@ -154,7 +155,7 @@ def _why_handshake_failed(err: BaseException, timeout_s: float) -> str:
         return f"it did not complete the authentication handshake within {timeout_s:g}s"
     if isinstance(err, EOFError):
         return "it closed the connection during the authentication handshake"
-    return f"it failed authentication ({_first_line(err)})"
+    return f"it failed authentication ({first_line(err)})"
 
 
 def connect(address: Address, authkey: bytes, timeout_s: float, name: str,
@@ -168,14 +169,14 @@ def connect(address: Address, authkey: bytes, timeout_s: float, name: str,
         sock = socket.create_connection(address, timeout=timeout_s)
     except OSError as err:
         why = gone()
-        raise GcoreError(f"{where}: {why or 'cannot be connected to'} ({_first_line(err)})") from err
+        raise GcoreError(f"{where}: {why or 'cannot be connected to'} ({first_line(err)})") from err
     try:
         sock.settimeout(None)
         set_timeouts(sock.fileno(), timeout_s, timeout_s)
         conn = Connection(sock.detach())
     except OSError as err:
         sock.close()
-        raise GcoreError(f"{where}: cannot be connected to ({_first_line(err)})") from err
+        raise GcoreError(f"{where}: cannot be connected to ({first_line(err)})") from err
     try:
         while not conn.poll(POLL_S):  # the worker's challenge
             why = gone()
@@ -193,5 +194,5 @@ def connect(address: Address, authkey: bytes, timeout_s: float, name: str,
     except Exception as err:
         conn.close()
         why = gone()
-        raise GcoreError(f"{where}: {why or 'the authentication handshake failed'} ({_first_line(err)})") from err
+        raise GcoreError(f"{where}: {why or 'the authentication handshake failed'} ({first_line(err)})") from err
     return conn
