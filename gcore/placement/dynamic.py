@@ -68,8 +68,8 @@ class DynamicPlacement(PlacementPolicy):
         hysteresis: move only when the two roles' idle times differ by more than this share of the
             rollout phase.
         max_move_fraction: move at most this share of the devices in one step (at least one).
-        threads: torch threads of each engine worker (trainer only; 0: each worker's share of the controller's
-            cores, or the user's ``OMP_NUM_THREADS``; docs/threads.md).
+        threads: torch threads of each engine worker (trainer only; 0: the user's ``OMP_NUM_THREADS``, else each
+            worker's share of the controller's cores, or with ``cluster ray`` of the cluster's CPUs; docs/threads.md).
         stream_groups: prompt groups per generation request: the unit that streams to the judge.
         worker_timeout_s: a worker that does not answer a request in this time is killed and the
             request sent to another worker.
@@ -195,6 +195,9 @@ class DynamicPlacement(PlacementPolicy):
                  "and nothing moves")
         threads = "" if gpu else (f" ({self.threads or worker_threads(self.total)} thread(s) each, from "
                                   f"{usable_cores()} usable cores)")
+        if self.cluster == "ray" and not gpu:
+            threads = (f" ({self.threads} thread(s) each)" if self.threads else
+                       " (each with its share of the cluster's CPUs as threads)")
         trains = "the controller trains on the GPU" if gpu else "training uses the controller's cores"
         return (f"dynamic placement: {workers}{threads} generate; the reward scores {where}; {trains} between "
                 f"rollouts; {moves} (placement/* in metrics.csv)")

@@ -50,7 +50,7 @@ def tokens(outputs):
     return [[g.token_ids for g in row] for row in outputs]
 
 
-def test_a_pool_of_six_workers_spans_the_three_nodes_and_serves_as_the_local_pool_does(cluster, models):
+def test_a_pool_of_six_workers_spans_the_three_nodes_and_serves_as_the_local_pool_does(cluster, models, monkeypatch):
     nodes, _ = cluster
     policy_path, judge_path = models
     specs = {POLICY: RoleSpec(HFEngine(), ModelSource(policy_path)),
@@ -64,8 +64,18 @@ def test_a_pool_of_six_workers_spans_the_three_nodes_and_serves_as_the_local_poo
         judged = tokens(local.generate(JUDGE, prompts, GREEDY, [1]))
     finally:
         local.close()
-    pool = WorkerPool(6, specs, roles, threads=1, seed=3, ray_address=nodes.address)
+    # no threads given: each worker's share of the cluster's 9 CPUs (1), however many threads this controller has (a
+    # controller with 12 took 12 // 6 = 2 each, and a cluster of 9 CPUs was refused for 6 x 2)
+    for variable in ("OMP_NUM_THREADS", "GCORE_USER_OMP_NUM_THREADS"):
+        monkeypatch.delenv(variable, raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(12)
     try:
+        pool = WorkerPool(6, specs, roles, seed=3, ray_address=nodes.address)
+    finally:
+        torch.set_num_threads(before)
+    try:
+        assert pool.threads == 1
         assert pool.ray is not None and len(set(pool.nodes)) == 3  # two workers on each node
         # the same samples for the same seed, whichever worker on whichever node served them
         got = tokens(pool.collect_generate(pool.submit_generate(POLICY, prompts, SAMPLED, [0, 1, 2], seed=11)))

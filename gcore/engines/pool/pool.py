@@ -57,8 +57,9 @@ class WorkerPool:
         size: worker processes.
         specs: role name -> how to build its engine.
         roles: the awake role of each worker at start.
-        threads: ``torch.set_num_threads`` of each worker; 0: each worker's share of this process's threads, or
-            the user's ``OMP_NUM_THREADS`` (``gcore.threads.worker_threads``).
+        threads: ``torch.set_num_threads`` of each worker; 0: the user's ``OMP_NUM_THREADS``, else each worker's
+            share of this process's threads (``gcore.threads.worker_threads``), or on Ray of the cluster's CPUs
+            (``ray_cluster.cluster_threads``).
         seed: workers are seeded ``seed + index`` (what a generation request without a seed of its own samples
             from; one with a seed, ``submit_generate``'s, samples from that alone).
         release: free a sleeping engine's memory (reload it on wake-up) instead of ``Engine.sleep`` only.
@@ -87,7 +88,7 @@ class WorkerPool:
                 raise GcoreError(f"worker role {role!r} has no engine; roles with one: {', '.join(specs)}")
         import torch.multiprocessing as mp
 
-        self.size, self.threads, self.seed, self.release = size, threads or worker_threads(size), seed, release
+        self.size, self.threads, self.seed, self.release = size, threads, seed, release
         self.job_timeout_s, self.retries, self.startup_timeout_s = job_timeout_s, retries, startup_timeout_s
         if liveness_timeout_s <= 0:
             raise GcoreError(f"a worker pool's liveness_timeout_s must be > 0 seconds, got {liveness_timeout_s}")
@@ -105,8 +106,11 @@ class WorkerPool:
                 self.ray = RayWorkers.connect(size, self.threads, device.startswith("cuda"), ray_address,
                                               startup_timeout_s)
                 self.devices = [self.ray.device()] * size
+                self.threads = self.ray.threads
             else:  # every controller is a Ray driver of its own
                 connect(ray_address)
+        else:
+            self.threads = threads or worker_threads(size)
         #: the Ray node of each worker ("" on one machine), and this controller's requests served on each node
         self.nodes: list[str] = [""] * size
         self.served: dict[str, int] = {}

@@ -95,6 +95,15 @@ def _probe(address: str) -> None:
                           f"{first_line(err)}); start one with `ray start --head` (docs/cluster.md)") from None
 
 
+def cluster_threads(size: int) -> int:
+    """Each of ``size`` CPU workers' share of the connected cluster's CPUs (at least 1): a Ray pool's threads per
+    worker where the user gave no ``--placement.threads`` nor ``OMP_NUM_THREADS``. The controller's own cores, the
+    local pool's default, say nothing about the cluster's nodes."""
+    from gcore.threads import user_threads
+
+    return user_threads() or max(1, int(_ray().cluster_resources().get("CPU", 0)) // size)
+
+
 def check_resources(size: int, threads: int, gpu: bool, address: str) -> None:
     """Refuse in one line a cluster with fewer CPUs (or GPUs) than ``size`` workers need."""
     ray = _ray()
@@ -176,6 +185,7 @@ class RayWorkers:
         connected = connect(address)
         ray = _ray()
         try:
+            threads = threads or cluster_threads(size)
             check_resources(size, threads, gpu, address)
             from ray.util.placement_group import placement_group, remove_placement_group
 
