@@ -11,6 +11,13 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from gcore.algorithms.mismatch import (
+    DEFAULT_BOUNDS,
+    MismatchCorrection,
+    abs_log_ratio_max,
+    bounds_error,
+    correction_weight,
+)
 from gcore.errors import AlgorithmError, ConfigError
 from gcore.types import RolloutBatch, Sample
 from gcore.user_code import describe, ending_as
@@ -192,6 +199,16 @@ def behaviour_weight(
     return raw.clamp(max=cap), raw
 
 
+#: the metrics ``Algorithm.loss`` gives as its micro-batch's maximum (not as a share of a token mean)
+MAX_METRICS = frozenset({"mismatch/abs_log_ratio_max"})
+
+
+def is_max_metric(name: str) -> bool:
+    """Whether the metric ``name`` is a maximum (``MAX_METRICS``), which the backends reduce by ``max`` over
+    micro-batches, ranks and optimizer steps; every other metric of ``loss`` is summed (token-mean shares)."""
+    return name in MAX_METRICS
+
+
 #: the methods of an algorithm gcore calls during a run, each guarded against code that ends the process
 #: (``_guarded``): a subclass's override of any of them is wrapped when the subclass is defined
 GUARDED_METHODS = ("setup", "loss_scale", "state_dict", "load_state_dict", "rows_to_train", "shape_reward",
@@ -233,7 +250,8 @@ class Algorithm(ABC):
     an option added here reaches every algorithm's CLI with no other edit. Off-policy samples
     (``--trainer.max_staleness`` >= 1): each token's loss is weighed by proximal / behaviour
     probability, truncated at ``behaviour_is_cap`` (``behaviour_weight``); no effect in the
-    synchronous loop.
+    synchronous loop. ``mismatch_correction`` other than ``none`` replaces that weight, in the synchronous
+    loop too, by a correction of the engine-vs-trainer ratio (``gcore/algorithms/mismatch.py``).
 
     Args:
         kl_coef: weight of KL(policy || reference); 0 disables the reference model.
@@ -244,6 +262,11 @@ class Algorithm(ABC):
         entropy_coef: weight of the entropy bonus (subtracted from the loss); 0 disables it.
         behaviour_is_cap: cap of the behaviour importance weight for off-policy samples
             (``--trainer.max_staleness`` >= 1; see ``behaviour_weight``).
+        mismatch_correction: the training-inference mismatch correction of the engine-vs-trainer ratio
+            ``pi_prox / pi_engine``: ``none`` (only ``behaviour_is_cap`` off-policy), ``token_truncate`` (TIS),
+            ``token_mask`` (MIS), ``sequence_truncate``, ``sequence_mask`` or ``geometric_mask``.
+        mismatch_low: lower bound of the ratio (default: none; ``geometric_mask``: 0.999).
+        mismatch_high: upper bound of the ratio (default 2.0; ``geometric_mask``: 1.001).
     """
 
     #: generation rounds a controller may run per step to fill its share of the batch after
@@ -267,6 +290,9 @@ class Algorithm(ABC):
         mini_batches: int = 1,
         entropy_coef: float = 0.0,
         behaviour_is_cap: float = 2.0,
+        mismatch_correction: MismatchCorrection = "none",
+        mismatch_low: float | None = None,
+        mismatch_high: float | None = None,
     ) -> None:
         check(epochs >= 1 and mini_batches >= 1, f"epochs and mini_batches must be >= 1, got {epochs}, {mini_batches}")
         check_choice("kl_estimator", kl_estimator, KLEstimator)
@@ -280,6 +306,17 @@ class Algorithm(ABC):
         self.entropy_coef = entropy_coef
         check(behaviour_is_cap >= 1.0, f"--algorithm.behaviour_is_cap must be >= 1, got {behaviour_is_cap}")
         self.behaviour_is_cap = behaviour_is_cap
+        check_choice("mismatch_correction", mismatch_correction, MismatchCorrection)
+        error = bounds_error(mismatch_correction, mismatch_low, mismatch_high)
+        check(error is None, str(error))
+        default_low, default_high = DEFAULT_BOUNDS.get(mismatch_correction, (None, 2.0))
+        self.mismatch_correction = mismatch_correction
+        self.mismatch_low, self.mismatch_high = mismatch_low, mismatch_high
+        #: the bounds in force: the given ones, else the mode's defaults (``DEFAULT_BOUNDS``)
+        self.mismatch_bounds = (default_low if mismatch_low is None else mismatch_low,
+                                default_high if mismatch_high is None else mismatch_high)
+        low, high = self.mismatch_bounds
+        check(low is None or low < high, f"--algorithm.mismatch_low ({low}) must be below mismatch_high ({high})")
         self.max_new_tokens: int | None = None
 
     def setup(self, max_new_tokens: int) -> None:
@@ -381,12 +418,8 @@ class Algorithm(ABC):
         # how far the engine's distribution was from the one trained: its precision (a bfloat16 engine, another
         # kernel) and, off-policy, the samples' staleness
         diagnostics = {**diagnostics, "rollout/logprob_diff": (logprobs.detach() - batch.engine_logprobs).abs()}
-        if batch.behaviour_logprobs is not None:  # off-policy samples: the decoupled objective
-            proximal = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
-            weight, raw = behaviour_weight(proximal, batch.behaviour_logprobs, self.behaviour_is_cap)
-            per_token = per_token * weight
-            diagnostics = {**diagnostics, "async/behaviour_ratio_dev": (raw - 1.0).abs(),
-                           "async/behaviour_truncated_frac": (raw > self.behaviour_is_cap).float()}
+        per_token, corrections = self.correct_mismatch(per_token, logprobs, batch)
+        diagnostics = {**diagnostics, **corrections}
         if self.needs_reference and self.kl_in_loss:
             if batch.ref_logprobs is None:
                 raise RuntimeError("kl_coef is set but the batch has no reference log-probabilities")
@@ -397,7 +430,43 @@ class Algorithm(ABC):
             per_token = per_token - self.entropy_coef * entropy
         loss = aggregate(per_token, mask, scale, self.loss_agg)
         shares = {name: (value.detach() * mask).sum() / max(scale.tokens, 1.0) for name, value in diagnostics.items()}
+        proximal = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+        shares["mismatch/abs_log_ratio_max"] = abs_log_ratio_max(proximal - self._engine_logprobs(batch), mask)
         return loss, shares
+
+    @staticmethod
+    def _engine_logprobs(batch: RolloutBatch) -> torch.Tensor:
+        """The log-probabilities the engine sampled with: the behaviour policy's off-policy, else the engine's."""
+        return batch.behaviour_logprobs if batch.behaviour_logprobs is not None else batch.engine_logprobs
+
+    def correct_mismatch(
+        self, per_token: torch.Tensor, logprobs: torch.Tensor, batch: RolloutBatch
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The policy loss weighed by the engine-vs-trainer correction, and its per-token diagnostics.
+
+        The ratio is ``pi_prox / pi_engine``: the trainer's log-probabilities at the start of the update (the
+        proximal ones, as ``behaviour_weight``'s) against the engine's sampling ones. With ``mismatch_correction``
+        ``none`` off-policy samples get ``behaviour_weight`` (truncated at ``behaviour_is_cap``) and on-policy ones
+        no weight, as before; any other mode weighs every sample (``gcore/algorithms/mismatch.py``).
+        """
+        proximal = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+        log_ratio = proximal.detach() - self._engine_logprobs(batch).detach()
+        diagnostics = {"mismatch/abs_log_ratio_mean": log_ratio.abs()}
+        if self.mismatch_correction != "none":
+            weight, corrected = correction_weight(log_ratio, batch.response_mask, self.mismatch_correction,
+                                                  *self.mismatch_bounds)
+            per_token = per_token * weight
+        elif batch.behaviour_logprobs is not None:  # off-policy samples: the decoupled objective
+            weight, raw = behaviour_weight(proximal, batch.behaviour_logprobs, self.behaviour_is_cap)
+            per_token = per_token * weight
+            corrected = (raw > self.behaviour_is_cap).float()
+        else:
+            corrected = torch.zeros_like(log_ratio)
+        diagnostics["mismatch/masked_frac"] = corrected
+        if batch.behaviour_logprobs is not None:
+            diagnostics["async/behaviour_ratio_dev"] = (torch.exp(log_ratio) - 1.0).abs()
+            diagnostics["async/behaviour_truncated_frac"] = corrected
+        return per_token, diagnostics
 
 
 def check(ok: bool, message: str) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch.distributed.constants import default_pg_timeout
 
-from gcore.algorithms.base import Algorithm
+from gcore.algorithms.base import Algorithm, is_max_metric
 from gcore.errors import ConfigError
 from gcore.model import ModelSource
 from gcore.types import RolloutBatch
@@ -83,8 +83,8 @@ class TrainingBackend(ABC):
         ``algorithm.epochs`` passes over the batch (in a seeded random order after the first), each
         cut into ``algorithm.mini_batches`` parts of one optimizer step each: ``train_mini_batch``
         accumulates a part's gradients and returns its global metrics, ``optimizer_step`` clips and
-        steps. The metrics are averaged over the steps. A backend implements those two (and
-        ``learning_rate``), or overrides ``train`` whole.
+        steps. The metrics are averaged over the steps (a maximum, ``is_max_metric``, is their maximum).
+        A backend implements those two (and ``learning_rate``), or overrides ``train`` whole.
         """
         sums: dict[str, float] = {}
         optimizer_steps = skipped = 0
@@ -99,8 +99,8 @@ class TrainingBackend(ABC):
                 optimizer_steps += 1
                 stats["grad_norm"] = grad_norm
                 for key, value in stats.items():
-                    sums[key] = sums.get(key, 0.0) + value
-        metrics = {key: value / optimizer_steps for key, value in sums.items()}
+                    sums[key] = max(sums.get(key, 0.0), value) if is_max_metric(key) else sums.get(key, 0.0) + value
+        metrics = {key: value if is_max_metric(key) else value / optimizer_steps for key, value in sums.items()}
         metrics["skipped_updates"] = float(skipped)
         metrics["lr"] = self.learning_rate()
         return metrics

@@ -16,7 +16,8 @@ SHARED = [name for name in inspect.signature(Algorithm.__init__).parameters if n
 FIXED = {RLOO: {"entropy_coef"}}
 #: a value other than every default, for each shared option
 VALUES = {"kl_coef": 0.5, "kl_estimator": "k2", "loss_agg": "seq_mean_token_sum_norm", "epochs": 3,
-          "mini_batches": 4, "entropy_coef": 0.01, "behaviour_is_cap": 5.0}
+          "mini_batches": 4, "entropy_coef": 0.01, "behaviour_is_cap": 5.0, "mismatch_correction": "token_mask",
+          "mismatch_low": 0.5, "mismatch_high": 3.0}
 
 
 def test_the_shared_options_are_keyword_only():

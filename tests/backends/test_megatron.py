@@ -217,6 +217,10 @@ def _compare_with_torch(fabric, model_dir, tp, pp, out):
         "moved": max(float((weights[k] - torch.load(os.path.join(model_dir, "..", "initial.pt"))[k]).abs().max())
                      for k in torch_weights),
         "names": sorted(weights) == sorted(torch_weights),
+        # the engine's log-probs are 0 (make_batch): each rank's largest |log-ratio| is its own, the metric the
+        # maximum over the ranks in both backends
+        "mismatch_max": (metrics["mismatch/abs_log_ratio_max"], torch_metrics["mismatch/abs_log_ratio_max"],
+                         float((torch_logprobs.abs() * batch.response_mask).max())),
     }
     torch.save(result, f"{out}.{fabric.global_rank}")
 
@@ -236,8 +240,11 @@ def test_train_step_matches_the_torch_backend(tmp_path, tp, pp, tied, ranks):
     torch.save(AutoModelForCausalLM.from_pretrained(model_dir).state_dict(), tmp_path / "initial.pt")
     out = str(tmp_path / "result")
     spawn(ranks, _compare_with_torch, model_dir, tp, pp, out)
+    highest = max(torch.load(f"{out}.{rank}")["mismatch_max"][2] for rank in range(ranks))
     for rank in range(ranks):
         result = torch.load(f"{out}.{rank}")
+        megatron_max, torch_max, _ = result["mismatch_max"]
+        assert megatron_max == pytest.approx(highest, abs=LOGPROB_TOL) and torch_max == pytest.approx(highest, abs=1e-6)
         assert result["names"]
         assert result["logprobs"] < LOGPROB_TOL, result
         assert result["loss"] < LOSS_TOL, result

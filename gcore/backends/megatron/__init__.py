@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from gcore.algorithms.base import Algorithm
+from gcore.algorithms.base import Algorithm, is_max_metric
 from gcore.backends.base import TrainingBackend
 from gcore.backends.common import OptimizerOptions, check_sequence_parallel_controllers
 from gcore.backends.megatron.convert import Layout, layout_from_hf
@@ -255,15 +255,21 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
             for shares in self.forward.run_micro_batches(self.policy, micros, batch.temperature, loss_fn,
                                                          forward_only=False):
                 for key, value in shares.items():
-                    local[key] = local.get(key, 0.0) + value
+                    local[key] = max(local.get(key, 0.0), value) if is_max_metric(key) else local.get(key, 0.0) + value
         # every model-parallel (and context-parallel) peer trained on the same union; the last pipeline
-        # stage has its metrics: sum over data-parallel ranks, then take the last stage's
+        # stage has its metrics: sum over data-parallel ranks, then take the last stage's (a maximum,
+        # ``is_max_metric``, is non-negative: the maximum over them, with zeros on the other stages)
         keys = agree_on_keys(sorted(set(local) | {"loss", "entropy"}))
+        maxima = [k for k in keys if is_max_metric(k)]
+        keys = [k for k in keys if not is_max_metric(k)]
         values = g.all_reduce(torch.tensor([local.get(k, 0.0) for k in keys], dtype=torch.float64),
                               group=g.dp_group)
+        highest = g.all_reduce(torch.tensor([local.get(k, 0.0) for k in maxima], dtype=torch.float64),
+                               op=dist.ReduceOp.MAX, group=g.dp_group)
         if self.pipeline_parallel_size > 1:
             values = g.all_reduce(values, group=g.pp_group)  # zeros on the other stages
-        return dict(zip(keys, values.tolist(), strict=False))
+            highest = g.all_reduce(highest, op=dist.ReduceOp.MAX, group=g.pp_group)
+        return {**dict(zip(keys, values.tolist(), strict=True)), **dict(zip(maxima, highest.tolist(), strict=True))}
 
     def optimizer_step(self, stats: dict[str, float], loss_finite: bool) -> tuple[float, bool]:
         return self.optimizer.step(loss_finite)

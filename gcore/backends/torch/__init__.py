@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import torch
 from torch.distributed.constants import default_pg_timeout
 
-from gcore.algorithms.base import Algorithm
+from gcore.algorithms.base import Algorithm, is_max_metric
 from gcore.backends import lora
 from gcore.backends import sequence_parallel as seqpar
 from gcore.backends.base import TrainingBackend
@@ -362,19 +362,26 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             shares["entropy"] = (entropy.detach() * micro.response_mask).sum() / max(scale.tokens, 1.0)
             shares["loss"] = loss.detach()
             for key, value in shares.items():  # every rank sums the same keys (a zero pass adds zeros)
-                local[key] = local.get(key, 0.0) + (float(value) if real else 0.0)
+                number = float(value) if real else 0.0
+                local[key] = max(local.get(key, 0.0), number) if is_max_metric(key) else local.get(key, 0.0) + number
         # the mean over ranks after the sum and the division by the replicas of each row
         local["padding_frac"] = padding_fraction(lengths, groups) * replicas / world
         keys = sorted(set(local) | {"loss", "entropy"})
+        maxima = [k for k in keys if is_max_metric(k)]  # the maximum over ranks (every rank has the same keys)
+        keys = [k for k in keys if not is_max_metric(k)]
         values = [local.get(k, 0.0) for k in keys]
+        highest = [local[k] for k in maxima]
         if world > 1:
             values = [v / replicas for v in microbatch.all_reduce(fabric, torch.tensor(values), "sum").tolist()]
+            if maxima:
+                highest = microbatch.all_reduce(fabric, torch.tensor(highest, dtype=torch.float64), "max").tolist()
         metrics = dict(zip(keys, values, strict=False))
         # token means over the rows that ran (the shares were divided by every row's tokens); 0 when no
         # row ran (trained_rows_frac 0), so that every metric stays finite and comparable across resumes
         for key in metrics.keys() - {"loss", "padding_frac"}:
             metrics[key] = metrics[key] * tokens / trained_tokens if trained_tokens else 0.0
         metrics["trained_rows_frac"] = trained_rows / max(sequences, 1.0)
+        metrics.update(zip(maxima, highest, strict=True))
         return metrics
 
     # SYNC and SAVE ---------------------------------------------------------------------------
