@@ -155,6 +155,40 @@ def trl_grads(args: argparse.Namespace, samples: list, tokenizer) -> tuple[dict,
     return grads, (completion_mask, advantages), loss.detach()
 
 
+def reference_grads(args: argparse.Namespace, samples: list, advantages) -> dict:
+    """The same loss in float64, row by row through plain unpadded forwards (prompt + reply, no padding, no packing,
+    no shared prompt): ``-(1 / rows) sum_r A_r / |T_r| sum_t log p(t)`` at ratio 1 (where the clipped and the
+    unclipped term agree, the gradient flows through the unclipped one). What both trainers' float32 gradients are
+    measured against (``--reference``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float64)
+    model.train()
+    model.zero_grad()
+    rows = len(samples)
+    for row, s in enumerate(samples):
+        ids = torch.tensor([list(s.prompt.token_ids) + list(s.response_ids)])
+        logits = model(input_ids=ids).logits[0, :-1].double()
+        logp = torch.log_softmax(logits / args.temperature, dim=-1)
+        targets = ids[0, 1:]
+        token_logp = logp.gather(1, targets.unsqueeze(1)).squeeze(1)[len(s.prompt.token_ids) - 1 :]
+        loss = -float(advantages[row]) * token_logp.mean() / rows
+        loss.backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def compare(a: dict, b: dict) -> tuple[float, float]:
+    """Relative difference and cosine of two gradients (dicts of tensors), over the tensors both have."""
+    import torch
+
+    names = sorted(set(a) & set(b))
+    fa = torch.cat([a[n].flatten().double() for n in names])
+    fb = torch.cat([b[n].flatten().double() for n in names])
+    cosine = fa @ fb / (fa.norm() * fb.norm()).clamp(min=1e-30)
+    return float((fa - fb).norm() / fb.norm().clamp(min=1e-30)), float(cosine)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", default=None, help="an HF checkpoint folder (default: the tiny embedded "
@@ -165,6 +199,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--json", help="write the per-reply and per-tensor figures here")
+    parser.add_argument("--reference", action="store_true", help="also compute the loss's gradient in float64 through "
+                        "plain per-row forwards and measure each trainer's float32 gradient against it")
+    parser.add_argument("--no-trl", action="store_true", help="gcore (and --reference) only: no TRL needed")
     args = parser.parse_args()
     import torch
 
@@ -172,7 +209,18 @@ def main() -> None:
     args.tiny = args.model_path is None
     samples, tokenizer = sample_batch(args)
     g_grads, batch, weights = gcore_grads(args, samples, tokenizer)
+    if args.reference:
+        ref = reference_grads(args, samples, batch.advantages)
+        rel, cos = compare(g_grads, ref)
+        print(f"gcore float32 against the float64 reference: relative difference {rel:.3g}, cosine {cos:.8f}")
+        args.gcore_vs_reference = [rel, cos]
+    if args.no_trl:
+        return
     t_grads, (t_mask, t_adv), _ = trl_grads(args, samples, tokenizer)
+    if args.reference:
+        rel, cos = compare(t_grads, ref)
+        print(f"TRL float32 against the float64 reference: relative difference {rel:.3g}, cosine {cos:.8f}")
+        args.trl_vs_reference = [rel, cos]
     replies = []
     print("reply  tokens  eos  reward  adv_gcore  adv_trl  gcore_mask_tokens  trl_mask_tokens  "
           "weight_at_last_token(gcore)  text")
