@@ -116,9 +116,11 @@ class Trainer:
     def _validate_routing_replay(self) -> None:
         """``--backend.routing_replay`` (docs/moe.md): refuse, in one line naming the option, where the engine's routes
         cannot reach the trainer; else turn on the engine's recording (``--engine.record_routes``)."""
+        from gcore.engines.vllm import VLLMEngine
+
         flag, engine = "--backend.routing_replay true", self.engine
         name = type(engine).__name__
-        if name == "VLLMEngine":
+        if isinstance(engine, VLLMEngine):
             raise ConfigError(f"{flag}: the vllm engine does not hand gcore its routed experts (gcore reads no routing "
                               "from vLLM yet); use --engine hf, or --backend.routing_replay false")
         if not hasattr(engine, "record_routes") or getattr(engine, "use_generate", False):
