@@ -28,7 +28,7 @@ from gcore.trainer import Trainer, TrainerConfig
 class Varied(RuleReward):
     """A reward that differs within almost every group, so that most steps train."""
 
-    def score_one(self, sample):  # noqa: ANN001, ANN201
+    def score_one(self, sample):
         return float(sum(map(ord, sample.response_text)) % 5)
 
 

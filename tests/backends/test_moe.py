@@ -258,3 +258,27 @@ def test_an_moe_run_resumes_exactly_and_exports_an_moe_checkpoint(tmp_path):
     assert type(exported).__name__ == "Qwen3MoeForCausalLM"
     for name, tensor in final.state_dict().items():
         assert torch.equal(exported.state_dict()[name], tensor), name
+
+
+def test_a_local_mixtral_checkpoint_trains_with_replay_and_the_aux_loss(tmp_path):
+    """Any local checkpoint of a transformers MoE architecture loads through --model.path: a tiny Mixtral (its router
+    always renormalises, in float32) trains with routing replay and the load-balancing loss."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    tokenizer = char_tokenizer()
+    config = MixtralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id,
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    MixtralForCausalLM(config).save_pretrained(tmp_path / "mixtral")
+    tokenizer.save_pretrained(tmp_path / "mixtral")
+    result = Trainer(
+        trainer=TrainerConfig(max_steps=2, default_root_dir=str(tmp_path), enable_progress_bar=False),
+        model=ModelConfig(path=str(tmp_path / "mixtral")), data=DataConfig(prompts_per_step=2),
+        sampling=SamplingParams(n=4, max_new_tokens=5), algorithm=GRPO(), reward=Varied(),
+        backend=TorchBackend(lr=1e-2, routing_replay=True, router_aux_loss_coef=0.01),
+    ).fit()
+    trained = [h for h in result.history if h["trained_rows_frac"] > 0]
+    assert trained and all(h["moe/routed_differently"] == 0.0 and h["moe/aux_loss"] > 0 for h in trained)
+    assert "moe/layer0/expert3_load" in result.history[0]
