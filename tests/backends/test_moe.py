@@ -93,16 +93,19 @@ def test_routes_differ_without_replay_and_never_with_it():
     with RouterTap(engine) as tap:
         engine(input_ids=ids)
     recorded, mask = tap.indices(), torch.ones(ids.numel())
-    shares = {}
+    shares, used = {}, {}
     for replay in (False, True):
-        with RouterTap(trainer) as tap:
+        # a second tap, registered after the first, sees the experts the first hands on to the experts' computation
+        with RouterTap(trainer) as tap, RouterTap(trainer) as observer:
             tap.recorded, tap.replay = recorded, replay
             trainer(input_ids=ids)
-        shares[replay] = tap.mismatch_counts(mask)
+        shares[replay], used[replay] = tap.mismatch_counts(mask), observer.indices()
     tokens, disagrees, differs = shares[False]
     assert tokens == ids.numel() and differs == disagrees > 0
+    assert not torch.equal(used[False].sort(-1).values, recorded.sort(-1).values)
     tokens, disagrees, differs = shares[True]
     assert differs == 0 and disagrees > 0
+    assert torch.equal(used[True], recorded)
 
 
 def test_the_load_balancing_loss_and_expert_load_match_transformers():
