@@ -231,6 +231,11 @@ def test_collate_aligns_the_routes_with_the_trainer_positions():
     assert batch.routed_experts.shape == (2, 4, 2, 2)
     assert torch.equal(batch.routed_experts[0], routes.long()) and (batch.routed_experts[1] == -1).all()
     assert batch.select(torch.tensor([1])).routed_experts.shape == (1, 2, 2, 2)  # trimmed with the rows
+    from gcore.backends.common import concat_batches
+
+    joined = concat_batches([batch.select(torch.tensor([1])), batch.select(torch.tensor([0]))])
+    assert joined.routed_experts.shape == (2, 4, 2, 2) and (joined.routed_experts[0] == -1).all()
+    assert torch.equal(joined.routed_experts[1], routes.long())
 
 
 def test_an_moe_run_resumes_exactly_and_exports_an_moe_checkpoint(tmp_path):
