@@ -123,7 +123,7 @@ class Trainer:
         if isinstance(engine, VLLMEngine):
             raise ConfigError(f"{flag}: the vllm engine does not hand gcore its routed experts (gcore reads no routing "
                               "from vLLM yet); use --engine hf, or --backend.routing_replay false")
-        if not hasattr(engine, "record_routes") or getattr(engine, "use_generate", False):
+        if not engine.capabilities.routes:
             raise ConfigError(f"{flag}: --engine {name} does not record the experts it routes to; use --engine hf "
                               "(its own loop, --engine.use_generate false)")
         workers = getattr(self.placement, "workers", 0)
@@ -137,7 +137,7 @@ class Trainer:
         if self.env.multi_turn:
             raise ConfigError(f"{flag}: multi-turn episodes (--env {type(self.env).__name__}) do not carry routes "
                               "yet; use --env single_turn")
-        setattr(engine, "record_routes", True)  # noqa: B010  an HFEngine (checked above)
+        setattr(engine, "record_routes", True)  # noqa: B010  the attribute ``capabilities.routes`` promises
 
     def _validate_images(self) -> None:
         """Image prompts (docs/multimodal.md): refuse, in one line naming the option, what does not take them yet."""

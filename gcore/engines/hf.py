@@ -83,7 +83,7 @@ class HFEngine(Engine):
     ``use_generate`` (``model.generate`` does not stop when asked).
     """
 
-    capabilities = EngineCapabilities(images=True, interrupt=True)
+    capabilities = EngineCapabilities(images=True, interrupt=True, routes=True)
 
     def __init__(
         self,
@@ -114,7 +114,7 @@ class HFEngine(Engine):
         self.offload_when_asleep = offload_when_asleep
         self.use_generate = use_generate
         if use_generate:
-            self.capabilities = EngineCapabilities(images=True, interrupt=False)
+            self.capabilities = EngineCapabilities(images=True, interrupt=False, routes=False)
         self.static_cache = static_cache
         self.cuda_graphs = cuda_graphs
         self.sample_special_tokens = sample_special_tokens

@@ -174,11 +174,13 @@ def test_grpo_trains_the_moe_model_and_logs_the_expert_load_and_aux_loss(tmp_pat
     assert all(abs(sum(float(r[f"moe/layer0/expert{e}_load"]) for e in range(4)) - 1) < 1e-6 for r in trained)
 
 
-def test_routing_replay_through_the_trainer_routes_every_token_as_the_engine_did(tmp_path):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_routing_replay_through_the_trainer_routes_every_token_as_the_engine_did(tmp_path, checkpointing):
     """--backend.routing_replay turns on the engine's recording; the trainer's forwards use the engine's experts
-    (bfloat16 engine, float32 trainer: the routers may disagree, the routes used never differ)."""
+    (bfloat16 engine, float32 trainer: the routers may disagree, the routes used never differ), also where gradient
+    checkpointing runs the forward again inside the backward."""
     engine = HFEngine(dtype="bfloat16")
-    result = _fit(tmp_path, engine=engine, routing_replay=True)
+    result = _fit(tmp_path, engine=engine, routing_replay=True, gradient_checkpointing=checkpointing)
     assert engine.record_routes
     trained = [h for h in result.history if h["trained_rows_frac"] > 0]
     assert trained and all(h["moe/routed_differently"] == 0.0 for h in trained)
@@ -217,6 +219,9 @@ def test_routing_replay_is_refused_in_one_line_where_routes_cannot_reach_the_tra
     with pytest.raises(ConfigError) as err:  # vLLM is not installed here: an engine that never ran setup
         trainer(engine=VLLMEngine.__new__(VLLMEngine))
     assert str(err.value).startswith("--backend.routing_replay true: the vllm engine does not hand gcore its routed")
+    with pytest.raises(ConfigError) as err:
+        trainer(engine=HFEngine(use_generate=True))
+    assert str(err.value).startswith("--backend.routing_replay true: --engine HFEngine does not record the experts")
     with pytest.raises(ConfigError) as err:
         trainer(engine=HFEngine(), placement=StaticPlacement(workers=1))
     assert "--placement StaticPlacement with engine workers does not carry them" in str(err.value)
