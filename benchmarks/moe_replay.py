@@ -10,8 +10,13 @@ in float32 and in bfloat16 (engine and trainer alike), a bfloat16 engine beside 
 train on weights up to 3 updates newer than the engine's), each without and with replay. (``--trainer.max_staleness``
 needs engine workers, which do not carry routes yet.)
 
+With ``--cost``: the time the recording and the replay add, alternated ``--repeats`` times on the same model and
+samples: the engine's ``generate`` with and without ``record_routes``, and the trainer's old-log-probability pass
+(``compute_logprobs``) with and without replay (the router hooks observe in both).
+
     python benchmarks/moe_replay.py
     python benchmarks/moe_replay.py --steps 12 --hidden 128
+    python benchmarks/moe_replay.py --cost
 """
 
 import argparse
@@ -59,6 +64,47 @@ def run(args: argparse.Namespace, dtype: str, engine_dtype: str, mini_batches: i
     return {key: statistics.fmean(h[key] for h in trained) for key in KEYS} | {"steps trained": len(trained)}
 
 
+def cost(args: argparse.Namespace) -> None:
+    import torch
+    from lightning.fabric import Fabric
+
+    from gcore.model import ModelSource, char_tokenizer, materialize
+    from gcore.types import Prompt, Sample, collate
+
+    tokenizer = char_tokenizer()
+    config = ModelConfig(num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                         architecture="qwen3_moe", num_experts=args.experts, num_experts_per_tok=args.top_k,
+                         moe_intermediate_size=args.hidden)
+    path = materialize(config, tokenizer, args.seed, tempfile.mkdtemp())
+    engine = HFEngine(prefix_cache_tokens=0)
+    engine.setup(ModelSource(path), torch.device("cpu"))
+    prompts = [tokenizer(f"{i}+{i}=")["input_ids"] for i in range(args.prompts)]
+    params = SamplingParams(n=args.n, max_new_tokens=args.new_tokens)
+    backends = {}
+    for replay in (False, True):
+        backend = TorchBackend(routing_replay=replay)
+        backend.setup(Fabric(accelerator="cpu", devices=1), ModelSource(path), GRPO(), embedded=True)
+        backends[replay] = backend
+    times: dict[str, list[float]] = {k: [] for k in ("generate", "generate + record", "logprobs", "logprobs + replay")}
+    for _ in range(args.repeats):
+        for record in (False, True):
+            engine.record_routes = record
+            torch.manual_seed(0)
+            start = time.perf_counter()
+            outputs = engine.generate(prompts, params)
+            times["generate + record" if record else "generate"].append(time.perf_counter() - start)
+        samples = [Sample(Prompt(i, "", p), i, g.token_ids, g.logprobs, "", g.finished, routed_experts=g.routed_experts)
+                   for i, (p, gs) in enumerate(zip(prompts, outputs, strict=True)) for g in gs]
+        batch = collate(samples, tokenizer.pad_token_id, 1.0)
+        for replay in (False, True):
+            start = time.perf_counter()
+            backends[replay].compute_logprobs(batch, "policy")
+            times["logprobs + replay" if replay else "logprobs"].append(time.perf_counter() - start)
+    for name, values in times.items():
+        print(f"{name}: median {statistics.median(values) * 1000:.1f} ms over {len(values)} "
+              f"({', '.join(f'{v * 1000:.1f}' for v in values)})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -72,7 +118,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--settings", nargs="*", default=list(SETTINGS), help="a subset of: " + ", ".join(SETTINGS))
+    parser.add_argument("--cost", action="store_true", help="time the recording and the replay instead")
+    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
+    if args.cost:
+        cost(args)
+        return
     print(f"| setting | replay | {' | '.join(KEYS)} | steps trained | s |")
     print("|---|---|---|---|---|---|---|")
     for name in args.settings:
