@@ -260,8 +260,11 @@ class HFEngine(Engine):
         ran, then each decode step's for the token it took; ``Generation.routed_experts`` ``[P + R - 1, layers, k]``.
         The MoE models have no static-cache decoder: every decode step runs every row through the model's
         forward."""
-        from gcore.moe import RouterTap
+        from gcore.moe import RouterTap, is_moe
 
+        if not is_moe(model):
+            raise ConfigError(f"--engine.record_routes true: {type(model).__name__} is not a mixture of experts (no "
+                              "top-k router); use an MoE model (--model.architecture qwen3_moe), or leave it false")
         with RouterTap(model) as tap:
             prefill = self._prefill(model, prompts, visual)
             layers = len(tap.routers)

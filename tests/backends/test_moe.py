@@ -196,6 +196,11 @@ def test_the_moe_options_are_refused_for_a_dense_model_and_untested_combinations
     dense = materialize(ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64), tokenizer, 0,
                         str(tmp_path / "dense"))
     moe = materialize(ModelConfig(**MOE), tokenizer, 0, str(tmp_path / "moe"))
+    engine = HFEngine(record_routes=True)
+    engine.setup(ModelSource(dense), torch.device("cpu"))
+    with pytest.raises(ConfigError) as err:
+        engine.generate([[5, 6]], SamplingParams(n=1, max_new_tokens=2))
+    assert str(err.value).startswith("--engine.record_routes true: Qwen2ForCausalLM is not a mixture of experts")
     fabric = Fabric(accelerator="cpu", devices=1)
     with pytest.raises(ConfigError) as err:
         TorchBackend(routing_replay=True).setup(fabric, ModelSource(dense), GRPO(), embedded=True)
