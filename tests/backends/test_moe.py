@@ -145,6 +145,16 @@ def test_the_hf_engine_records_the_routes_the_trainer_forward_takes(tmp_path):
             with RouterTap(engine.model) as tap, torch.no_grad():
                 engine.model(input_ids=ids)
             assert torch.equal(tap.indices().sort(-1).values, g.routed_experts.long().sort(-1).values)
+    # a prompt that extends a cached one: the cached prefix's tokens have no record, the rest match
+    longer = prompts[0] + tokenizer("33;")["input_ids"]
+    (generation, *_), = engine.generate([longer], SamplingParams(n=1, max_new_tokens=4))
+    assert engine.prefix_stats["hit_tokens"] >= len(prompts[0])
+    routes = generation.routed_experts.long()
+    known = (routes >= 0).all(-1).all(-1)
+    assert not known[: len(prompts[0])].any() and known[len(prompts[0]):].all()
+    with RouterTap(engine.model) as tap, torch.no_grad():
+        engine.model(input_ids=torch.tensor([longer + generation.token_ids[:-1]]))
+    assert torch.equal(tap.indices()[known].sort(-1).values, routes[known].sort(-1).values)
 
 
 class Varied(RuleReward):
