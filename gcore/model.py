@@ -16,13 +16,15 @@ import torch
 from gcore.errors import ConfigError, GcoreError
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 CHAR_TOKENIZER = Path(__file__).parent / "assets" / "char_tokenizer.json"
 #: files of which an HF tokenizer is built: a folder with none of them has no tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
                    "spiece.model", "sentencepiece.bpe.model", "tokenizer.tiktoken")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: ``--model.architecture``: the embedded model's transformers architecture
+ARCHITECTURES = ("qwen2", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class ModelConfig:
     Args:
         path: a local HF checkpoint directory (model and tokenizer), or a ``.gguf`` file (dequantised
             and converted to an HF checkpoint when the run starts; ``gcore import`` does it once). Unset:
-            build the embedded tiny Qwen2-style model from the fields below, with the shipped character
+            build the embedded tiny model (``architecture``) from the fields below, with the shipped character
             tokenizer.
         trust_remote_code: allow the checkpoint's own Python code to run.
         dtype: parameter dtype of the trainer's and engine's copies.
@@ -65,6 +67,12 @@ class ModelConfig:
         num_key_value_heads: embedded model only.
         intermediate_size: embedded model only.
         max_position_embeddings: embedded model only: its context length.
+        architecture: embedded model only: ``qwen2`` (dense, the default) or ``qwen3_moe`` (a mixture of experts,
+            transformers' Qwen3-MoE: every layer's MLP is ``num_experts`` experts of ``moe_intermediate_size``, each
+            token routed to ``num_experts_per_tok`` of them; docs/moe.md).
+        num_experts: embedded ``qwen3_moe`` model only: experts per layer.
+        num_experts_per_tok: embedded ``qwen3_moe`` model only: experts each token is routed to (top-k).
+        moe_intermediate_size: embedded ``qwen3_moe`` model only: each expert's MLP width.
     """
 
     path: str | None = None
@@ -76,6 +84,22 @@ class ModelConfig:
     num_key_value_heads: int = 2
     intermediate_size: int = 256
     max_position_embeddings: int = 256
+    architecture: Literal["qwen2", "qwen3_moe"] = "qwen2"
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(f"--model.architecture {self.architecture!r}: valid choices: {', '.join(ARCHITECTURES)}")
+        if self.architecture == "qwen3_moe":
+            if self.num_experts < 1:
+                raise ConfigError(f"--model.num_experts {self.num_experts} must be >= 1")
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(f"--model.num_experts_per_tok {self.num_experts_per_tok} must be in "
+                                  f"[1, --model.num_experts {self.num_experts}]")
+            if self.moe_intermediate_size < 1:
+                raise ConfigError(f"--model.moe_intermediate_size {self.moe_intermediate_size} must be >= 1")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -184,11 +208,10 @@ def causal_lm_class(source: ModelSource):  # noqa: ANN201  a transformers auto c
     return AutoModelForCausalLM
 
 
-def build_tiny_model(config: ModelConfig, tokenizer, seed: int) -> Qwen2ForCausalLM:  # noqa: ANN001
-    """A randomly initialised Qwen2-style causal LM; the same weights for the same seed."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    hf_config = Qwen2Config(
+def build_tiny_model(config: ModelConfig, tokenizer, seed: int) -> PreTrainedModel:  # noqa: ANN001
+    """A randomly initialised causal LM of ``config.architecture`` (Qwen2-style, or Qwen3-MoE); the same weights for
+    the same seed."""
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,
         num_hidden_layers=config.num_hidden_layers,
@@ -201,7 +224,18 @@ def build_tiny_model(config: ModelConfig, tokenizer, seed: int) -> Qwen2ForCausa
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = _seeded(Qwen2ForCausalLM, hf_config, tokenizer, seed)
+    if config.architecture == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        # the router's load-balancing loss is the backend's option (--backend.router_aux_loss_coef), not the model's
+        moe_config = Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim: a keyword the stubs do not list
+            **common, head_dim=config.hidden_size // config.num_attention_heads, num_experts=config.num_experts,
+            num_experts_per_tok=config.num_experts_per_tok, moe_intermediate_size=config.moe_intermediate_size,
+            decoder_sparse_step=1, norm_topk_prob=True, output_router_logits=False, router_aux_loss_coef=0.0)
+        return _seeded(Qwen3MoeForCausalLM, moe_config, tokenizer, seed).to(config.torch_dtype)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = _seeded(Qwen2ForCausalLM, Qwen2Config(**common), tokenizer, seed)
     return model.to(config.torch_dtype)
 
 
@@ -387,6 +421,9 @@ def materialize(config: ModelConfig, tokenizer, seed: int, workdir: str, vision:
         return config.path
     from safetensors.torch import save_file
 
+    if vision and config.architecture != "qwen2":
+        raise ConfigError(f"--model.architecture {config.architecture}: the embedded model with image prompts is the "
+                          "tiny Qwen2-VL (dense); use --model.architecture qwen2, or a local MoE VLM checkpoint")
     model = build_tiny_vlm(config, tokenizer, seed) if vision else build_tiny_model(config, tokenizer, seed)
     os.makedirs(workdir, exist_ok=True)
     # not model.save_pretrained: under torch.distributed it writes on global rank 0 only, and every

@@ -128,6 +128,7 @@ class RolloutJob:
                 policy_version=self.policy_version,
                 # partial rollouts: a token sampled after the engine loaded k updates is k versions newer
                 token_versions=None if g.versions is None else [self.policy_version + v for v in g.versions],
+                routed_experts=g.routed_experts,
             )
             for group, (prompt, generations) in enumerate(zip(self.prompts[start:], outputs, strict=False))
             for g in generations

@@ -110,6 +110,34 @@ class Trainer:
         self.placement.validate(world, single_controller=self._single_controller())
         if self.data_config.has_images:
             self._validate_images()
+        if getattr(self.backend, "routing_replay", False):
+            self._validate_routing_replay()
+
+    def _validate_routing_replay(self) -> None:
+        """``--backend.routing_replay`` (docs/moe.md): refuse, in one line naming the option, where the engine's routes
+        cannot reach the trainer; else turn on the engine's recording (``--engine.record_routes``)."""
+        from gcore.engines.vllm import VLLMEngine
+
+        flag, engine = "--backend.routing_replay true", self.engine
+        name = type(engine).__name__
+        if isinstance(engine, VLLMEngine):
+            raise ConfigError(f"{flag}: the vllm engine does not hand gcore its routed experts (gcore reads no routing "
+                              "from vLLM yet); use --engine hf, or --backend.routing_replay false")
+        if not engine.capabilities.routes:
+            raise ConfigError(f"{flag}: --engine {name} does not record the experts it routes to; use --engine hf "
+                              "(its own loop, --engine.use_generate false)")
+        workers = getattr(self.placement, "workers", 0)
+        if type(self.placement).__name__ != "StaticPlacement" or workers:
+            raise ConfigError(f"{flag}: the routes are recorded by an engine in the trainer's process only; "
+                              f"--placement {type(self.placement).__name__} with engine workers does not carry them "
+                              "back yet: use --placement static without --placement.workers")
+        if self._single_controller():
+            raise ConfigError(f"{flag}: --trainer.controllers 1 sends generations as token tensors, without their "
+                              "routes; use one controller per process")
+        if self.env.multi_turn:
+            raise ConfigError(f"{flag}: multi-turn episodes (--env {type(self.env).__name__}) do not carry routes "
+                              "yet; use --env single_turn")
+        setattr(engine, "record_routes", True)  # noqa: B010  the attribute ``capabilities.routes`` promises
 
     def _validate_images(self) -> None:
         """Image prompts (docs/multimodal.md): refuse, in one line naming the option, what does not take them yet."""
@@ -372,6 +400,9 @@ def _run_signature(c: TrainerConfig, m: ModelConfig, d: DataConfig, algorithm: A
     model = {"path": os.path.abspath(m.path)} if m.path is not None else {
         key: getattr(m, key) for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                          "num_key_value_heads", "intermediate_size")}
+    if m.path is None and m.architecture != "qwen2":  # a dense model's signature is what it was before MoE
+        model.update({key: getattr(m, key) for key in ("architecture", "num_experts", "num_experts_per_tok",
+                                                       "moe_intermediate_size")})
 
     def name(obj: object) -> str:
         return f"{type(obj).__module__}.{type(obj).__qualname__}"

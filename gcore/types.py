@@ -97,6 +97,10 @@ class Generation:
     #: loaded during this request before it sampled the token (0: the weights the request was sent to). ``None``:
     #: no update came during the request (every token 0).
     versions: list[int] | None = None
+    #: a mixture-of-experts model's routes (``--engine.record_routes``): ``[P + R - 1, layers, k]`` int16, the experts
+    #: each MoE layer routed the prompt's ``P`` tokens and the first ``R - 1`` sampled tokens to (the last is never
+    #: run); -1 where not recorded. ``None``: not recorded
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass
@@ -124,6 +128,8 @@ class Sample:
     #: ``None``: every token ``policy_version``'s
     token_versions: list[int] | None = None
     env_reward: float = 0.0  # the sum of the environment's rewards for the turns (added to the reward model's)
+    #: ``Generation.routed_experts`` (one turn): the experts the engine routed each token of prompt + response to
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass
@@ -157,6 +163,9 @@ class RolloutBatch:
     policy_versions: torch.Tensor | None = None  # [B] long: ``Sample.policy_version``, set with ``behaviour_logprobs``
     #: per row, the prompt's images (``Prompt.visual``; ``None``: a row without); ``None``: no row has any
     visual: list[VisualInputs | None] | None = None
+    #: ``[B, L-1, layers, k]`` long: a mixture-of-experts policy's experts that the engine routed input token ``t`` to
+    #: (``Sample.routed_experts``; -1 where none was recorded); ``None``: not recorded (``--backend.routing_replay``)
+    routed_experts: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -182,7 +191,8 @@ class RolloutBatch:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor) and value.dim() == 2 and f.name != "features":
+            if isinstance(value, torch.Tensor) and (value.dim() == 2 or f.name == "routed_experts") \
+                    and f.name != "features":
                 cut = length if value.shape[1] == self.input_ids.shape[1] else length - 1
                 value = value[:, :cut]
             out[f.name] = value
@@ -221,7 +231,22 @@ def collate(samples: list[Sample], pad_id: int, temperature: float) -> RolloutBa
         features=_stack_features(samples),
         prompt_lengths=torch.tensor([len(s.prompt.token_ids) for s in samples], dtype=torch.long),
         visual=[s.prompt.visual for s in samples] if any(s.prompt.visual is not None for s in samples) else None,
+        routed_experts=_routes(samples, length),
     )
+
+
+def _routes(samples: list[Sample], length: int) -> torch.Tensor | None:
+    """The samples' ``routed_experts`` as ``[B, length-1, layers, k]`` long (-1 where none was recorded), or ``None``
+    when no sample carries any."""
+    present = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if not present:
+        return None
+    out = torch.full((len(samples), length - 1, *present[0].shape[1:]), -1, dtype=torch.long)
+    for row, s in enumerate(samples):
+        if s.routed_experts is not None:
+            routes = s.routed_experts[: length - 1]
+            out[row, : len(routes)] = routes.long()
+    return out
 
 
 def _stack_features(samples: list[Sample]) -> torch.Tensor | None:

@@ -104,6 +104,8 @@ def concat_batches(parts: list[RolloutBatch]) -> RolloutBatch:
             if v.dim() == 2:
                 width = length if v.shape[1] == p.input_ids.shape[1] else length - 1
                 v = torch.nn.functional.pad(v, (0, width - v.shape[1]))
+            elif f.name == "routed_experts":  # [B, L-1, layers, k]: -1 where no route was recorded
+                v = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, length - 1 - v.shape[1]), value=-1)
             padded.append(v)
         if len({v.dim() for v in padded}) > 1:  # advantages: [B] on some ranks, [B, L-1] on others
             raise ValueError(f"cannot stack batches whose {f.name} have different ranks")

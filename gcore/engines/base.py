@@ -45,6 +45,10 @@ class EngineCapabilities:
     #: ``setup`` starts processes of its own (SGLang's scheduler): an engine worker that holds such an engine is
     #: started non-daemonic, since a daemonic process cannot have children (``gcore/engines/pool/``)
     starts_processes: bool = False
+    #: ``generate`` can record, for a mixture-of-experts model, the experts every token was routed to
+    #: (``Generation.routed_experts``) once its ``record_routes`` attribute is set: ``--backend.routing_replay``
+    #: (docs/moe.md)
+    routes: bool = False
 
 
 #: where engines once declared their capabilities, one attribute each (now ``EngineCapabilities``)

@@ -62,6 +62,11 @@ class HFEngine(Engine):
             prefills only its new tokens; 0 turns it off. Dropped on every weight update and on ``sleep``; text
             prompts of the engine's own loop only (image prompts and ``use_generate`` bypass it). Each token held
             costs ``2 x layers x kv_heads x head_dim`` numbers of the engine's dtype; docs/engines.md, "Prefix cache".
+        record_routes: a mixture-of-experts model (docs/moe.md): record, for every token the model ran on (the prompt's
+            and each sampled token but the last), the experts each MoE layer routed it to
+            (``Generation.routed_experts``), from hooks on the routers (``gcore.moe.RouterTap``) of the forwards the
+            engine already runs; what ``--backend.routing_replay`` replays (it turns this on). Prompt tokens whose
+            keys and values came from the prefix cache have no record (-1). Not with ``use_generate``.
 
     Sampling is ``SamplingParams`` alone (temperature, top-k, top-p): the checkpoint's
     ``generation_config.json`` gives only the eos, pad and bos ids; its sampling values (its own
@@ -78,7 +83,7 @@ class HFEngine(Engine):
     ``use_generate`` (``model.generate`` does not stop when asked).
     """
 
-    capabilities = EngineCapabilities(images=True, interrupt=True)
+    capabilities = EngineCapabilities(images=True, interrupt=True, routes=True)
 
     def __init__(
         self,
@@ -91,12 +96,17 @@ class HFEngine(Engine):
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
         sample_special_tokens: bool = False,
         prefix_cache_tokens: int = 16384,
+        record_routes: bool = False,
     ) -> None:
         if dtype != "auto" and dtype not in DTYPES:
             raise ConfigError(f"--engine.dtype {dtype!r}: valid choices: auto, {', '.join(DTYPES)}")
         if isinstance(prefix_cache_tokens, bool) or not isinstance(prefix_cache_tokens, int) or prefix_cache_tokens < 0:
             raise ConfigError(f"--engine.prefix_cache_tokens {prefix_cache_tokens!r}: a number of tokens >= 0 "
                               "(0: no prefix cache)")
+        if record_routes and use_generate:
+            raise ConfigError("--engine.record_routes true needs the engine's own loop: use --engine.use_generate "
+                              "false")
+        self.record_routes = record_routes
         self.prefix_cache_tokens = prefix_cache_tokens
         self._prefix: PrefixCache | None = None
         self.dtype = dtype
@@ -104,7 +114,7 @@ class HFEngine(Engine):
         self.offload_when_asleep = offload_when_asleep
         self.use_generate = use_generate
         if use_generate:
-            self.capabilities = EngineCapabilities(images=True, interrupt=False)
+            self.capabilities = EngineCapabilities(images=True, interrupt=False, routes=False)
         self.static_cache = static_cache
         self.cuda_graphs = cuda_graphs
         self.sample_special_tokens = sample_special_tokens
@@ -238,9 +248,50 @@ class HFEngine(Engine):
                 visual: Visual = ()) -> list[Generation]:
         """Batched sampling: one prefill per distinct prompt, then one decode step and one draw per token."""
         stop_ids = tuple(dict.fromkeys(self.eos_ids + tuple(params.stop_token_ids)))
+        if self.record_routes:
+            return self._sample_recording(model, prompts, params, visual, stop_ids)
         prefill = self._prefill(model, prompts, visual)
         advance, decoder = self._decode_step(model, prefill, params.max_new_tokens)
         return self._decode(prefill.logits, advance, decoder, params, stop_ids)
+
+    def _sample_recording(self, model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams,
+                          visual: Visual, stop_ids: tuple[int, ...]) -> list[Generation]:
+        """``_sample`` with the routers' choices recorded (``record_routes``): the prefill's for each prompt token it
+        ran, then each decode step's for the token it took; ``Generation.routed_experts`` ``[P + R - 1, layers, k]``.
+        The MoE models have no static-cache decoder: every decode step runs every row through the model's
+        forward."""
+        from gcore.moe import RouterTap, is_moe
+
+        if not is_moe(model):
+            raise ConfigError(f"--engine.record_routes true: {type(model).__name__} is not a mixture of experts (no "
+                              "top-k router); use an MoE model (--model.architecture qwen3_moe), or leave it false")
+        with RouterTap(model) as tap:
+            prefill = self._prefill(model, prompts, visual)
+            layers = len(tap.routers)
+            distinct = prefill.attention_mask.shape[0]
+            width_in = tap.calls[0][2].shape[0] // distinct  # the prefill's input width (its new tokens)
+            prompt_routes = torch.stack([idx for _, _, idx in tap.calls[:layers]], dim=1).reshape(
+                distinct, width_in, layers, tap.top_k).cpu()
+            ran = prefill.attention_mask[:, -width_in:].sum(-1).cpu().tolist()  # each prompt's tokens it ran
+            tap.reset()
+            advance, decoder = self._decode_step(model, prefill, params.max_new_tokens)
+            if decoder is not None:
+                raise ConfigError(f"--engine.record_routes true: {type(model).__name__} decodes with the static-cache "
+                                  "decoder, which has no routers: not a mixture of experts")
+            generations = self._decode(prefill.logits, advance, decoder, params, stop_ids)
+            steps = len(tap.calls) // layers
+            decoded = (torch.stack([idx for _, _, idx in tap.calls[: steps * layers]]).reshape(
+                steps, layers, len(prompts), tap.top_k).permute(2, 0, 1, 3).cpu() if steps else None)
+        rows = prefill.rows.cpu().tolist()
+        for row, generation in enumerate(generations):
+            prompt = torch.full((len(prompts[row]), layers, tap.top_k), -1, dtype=torch.int16)
+            count = min(ran[rows[row]], len(prompts[row]))
+            if count:
+                prompt[-count:] = prompt_routes[rows[row], width_in - count:].to(torch.int16)
+            fed = len(generation.token_ids) - 1  # the last sampled token is never run
+            tokens = decoded[row, :fed].to(torch.int16) if decoded is not None and fed > 0 else prompt[:0]
+            generation.routed_experts = torch.cat([prompt, tokens])
+        return generations
 
     def _prefill(self, model: PreTrainedModel, prompts: list[list[int]], visual: Visual) -> _Prefill:
         """One forward over the distinct prompts (a prompt is its tokens and its images: the image tokens of two

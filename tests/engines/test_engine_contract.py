@@ -91,13 +91,14 @@ def test_generate_prompts_hands_images_only_to_an_engine_that_takes_them():
 def test_each_engine_declares_its_capabilities_in_one_place():
     """What the trainer, the engine workers and the generative reward read: images (hf, vllm, the pool's engine,
     which forwards them to the configured engine's copies), interruption between tokens (hf's own loop, not
-    ``model.generate``; SGLang), processes of its own (SGLang); a plugin engine declares none by default."""
-    assert HFEngine().capabilities == EngineCapabilities(images=True, interrupt=True)
+    ``model.generate``; SGLang), processes of its own (SGLang), a mixture of experts' routes (hf's own loop); a plugin
+    engine declares none by default."""
+    assert HFEngine().capabilities == EngineCapabilities(images=True, interrupt=True, routes=True)
     assert HFEngine(use_generate=True).capabilities == EngineCapabilities(images=True, interrupt=False)
     assert HFEngine.capabilities.interrupt  # the instance's options changed its own, not the class's
     assert SGLangEngine.capabilities == EngineCapabilities(interrupt=True, starts_processes=True)
     assert PoolEngine.capabilities.images
-    assert TextEngine().capabilities == EngineCapabilities() == EngineCapabilities(False, False, False)
+    assert TextEngine().capabilities == EngineCapabilities() == EngineCapabilities(False, False, False, False)
     with pytest.raises(AttributeError):
         HFEngine.capabilities.images = False  # frozen: declared, not toggled at run time
 

@@ -15,9 +15,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "gcore"
 # lowest first; a module belongs to the first entry that is it or a package above it
 LAYERS: list[tuple[str, ...]] = [
     ("gcore.errors", "gcore.types", "gcore.balance", "gcore.tasks", "gcore.liveness", "gcore.rendezvous",
-     "gcore.registry", "gcore.report", "gcore.checkpoint", "gcore.model", "gcore.vision", "gcore.data", "gcore.assets",
-     "gcore.threads", "gcore.environ", "gcore.loggers", "gcore.checkpointer", "gcore.run_lock", "gcore.user_code",
-     "gcore.run_config", "gcore.run_dir"),
+     "gcore.registry", "gcore.report", "gcore.checkpoint", "gcore.model", "gcore.moe", "gcore.vision", "gcore.data",
+     "gcore.assets", "gcore.threads", "gcore.environ", "gcore.loggers", "gcore.checkpointer", "gcore.run_lock",
+     "gcore.user_code", "gcore.run_config", "gcore.run_dir"),
     ("gcore.engines",),
     ("gcore.rewards", "gcore.algorithms", "gcore.envs"),
     ("gcore.backends", "gcore.rollout", "gcore.evaluation"),

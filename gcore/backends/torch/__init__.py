@@ -17,6 +17,7 @@ One module per job, in the order a step uses them:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import torch
 from torch.distributed.constants import default_pg_timeout
 
+from gcore import moe
 from gcore.algorithms.base import Algorithm, is_max_metric
 from gcore.backends import lora
 from gcore.backends import sequence_parallel as seqpar
@@ -43,7 +45,9 @@ from gcore.backends.torch.model import (
 )
 from gcore.backends.torch.optim import adamw, norm_value
 from gcore.backends.torch.options import check_images, check_options
+from gcore.backends.torch.routing import MiniBatchRouting
 from gcore.balance import padding_fraction
+from gcore.errors import ConfigError
 from gcore.model import ModelSource, causal_lm_class, check_compiler, image_text_to_text
 from gcore.types import RolloutBatch
 
@@ -120,6 +124,17 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             on-disk cache serves later runs), so it pays on long runs (BENCHMARKS.md). On CPU it needs a C++
             compiler. Not with ``strategy fsdp``, ``sequence_parallel_size`` > 1, ``packing``, ``lora_rank`` or
             ``gradient_checkpointing`` (untested).
+        router_aux_loss_coef: mixture-of-experts policies (docs/moe.md): add this multiple of the routers'
+            load-balancing loss (Switch Transformer's, transformers' ``load_balancing_loss_func``, over every MoE
+            layer and the micro-batch's tokens) to the policy's loss. 0 (default) for RL: the loss pulls the router
+            toward a uniform load, which is not the RL objective, and it moves the routing (so the policy) between
+            what the engine sampled with and what the trainer trains on. Refused for a dense model.
+        routing_replay: mixture-of-experts policies: route each token of the trainer's forwards (training and the
+            old log-probabilities) to the experts the engine chose when it sampled it (``Generation.routed_experts``,
+            recorded by the ``hf`` engine in-process, which this turns on: ``--engine.record_routes``); the routing
+            weights are recomputed from the current gate's
+            logits at those experts, so the gate still trains. Tokens without a record keep the router's choice.
+            Refused for a dense model, with engines that do not record routes (vLLM, SGLang, engine workers).
         **optimizer: the optimizer options, ``gcore.backends.common.OptimizerOptions``'s arguments
             (``lr``, ``weight_decay``, ``betas``, ``max_grad_norm``, ``micro_batch_size``, ``warmup_steps``).
     """
@@ -154,9 +169,14 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         attn_implementation: str | None = None,
         compile: bool = False,
         freeze_vision: bool = False,
+        router_aux_loss_coef: float = 0.0,
+        routing_replay: bool = False,
         **optimizer: Any,  # noqa: ANN401  OptimizerOptions's arguments, checked there
     ) -> None:
         self.freeze_vision = freeze_vision
+        if router_aux_loss_coef < 0:
+            raise ConfigError(f"--backend.router_aux_loss_coef {router_aux_loss_coef} must be >= 0")
+        self.router_aux_loss_coef, self.routing_replay = router_aux_loss_coef, routing_replay
         self.fsdp = strategy == "fsdp"
         self.sequence_parallel_size, self.sequence_parallel_mode = sequence_parallel_size, sequence_parallel_mode
         self.packing, self.skip_inert_rows, self.share_prompts = packing, skip_inert_rows, share_prompts
@@ -174,6 +194,9 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         self._synced: dict[str, torch.Tensor] | None = None  # FSDP: the full weights of the last sync
         #: ``freeze_vision``: the names of the frozen vision weights, which ``named_weights`` leaves out
         self._frozen: frozenset[str] = frozenset()
+        #: a mixture-of-experts policy's router hooks (``gcore.backends.moe``); ``None`` for a dense model
+        self.router_tap: moe.RouterTap | None = None
+        self.reference_tap: moe.RouterTap | None = None
 
     def validate_images(self) -> None:
         """Refuse the options not yet tested with image prompts (one line naming the flag)."""
@@ -197,6 +220,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         self.fabric = fabric
         model_class = causal_lm_class(source)
         self.hf_model = load_model(model_class, source, self.attn_implementation)
+        self._setup_moe(self.hf_model)
         if self.freeze_vision:
             freeze_vision(self.hf_model)
             self._frozen = frozenset(name for name, p in self.hf_model.named_parameters() if not p.requires_grad)
@@ -225,6 +249,8 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         if algorithm.needs_reference:
             reference = load_model(model_class, source, self.attn_implementation)
             reference.eval().requires_grad_(False)
+            if self.routing_replay:
+                self.reference_tap = moe.RouterTap(reference)
             # under FSDP sharded like the policy (ModelParallelStrategy moves no unsharded module to the device)
             self.reference = fabric.setup_module(reference) if self.fsdp else fabric.to_device(reference)
             hf_models.append(reference)
@@ -247,6 +273,44 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         self.passes = ForwardPasses(fabric, self.sp, micro_batch_size=self.micro_batch_size,
                                     share_prompts=self.share_prompts, pack_responses=self.pack_responses,
                                     packing=self.packing, fsdp=self.fsdp, compile=self.compile)
+
+    def _setup_moe(self, model: PreTrainedModel) -> None:
+        """A mixture-of-experts policy: its router hooks, and the refusals (one line naming the flag) of what is
+        untested with it; the MoE options refused for a dense model."""
+        if not moe.is_moe(model):
+            for flag, on in {f"--backend.router_aux_loss_coef {self.router_aux_loss_coef}": self.router_aux_loss_coef,
+                             "--backend.routing_replay true": self.routing_replay}.items():
+                if on:
+                    raise ConfigError(f"{flag}: {type(model).__name__} is not a mixture of experts (no top-k router); "
+                                      "leave it at its default, or use an MoE model (--model.architecture qwen3_moe)")
+            return
+        clash = {f"--backend.sequence_parallel_size {self.sequence_parallel_size}": self.sequence_parallel_size > 1,
+                 "--backend.packing true": bool(self.packing), "--backend.compile true": self.compile,
+                 "--backend.share_prompts true": bool(self.share_prompts),
+                 "--backend.pack_responses true": bool(self.pack_responses)}
+        for flag, on in clash.items():
+            if on:
+                raise ConfigError(f"{flag} does not support a mixture-of-experts policy ({type(model).__name__}) yet "
+                                  "(untested: the routers' hooks need the plain padded forward); leave it at its "
+                                  "default")
+        # the expert load and routing replay follow the tokens of the plain padded forward, one router call per layer
+        self.share_prompts, self.pack_responses = False, False
+        self.router_tap = moe.RouterTap(model, keep_logits=self.router_aux_loss_coef > 0)
+
+    def routed(self, tap: moe.RouterTap | None, micro: RolloutBatch) -> contextlib.AbstractContextManager:
+        """The router hooks around a forward on ``micro`` (none for a dense model), routing its tokens to the engine's
+        experts with ``routing_replay``."""
+        if tap is None:
+            return contextlib.nullcontext()
+        tap.reset()
+        tap.recorded, tap.replay = None, self.routing_replay
+        if self.routing_replay and micro.routed_experts is None:
+            raise ConfigError("--backend.routing_replay true: the engine recorded no routes for these samples "
+                              "(only the in-process hf engine records them, for single-turn episodes); use --engine hf "
+                              "without engine workers, or --backend.routing_replay false")
+        if micro.routed_experts is not None:
+            tap.recorded = micro.routed_experts.reshape(-1, *micro.routed_experts.shape[2:]).long()
+        return tap
 
     def _setup_trained(
         self, module: torch.nn.Module, make_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -281,7 +345,12 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
         model = self.policy if role == "policy" else self.reference
         if model is None:
             raise RuntimeError(f"no {role} model: it was not set up")
-        return self.passes.per_row(batch, lambda micro: self.passes.logprobs(model, micro, batch.temperature)[0])
+        tap = self.router_tap if role == "policy" else self.reference_tap
+
+        def forward(micro: RolloutBatch) -> torch.Tensor:
+            with self.routed(tap, micro):
+                return self.passes.logprobs(model, micro, batch.temperature)[0]
+        return self.passes.per_row(batch, forward)
 
     @torch.no_grad()
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
@@ -343,16 +412,20 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
                                                      packed=self.passes.may_pack(self.hf_model))
         n_micro = global_max(fabric, len(micro_rows))  # every rank runs as many backward passes
         local: dict[str, float] = {}
+        tap = self.router_tap
+        routed = MiniBatchRouting(tap, self.router_aux_loss_coef, fabric, batch, trained)
         for i in range(n_micro):
             real = i < len(micro_rows) and len(micro_rows[i]) > 0
             micro = batch.select(micro_rows[i] if real else torch.tensor([0]))
             with fabric.no_backward_sync(self.policy, enabled=i < n_micro - 1):
-                logprobs, entropy = self.passes.logprobs(self.policy, micro, batch.temperature)
-                micro = to_device(micro, fabric)
-                loss, shares = algorithm.loss(logprobs, micro, scale, entropy)
-                if not real:
-                    loss = loss * 0.0  # a rank with fewer micro-batches still joins the gradient all-reduce
-                fabric.backward(loss * world)  # DDP averages over ranks; the loss is already a global sum
+                with self.routed(tap, micro):  # gradient checkpointing's recomputation runs inside backward
+                    logprobs, entropy = self.passes.logprobs(self.policy, micro, batch.temperature)
+                    micro = to_device(micro, fabric)
+                    loss, shares = algorithm.loss(logprobs, micro, scale, entropy)
+                    loss = loss + routed.observe(micro, real)  # the load-balancing term (0 without it)
+                    if not real:
+                        loss = loss * 0.0  # a rank with fewer micro-batches still joins the gradient all-reduce
+                    fabric.backward(loss * world)  # DDP averages over ranks; the loss is already a global sum
             if self.critic is not None:
                 with fabric.no_backward_sync(self.critic, enabled=i < n_micro - 1):
                     predicted = self.passes.values(self.critic, micro)
@@ -382,6 +455,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             metrics[key] = metrics[key] * tokens / trained_tokens if trained_tokens else 0.0
         metrics["trained_rows_frac"] = trained_rows / max(sequences, 1.0)
         metrics.update(zip(maxima, highest, strict=True))
+        metrics.update(routed.metrics())  # MoE: the expert load of the forwards above (a collective: every rank)
         return metrics
 
     # SYNC and SAVE ---------------------------------------------------------------------------
