@@ -25,6 +25,7 @@ from gcore.errors import GcoreError, Interrupted, PluginExit, RewardError
 from gcore.inflight import InFlightRollouts
 from gcore.liveness import SIGNALS
 from gcore.run_config import FitResult, TrainerConfig
+from gcore.tracing import Tracer
 from gcore.types import Prompt
 from gcore.user_code import ending_as
 
@@ -56,6 +57,7 @@ class ControllerRun:
     plugin_exit: Callable[[BaseException], PluginExit | None]  # a plugin's code that ended the process, named
     #: this controller's torch threads, re-chosen before each stage (``None``: a fixed count, docs/threads.md)
     governor: threads.ThreadGovernor | None = None
+    tracer: Tracer | None = None  # rollout tracing (``--trainer.trace_every``), opened by ``loop``
 
     def loop(self) -> FitResult:
         """Run the steps from ``self.start_step`` to ``max_steps`` (evaluating every ``eval_every``), then
@@ -72,6 +74,8 @@ class ControllerRun:
         # what setup built (modules, models, data) lives for the run: out of the collector's sight, so that a full
         # collection inside a step does not walk it (a pause of 0.3 s on the tiny model, which the stage times and
         # so dynamic placement would charge to whichever stage it fell in)
+        self.tracer = self.tracer or Tracer.open(self._trace_dir(), rank, c.trace_every, c.trace_samples,
+                                                 c.trace_max_mb, self.start_step, self.tokenizer.decode, fabric.loggers)
         gc.collect()
         gc.freeze()
         try:
@@ -135,6 +139,8 @@ class ControllerRun:
             metrics["threads/torch"] = float(self.governor.threads)
             metrics["threads/others_cores"] = self.governor.others
         metrics["balance/predicted_imbalance"] = drawn.imbalance
+        if self.tracer is not None:  # rollout tracing: some of the step's samples to samples.jsonl and the loggers
+            metrics["time/trace"] = self.tracer.trace(step, record.samples, record.kept, record.batch)
         if self.balancer is not None:
             all_gather = self.fabric.all_gather if self.fabric.world_size > 1 else None
             self.balancer.learn(record.samples, self.prompts_per_step, all_gather)  # type: ignore[arg-type]
@@ -144,6 +150,15 @@ class ControllerRun:
             metrics.update(self.checkpointer.save(step, last_step=step == self.config.max_steps - 1))
             self.fabric.log_dict(metrics, step=step)
         return metrics
+
+    def _trace_dir(self) -> str | None:
+        """Where this controller writes its trace: the run folder (rank 0's, told to the other controllers: each
+        writes a file of its own there); ``None`` on the ranks that have no samples of their own
+        (``--trainer.controllers 1``)."""
+        fabric = self.fabric
+        if self.config.trace_every <= 0 or (self.central and fabric.global_rank != 0):
+            return None
+        return fabric.broadcast(self.run_dir, src=0) if fabric.world_size > 1 and not self.central else self.run_dir
 
     def _evaluate(self, step: int, bar: tqdm) -> dict[str, float]:
         """Evaluate the policy after ``step`` updates; logged at once, on a row of its own."""

@@ -157,6 +157,13 @@ class RolloutBatch:
     policy_versions: torch.Tensor | None = None  # [B] long: ``Sample.policy_version``, set with ``behaviour_logprobs``
     #: per row, the prompt's images (``Prompt.visual``; ``None``: a row without); ``None``: no row has any
     visual: list[VisualInputs | None] | None = None
+    #: [B] long: each row's index in the batch ``collate`` made (``select`` keeps it), for the per-sample
+    #: figures of rollout tracing (``gcore/tracing.py``)
+    row_ids: torch.Tensor | None = None
+    #: where ``Algorithm.loss`` appends ``(row_ids, gap)`` per micro-batch: each row's mean |trainer - engine|
+    #: log-probability over its response tokens, from the forward pass the loss runs anyway (shared by the
+    #: batch's selections; ``None``: not recorded)
+    logprob_gaps: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -166,7 +173,7 @@ class RolloutBatch:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, list):  # per-row objects (``visual``)
+            if isinstance(value, list) and f.name != "logprob_gaps":  # per-row objects (``visual``)
                 if isinstance(index, slice):
                     rows = list(range(len(value))[index])
                 else:

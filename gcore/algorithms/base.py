@@ -381,6 +381,8 @@ class Algorithm(ABC):
         # how far the engine's distribution was from the one trained: its precision (a bfloat16 engine, another
         # kernel) and, off-policy, the samples' staleness
         diagnostics = {**diagnostics, "rollout/logprob_diff": (logprobs.detach() - batch.engine_logprobs).abs()}
+        if batch.logprob_gaps is not None and batch.row_ids is not None:  # per sample, for rollout tracing
+            batch.logprob_gaps.append((batch.row_ids, sample_gap(logprobs, batch)))
         if batch.behaviour_logprobs is not None:  # off-policy samples: the decoupled objective
             proximal = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
             weight, raw = behaviour_weight(proximal, batch.behaviour_logprobs, self.behaviour_is_cap)
@@ -398,6 +400,16 @@ class Algorithm(ABC):
         loss = aggregate(per_token, mask, scale, self.loss_agg)
         shares = {name: (value.detach() * mask).sum() / max(scale.tokens, 1.0) for name, value in diagnostics.items()}
         return loss, shares
+
+
+def sample_gap(logprobs: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
+    """``[B]``: each row's mean |trainer - engine| log-probability over its response tokens (NaN for a row
+    without any). The trainer's are the step's old log-probabilities where the algorithm has them (the policy
+    before this step's updates), else those of this forward pass."""
+    trainer = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+    mask = (batch.response_mask > 0).to(trainer.dtype)
+    total = ((trainer - batch.engine_logprobs).abs() * mask).sum(-1)
+    return (total / mask.sum(-1)).detach()  # 0 / 0: NaN
 
 
 def check(ok: bool, message: str) -> None:
