@@ -281,12 +281,12 @@ def show(records: Sequence[dict[str, Any]], step: int | None, width: int = 400) 
                          f"{_ranges(steps)}")
     chosen = [r for r in records if r["step"] == step]
     rewards = [r["reward"] for r in chosen if r.get("reward") is not None]
-    lines = [f"step {step}: {len(chosen)} samples traced, reward mean "
-             f"{sum(rewards) / max(len(rewards), 1):.4f} (min {min(rewards, default=math.nan):.4g}, "
+    lines = [f"step {step}: {len(chosen)} samples traced (their reward: mean "
+             f"{sum(rewards) / max(len(rewards), 1):.4f}, min {min(rewards, default=math.nan):.4g}, "
              f"max {max(rewards, default=math.nan):.4g})"]
 
-    def clip(text: str) -> str:
-        text = text.strip()
+    def clip(text: str) -> str:  # one line per text: its line breaks shown as \n
+        text = text.strip().replace("\n", "\\n")
         return text if len(text) <= width else text[:width] + f"... ({len(text) - width} more characters)"
 
     for label, r in best_worst_median(chosen):

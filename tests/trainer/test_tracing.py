@@ -67,7 +67,7 @@ def test_every_sample_is_traced_with_what_the_step_computed(traced):
 def test_gcore_samples_shows_best_median_and_worst(traced):
     result = run_gcore_here("samples", traced.run_dir)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("step 1: 16 samples traced")
+    assert result.stdout.startswith("step 1: 16 samples traced (their reward: mean")
     for label in ("== best", "== median", "== worst", "-- prompt", "-- reply"):
         assert label in result.stdout
     best = max(r["reward"] for r in read_samples(traced.run_dir) if r["step"] == 1)
