@@ -14,7 +14,7 @@ from gcore.data import DataConfig
 from gcore.errors import ConfigError
 from gcore.model import ModelConfig
 from gcore.testing import make_sample
-from gcore.tracing import Tracer, choose, read_samples
+from gcore.tracing import Tracer, choose, read_samples, record_of
 from gcore.trainer import Trainer, TrainerConfig
 from gcore.types import SamplingParams
 
@@ -134,3 +134,15 @@ def test_a_resumed_run_drops_the_steps_it_redoes(tmp_path):
 def test_bad_bounds_are_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"--trainer.trace_samples must be >= 0 \(0: every sample"):
         TrainerConfig(trace_samples=-1).validate()
+
+
+def test_a_record_names_the_prompts_images_and_a_cut_episode():
+    sample = make_sample("what colour?", "red")
+    sample.prompt.metadata = {"images": ["img/0.png", "img/1.JPG"], "topic": "colour", "feature": None}
+    sample.finished, sample.response_mask, sample.turns = False, [1, 1, 1], 2
+    sample.token_versions = [3, 3, 4]
+    record = record_of(sample, step=5, rank=0, advantage=None, gap=None, transcript="red\n[obs]\nred")
+    assert record["images"] == ["img/0.png", "img/1.JPG"]
+    assert record["finish_reason"] == "cut" and record["turns"] == 2 and record["transcript"] == "red\n[obs]\nred"
+    assert (record["version_min"], record["version_max"], record["staleness"]) == (3, 4, 2)
+    assert record["trained"] is False and record["advantage"] is None
