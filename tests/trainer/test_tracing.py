@@ -146,3 +146,9 @@ def test_a_record_names_the_prompts_images_and_a_cut_episode():
     assert record["finish_reason"] == "cut" and record["turns"] == 2 and record["transcript"] == "red\n[obs]\nred"
     assert (record["version_min"], record["version_max"], record["staleness"]) == (3, 4, 2)
     assert record["trained"] is False and record["advantage"] is None
+
+
+def test_gcore_samples_on_a_folder_without_samples(tmp_path):
+    result = run_gcore_here("samples", str(tmp_path))
+    assert result.returncode == 2
+    assert f"{tmp_path}: no samples.jsonl (rollout tracing writes it: --trainer.trace_every N" in result.stderr
