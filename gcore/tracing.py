@@ -121,6 +121,8 @@ def record_of(sample: Sample, step: int, rank: int, advantage: float | None, gap
         "logprob_gap": gap,
         "turns": sample.turns,
         "env_reward": _number(sample.env_reward),
+        "tool_calls": sample.env_metrics.get("tool_calls"),
+        "env_metrics": dict(sample.env_metrics),
         "images": images,
     }
     if prompt.answer is not None:

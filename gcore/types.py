@@ -124,6 +124,8 @@ class Sample:
     #: ``None``: every token ``policy_version``'s
     token_versions: list[int] | None = None
     env_reward: float = 0.0  # the sum of the environment's rewards for the turns (added to the reward model's)
+    #: an episode's environment counts summed over its turns (``Turn.metrics``: ``tool_calls``, ``tool_errors``, ...)
+    env_metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -65,6 +65,7 @@ class Fixed(RevealEnvironment):
     def step(self, state, response):
         turn = super().step(state, response)
         turn.reward = 0.5 if turn.done else 0.25
+        turn.metrics = {"tool_calls": 1.0}  # as a tool environment counts them
         return turn
 
 
@@ -73,7 +74,9 @@ def test_environment_rewards_are_summed_into_the_reward(tmp_path):
 
     result = _fit(tmp_path, env=Fixed(), reward=NoReward())
     assert [m["reward/mean"] for m in result.history] == [0.75, 0.75]
-    assert {r["env_reward"] for r in read_samples(result.run_dir)} == {0.75}
+    records = read_samples(result.run_dir)  # rollout tracing: each episode's own reward and counts
+    assert {r["env_reward"] for r in records} == {0.75}
+    assert {r["tool_calls"] for r in records} == {2.0} and {r["env_metrics"]["tool_calls"] for r in records} == {2.0}
 
 
 def test_held_out_evaluation_runs_whole_episodes(tmp_path):
