@@ -25,7 +25,7 @@ from gcore.errors import GcoreError, Interrupted, PluginExit, RewardError
 from gcore.inflight import InFlightRollouts
 from gcore.liveness import SIGNALS
 from gcore.run_config import FitResult, TrainerConfig
-from gcore.tracing import Tracer
+from gcore.tracing import Tracer, open_tracer
 from gcore.types import Prompt
 from gcore.user_code import ending_as
 
@@ -71,11 +71,10 @@ class ControllerRun:
         step = self.start_step
         streaks = _Streaks()  # steps in a row that skipped their update, or whose every episode failed
         stall = StallWatch()  # steps in a row that trained no sample (every group tied): one line when they pile up
+        self.tracer = self.tracer or open_tracer(fabric, self.run_dir, self.central, c, self.start_step, self.tokenizer)
         # what setup built (modules, models, data) lives for the run: out of the collector's sight, so that a full
         # collection inside a step does not walk it (a pause of 0.3 s on the tiny model, which the stage times and
         # so dynamic placement would charge to whichever stage it fell in)
-        self.tracer = self.tracer or Tracer.open(self._trace_dir(), rank, c.trace_every, c.trace_samples,
-                                                 c.trace_max_mb, self.start_step, self.tokenizer.decode, fabric.loggers)
         gc.collect()
         gc.freeze()
         try:
@@ -150,15 +149,6 @@ class ControllerRun:
             metrics.update(self.checkpointer.save(step, last_step=step == self.config.max_steps - 1))
             self.fabric.log_dict(metrics, step=step)
         return metrics
-
-    def _trace_dir(self) -> str | None:
-        """Where this controller writes its trace: the run folder (rank 0's, told to the other controllers: each
-        writes a file of its own there); ``None`` on the ranks that have no samples of their own
-        (``--trainer.controllers 1``)."""
-        fabric = self.fabric
-        if self.config.trace_every <= 0 or (self.central and fabric.global_rank != 0):
-            return None
-        return fabric.broadcast(self.run_dir, src=0) if fabric.world_size > 1 and not self.central else self.run_dir
 
     def _evaluate(self, step: int, bar: tqdm) -> dict[str, float]:
         """Evaluate the policy after ``step`` updates; logged at once, on a row of its own."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gcore.errors import GcoreError
+from gcore.run_config import TrainerConfig
 from gcore.types import RolloutBatch, Sample
 
 FILE = "samples.jsonl"
@@ -192,6 +193,20 @@ class Tracer:
         for logger in self.loggers:
             log_samples(logger, step, records)
         return time.perf_counter() - started
+
+
+def open_tracer(fabric: Any, run_dir: str | None, central: bool, config: TrainerConfig, start_step: int,  # noqa: ANN401
+                tokenizer: Any) -> Tracer:  # noqa: ANN401  Lightning's Fabric, a transformers tokenizer
+    """This controller's tracer: its file in the run folder (rank 0's, told to the other controllers once: each
+    writes a file of its own there); none on the ranks that hold no samples of their own
+    (``--trainer.controllers 1``: rank 0 traces every sample)."""
+    rank = fabric.global_rank
+    if config.trace_every > 0 and fabric.world_size > 1 and not central:
+        run_dir = fabric.broadcast(run_dir, src=0)
+    if config.trace_every <= 0 or (central and rank != 0):
+        run_dir = None
+    return Tracer.open(run_dir, rank, config.trace_every, config.trace_samples, config.trace_max_mb, start_step,
+                       tokenizer.decode, fabric.loggers if rank == 0 else ())
 
 
 def _keep_before(path: str, start_step: int) -> None:
