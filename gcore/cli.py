@@ -28,7 +28,8 @@ USAGE = """usage: gcore <command> [options]
 commands:
   fit       train a policy with RL (gcore fit --help)
   plugins   list the installed engines, rewards, algorithms, placement policies and backends
-  report    plot a run's metrics to PNG files and summarise it (gcore report RUN_DIR)
+  report    plot a run's metrics to PNG files and one HTML page, and summarise it (gcore report RUN_DIR)
+  samples   a step's best, median and worst traced samples (gcore samples RUN_DIR [--step K])
   export    write a checkpoint's policy as an HF checkpoint (gcore export CKPT --to hf DIR)
   import    convert a GGUF model file to an HF checkpoint once (gcore import FILE.gguf DIR)
   eval      a model's accuracy on a held-out prompt set (gcore eval --help)
@@ -357,9 +358,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gcore.checkpoint import export_main
     from gcore.model import import_main
     from gcore.report import report_main
+    from gcore.tracing import samples_main
 
     commands = {"fit": fit_main, "plugins": plugins_main, "report": report_main, "export": export_main,
-                "simulate": simulate_main, "import": import_main, "eval": eval_main}
+                "simulate": simulate_main, "import": import_main, "eval": eval_main,
+                "samples": samples_main}
     if command not in commands:
         print(f"gcore: error: unknown command {command!r}; valid commands: {', '.join(commands)}", file=sys.stderr)
         return 2

@@ -62,6 +62,8 @@ class StepRecord:
     #: multi-turn episodes' counts (``EpisodeStats.counts``: episodes, turns, steps, errors, truncated, an
     #: environment's own ``Turn.metrics``), logged as ``env/<name>`` summed over every rank
     env_counts: dict[str, float] = field(default_factory=dict)
+    #: the batch PREPARE made, trained (its ``row_ids`` index ``kept``): what rollout tracing reads after the step
+    batch: RolloutBatch | None = None
     #: the step's metrics: each stage adds its part; ``log`` completes them over every rank
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -134,7 +136,7 @@ class Controller:
         self.filter(record)
         self.end_rollout(record)
         self.run_ahead(record)
-        batch = self.prepare(record)
+        batch = record.batch = self.prepare(record)
         self.train(record, batch)
         self.sync(record)
         self.place(record)
@@ -283,6 +285,7 @@ class Controller:
         batch = collate(kept or samples[:1], pad_id, self.sampling.temperature)
         if not kept:
             batch.response_mask.zero_()
+        batch.row_ids, batch.logprob_gaps = torch.arange(len(batch)), []  # rollout tracing's per-sample gaps
         batch.response_mask = self.algorithm.loss_mask(batch)
         if self.rollouts.max_staleness:
             batch.behaviour_logprobs = batch.engine_logprobs

@@ -1,4 +1,5 @@
-"""``gcore report RUN_DIR``: PNG plots of a run's metrics and a short text summary."""
+"""``gcore report RUN_DIR``: PNG plots of a run's metrics, a short text summary and the run report page
+(``report.html``, ``gcore/report_page.py``)."""
 
 from __future__ import annotations
 
@@ -118,8 +119,23 @@ def report_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="gcore report", description="Plot a run's metrics and summarise it.")
     parser.add_argument("run_dir", help="a run folder holding metrics.csv")
     parser.add_argument("--out", default=None, help="where to write the PNGs (default RUN_DIR/plots)")
+    parser.add_argument("--html", default=None, help="where to write the report page (default RUN_DIR/report.html)")
     args = parser.parse_args(list(argv))
-    print(summary(read_metrics(args.run_dir)))
+    rows = read_metrics(args.run_dir)
+    text = summary(rows)
+    print(text)
     for path in render(args.run_dir, args.out):
         print(f"wrote {path}")
+    print(f"wrote {write_report_page(args.run_dir, rows, text, args.html)}")
     return 0
+
+
+def write_report_page(run_dir: str, rows: list[dict[str, float]], text: str, out: str | None = None) -> str:
+    """The run report page (``report_page.write_page``) with the run's traced samples, when it has any."""
+    import glob
+
+    from gcore.report_page import write_page
+    from gcore.tracing import read_samples
+
+    records = read_samples(run_dir) if glob.glob(os.path.join(run_dir, "samples*.jsonl")) else []
+    return write_page(run_dir, rows, records, text, out)

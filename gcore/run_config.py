@@ -79,6 +79,14 @@ class TrainerConfig:
             it, and, with ``max_staleness``, queues behind the rollouts of later steps). Groups kept beyond the
             share are not trained (``filter/groups_surplus``); a second round is drawn only if the share is still
             short. docs/asynchronous.md.
+        trace_every: rollout tracing: every N steps, each controller appends some of its step's samples (prompt,
+            reply, reward and its parts, advantage, length, finish reason, policy versions, engine-vs-trainer
+            log-probability gap, turns, image references) to ``samples.jsonl`` in the run folder, and rank 0 to the
+            loggers with a text or table view; ``gcore samples RUN_DIR`` shows them (0: off). docs/observability.md.
+        trace_samples: samples traced per step and controller, spread over the reward range (the best, the median
+            and the worst among them; 0: every sample).
+        trace_max_mb: the most megabytes each controller's trace file may grow to over the run; tracing stops there
+            with one note (0: no cap).
     """
 
     max_steps: int = 30
@@ -107,6 +115,9 @@ class TrainerConfig:
     partial_rollouts: bool = False
     dispatch: Literal["step", "device"] = "device"
     oversample: bool = False
+    trace_every: int = 1
+    trace_samples: int = 8
+    trace_max_mb: float = 100.0
 
     def validate(self) -> None:
         """A one-line ``ConfigError`` for the first flag out of its range."""
@@ -127,6 +138,11 @@ class TrainerConfig:
             (self.eval_every >= 0, f"--trainer.eval_every must be >= 0, got {self.eval_every}"),
             (self.max_staleness >= 0, f"--trainer.max_staleness must be >= 0 (0: synchronous; K: the rollouts of "
              f"the next K steps run while this one trains), got {self.max_staleness}"),
+            (self.trace_every >= 0,
+             f"--trainer.trace_every must be >= 0 (0: no rollout tracing), got {self.trace_every}"),
+            (self.trace_samples >= 0,
+             f"--trainer.trace_samples must be >= 0 (0: every sample of a traced step), got {self.trace_samples}"),
+            (self.trace_max_mb >= 0, f"--trainer.trace_max_mb must be >= 0 (0: no cap), got {self.trace_max_mb}"),
             (not self.partial_rollouts or self.max_staleness >= 1,
              "--trainer.partial_rollouts true continues the rollouts in flight across a weight update: it needs "
              "--trainer.max_staleness >= 1 (rollouts that run while a step trains)"),

@@ -25,6 +25,7 @@ from gcore.errors import GcoreError, Interrupted, PluginExit, RewardError
 from gcore.inflight import InFlightRollouts
 from gcore.liveness import SIGNALS
 from gcore.run_config import FitResult, TrainerConfig
+from gcore.tracing import Tracer, open_tracer
 from gcore.types import Prompt
 from gcore.user_code import ending_as
 
@@ -56,6 +57,7 @@ class ControllerRun:
     plugin_exit: Callable[[BaseException], PluginExit | None]  # a plugin's code that ended the process, named
     #: this controller's torch threads, re-chosen before each stage (``None``: a fixed count, docs/threads.md)
     governor: threads.ThreadGovernor | None = None
+    tracer: Tracer | None = None  # rollout tracing (``--trainer.trace_every``), opened by ``loop``
 
     def loop(self) -> FitResult:
         """Run the steps from ``self.start_step`` to ``max_steps`` (evaluating every ``eval_every``), then
@@ -69,6 +71,7 @@ class ControllerRun:
         step = self.start_step
         streaks = _Streaks()  # steps in a row that skipped their update, or whose every episode failed
         stall = StallWatch()  # steps in a row that trained no sample (every group tied): one line when they pile up
+        self.tracer = self.tracer or open_tracer(fabric, self.run_dir, self.central, c, self.start_step, self.tokenizer)
         # what setup built (modules, models, data) lives for the run: out of the collector's sight, so that a full
         # collection inside a step does not walk it (a pause of 0.3 s on the tiny model, which the stage times and
         # so dynamic placement would charge to whichever stage it fell in)
@@ -135,6 +138,8 @@ class ControllerRun:
             metrics["threads/torch"] = float(self.governor.threads)
             metrics["threads/others_cores"] = self.governor.others
         metrics["balance/predicted_imbalance"] = drawn.imbalance
+        if self.tracer is not None:  # rollout tracing: some of the step's samples to samples.jsonl and the loggers
+            metrics["time/trace"] = self.tracer.trace(step, record.samples, record.kept, record.batch)
         if self.balancer is not None:
             all_gather = self.fabric.all_gather if self.fabric.world_size > 1 else None
             self.balancer.learn(record.samples, self.prompts_per_step, all_gather)  # type: ignore[arg-type]

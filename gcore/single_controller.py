@@ -99,7 +99,7 @@ def _decode_generations(message: list[torch.Tensor], n: int) -> list[list[Genera
 #: the one-controller baseline runs the synchronous step only (``--trainer.max_staleness`` 0): no
 #: behaviour log-probabilities or policy versions travel
 _BATCH_FIELDS = [f.name for f in fields(RolloutBatch)
-                 if f.name not in ("temperature", "behaviour_logprobs", "policy_versions")]
+                 if f.name not in ("temperature", "behaviour_logprobs", "policy_versions", "logprob_gaps")]
 
 
 def _encode_batch(batch: RolloutBatch) -> list[torch.Tensor]:

@@ -130,6 +130,8 @@ class Sample:
     env_reward: float = 0.0  # the sum of the environment's rewards for the turns (added to the reward model's)
     #: ``Generation.routed_experts`` (one turn): the experts the engine routed each token of prompt + response to
     routed_experts: torch.Tensor | None = None
+    #: an episode's environment counts summed over its turns (``Turn.metrics``: ``tool_calls``, ``tool_errors``, ...)
+    env_metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -166,6 +168,13 @@ class RolloutBatch:
     #: ``[B, L-1, layers, k]`` long: a mixture-of-experts policy's experts that the engine routed input token ``t`` to
     #: (``Sample.routed_experts``; -1 where none was recorded); ``None``: not recorded (``--backend.routing_replay``)
     routed_experts: torch.Tensor | None = None
+    #: [B] long: each row's index in the batch ``collate`` made (``select`` keeps it), for the per-sample
+    #: figures of rollout tracing (``gcore/tracing.py``)
+    row_ids: torch.Tensor | None = None
+    #: where ``Algorithm.loss`` appends ``(row_ids, gap)`` per micro-batch: each row's mean |trainer - engine|
+    #: log-probability over its response tokens, from the forward pass the loss runs anyway (shared by the
+    #: batch's selections; ``None``: not recorded)
+    logprob_gaps: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -175,7 +184,7 @@ class RolloutBatch:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, list):  # per-row objects (``visual``)
+            if isinstance(value, list) and f.name != "logprob_gaps":  # per-row objects (``visual``)
                 if isinstance(index, slice):
                     rows = list(range(len(value))[index])
                 else:

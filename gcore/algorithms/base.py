@@ -418,6 +418,8 @@ class Algorithm(ABC):
         # how far the engine's distribution was from the one trained: its precision (a bfloat16 engine, another
         # kernel) and, off-policy, the samples' staleness
         diagnostics = {**diagnostics, "rollout/logprob_diff": (logprobs.detach() - batch.engine_logprobs).abs()}
+        if batch.logprob_gaps is not None and batch.row_ids is not None:  # per sample, for rollout tracing
+            batch.logprob_gaps.append((batch.row_ids, sample_gap(logprobs, batch)))
         per_token, corrections = self.correct_mismatch(per_token, logprobs, batch)
         diagnostics = {**diagnostics, **corrections}
         if self.needs_reference and self.kl_in_loss:
@@ -467,6 +469,16 @@ class Algorithm(ABC):
             diagnostics["async/behaviour_ratio_dev"] = (torch.exp(log_ratio) - 1.0).abs()
             diagnostics["async/behaviour_truncated_frac"] = corrected
         return per_token, diagnostics
+
+
+def sample_gap(logprobs: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
+    """``[B]``: each row's mean |trainer - engine| log-probability over its response tokens (NaN for a row
+    without any). The trainer's are the step's old log-probabilities where the algorithm has them (the policy
+    before this step's updates), else those of this forward pass."""
+    trainer = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+    mask = (batch.response_mask > 0).to(trainer.dtype)
+    total = ((trainer - batch.engine_logprobs).abs() * mask).sum(-1)
+    return (total / mask.sum(-1)).detach()  # 0 / 0: NaN
 
 
 def check(ok: bool, message: str) -> None:

@@ -110,4 +110,6 @@ def concat_batches(parts: list[RolloutBatch]) -> RolloutBatch:
         if len({v.dim() for v in padded}) > 1:  # advantages: [B] on some ranks, [B, L-1] on others
             raise ValueError(f"cannot stack batches whose {f.name} have different ranks")
         out[f.name] = torch.cat(padded)
+    # rollout tracing's per-sample gaps name rows of one controller's batch: a union of several has no such rows
+    out["row_ids"], out["logprob_gaps"] = None, None
     return RolloutBatch(**out)

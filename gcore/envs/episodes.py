@@ -77,6 +77,7 @@ class Episode:
     observed: int = 0  # observation tokens appended so far (``--env.max_observation_tokens``)
     closing: list[int] = field(default_factory=list)  # ``turn_end_ids``: what closes a turn cut at the budget
     cut: bool = False  # its last turn was cut at the token budget (unfinished): closed before the observation
+    metrics: dict[str, float] = field(default_factory=dict)  # its turns' ``Turn.metrics``, summed
 
     def where(self) -> str:
         return where(self.prompt, self.number, self.of)
@@ -84,7 +85,7 @@ class Episode:
     def sample(self, policy_version: int) -> Sample:
         return Sample(prompt=self.prompt, group=self.group, response_ids=self.ids, response_logprobs=self.logprobs,
                       response_text=self.last_text, finished=self.done, policy_version=policy_version,
-                      response_mask=self.mask, turns=self.turns, env_reward=self.reward)
+                      response_mask=self.mask, turns=self.turns, env_reward=self.reward, env_metrics=dict(self.metrics))
 
 
 @dataclass
@@ -325,6 +326,7 @@ def _observe(env: Environment, episode: Episode, future: Future[tuple[Any, float
     stats.add("steps")
     for key, value in turn.metrics.items():
         stats.add(key, float(value))
+        episode.metrics[key] = episode.metrics.get(key, 0.0) + float(value)
     try:  # the checks a reward model's score goes through, for this turn's and the episode's sum
         reward = as_reward(turn.reward)
         episode.reward = as_reward(episode.reward + reward)

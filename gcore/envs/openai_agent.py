@@ -358,7 +358,8 @@ class OpenAIAgentEnvironment(Environment):
                                   response_ids=list(chain.ids), response_logprobs=list(chain.logprobs),
                                   response_text=chain.last_text, finished=e.done and not e.failed,
                                   policy_version=policy_version, response_mask=list(chain.mask),
-                                  turns=chain.requests, env_reward=e.reward))
+                                  turns=chain.requests, env_reward=e.reward,
+                                  env_metrics={"tool_calls": float(e.tool_calls)}))
             stats.add("requests", e.requests)
             stats.add("prefix_breaks", e.breaks)
             stats.add("dropped_tokens", e.dropped)

@@ -8,6 +8,7 @@ from gcore import DAPO, GRPO, PPO, RLOO, DynamicPlacement, StaticPlacement, Trai
 from gcore.data import DataConfig
 from gcore.envs.reveal import RevealEnvironment
 from gcore.model import ModelConfig
+from gcore.tracing import read_samples
 from gcore.types import SamplingParams
 
 
@@ -36,6 +37,11 @@ def _assert_episodes(history, prompts=4, n=4):
 def test_every_algorithm_trains_on_two_turn_episodes(tmp_path, make):
     result = _fit(tmp_path, algorithm=make())
     _assert_episodes(result.history)
+    # rollout tracing: each episode's turns and whole transcript; PPO's per-token advantages as a mean per sample
+    records = read_samples(result.run_dir)
+    assert len(records) == 2 * 8 and all(r["turns"] == 2 and len(r["transcript"]) > len(r["reply"]) for r in records)
+    assert {r["finish_reason"] for r in records} <= {"stop", "cut"}
+    assert any(r["advantage"] not in (None, 0.0) for r in records)
 
 
 @pytest.mark.slow
@@ -59,6 +65,7 @@ class Fixed(RevealEnvironment):
     def step(self, state, response):
         turn = super().step(state, response)
         turn.reward = 0.5 if turn.done else 0.25
+        turn.metrics = {"tool_calls": 1.0}  # as a tool environment counts them
         return turn
 
 
@@ -67,6 +74,9 @@ def test_environment_rewards_are_summed_into_the_reward(tmp_path):
 
     result = _fit(tmp_path, env=Fixed(), reward=NoReward())
     assert [m["reward/mean"] for m in result.history] == [0.75, 0.75]
+    records = read_samples(result.run_dir)  # rollout tracing: each episode's own reward and counts
+    assert {r["env_reward"] for r in records} == {0.75}
+    assert {r["tool_calls"] for r in records} == {2.0} and {r["env_metrics"]["tool_calls"] for r in records} == {2.0}
 
 
 def test_held_out_evaluation_runs_whole_episodes(tmp_path):

@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("gcore.errors", "gcore.types", "gcore.balance", "gcore.tasks", "gcore.liveness", "gcore.rendezvous",
      "gcore.registry", "gcore.report", "gcore.checkpoint", "gcore.model", "gcore.moe", "gcore.vision", "gcore.data",
      "gcore.assets", "gcore.threads", "gcore.environ", "gcore.loggers", "gcore.checkpointer", "gcore.run_lock",
-     "gcore.user_code", "gcore.run_config", "gcore.run_dir"),
+     "gcore.user_code", "gcore.run_config", "gcore.run_dir", "gcore.tracing", "gcore.report_page"),
     ("gcore.engines",),
     ("gcore.rewards", "gcore.algorithms", "gcore.envs"),
     ("gcore.backends", "gcore.rollout", "gcore.evaluation"),

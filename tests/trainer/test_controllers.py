@@ -14,6 +14,7 @@ from lightning.fabric import Fabric
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.model import ModelSource, char_tokenizer, materialize
 from gcore.testing import make_batch, set_up
+from gcore.tracing import read_samples
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -53,6 +54,13 @@ def test_every_prompt_once_per_step_over_two_controllers(tmp_path, balance):
     assert set(per_rank["scored-rank0.jsonl"]).isdisjoint(per_rank["scored-rank1.jsonl"])
     first = _metrics(tmp_path / "runs")[0]
     assert first["samples/total"] == "10.0"
+    # rollout tracing: each controller wrote its own samples' records to a file of its own in rank 0's run folder
+    (run_dir,) = (tmp_path / "runs" / "gcore").iterdir()
+    assert sorted(p.name for p in run_dir.glob("samples*.jsonl")) == ["samples.jsonl", "samples.rank1.jsonl"]
+    traced = read_samples(str(run_dir))
+    assert len(traced) == 10 and {r["rank"] for r in traced} == {0, 1}
+    for rank in (0, 1):
+        assert sorted(r["prompt"] for r in traced if r["rank"] == rank) == sorted(per_rank[f"scored-rank{rank}.jsonl"])
     assert first["prompt_length/mean"] == "2.0"  # each prompt "i=" is two character tokens
 
 

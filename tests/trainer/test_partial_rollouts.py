@@ -18,6 +18,7 @@ from gcore.engines.hf import HFEngine
 from gcore.engines.pool import POLICY, RoleSpec, WorkerPool, _WorkerRuntime
 from gcore.engines.pool.worker import HOLD_ENV
 from gcore.model import ModelConfig, ModelSource, char_tokenizer, materialize
+from gcore.tracing import read_samples
 from gcore.types import SamplingParams
 
 
@@ -185,7 +186,7 @@ def test_fit_with_partial_rollouts_cuts_every_step_and_trains_the_old_tokens_wit
     cmd = [sys.executable, "-m", "gcore", "fit", "--trainer.default_root_dir", str(tmp_path), *FAST,
            "--trainer.save_final", "false", "--trainer.max_steps", "4", "--trainer.max_staleness", "1",
            "--trainer.partial_rollouts", "true", *SHAPES[shape], "--sampling.max_new_tokens", "48",
-           "--sampling.n", "4", *varied_reward(tmp_path)]
+           "--sampling.n", "4", "--trainer.trace_samples", "0", *varied_reward(tmp_path)]
     env = {**os.environ, HOLD_ENV: "4"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -205,3 +206,9 @@ def test_fit_with_partial_rollouts_cuts_every_step_and_trains_the_old_tokens_wit
         assert row["skipped_updates"] == "0.0" and math.isfinite(float(row["grad_norm"])), seen
         assert row["samples/trained"] == row["samples/total"] == "16.0", seen
         assert float(row["grad_norm"]) > 0, seen
+    # rollout tracing records each sample's first and last token's versions: the cut ones span two
+    traced = read_samples(str(metrics.parent))
+    assert len(traced) == 4 * 16
+    spans = {step: {(r["version_min"], r["version_max"]) for r in traced if r["step"] == step} for step in range(4)}
+    assert spans[0] == {(0, 0)}, spans
+    assert all((step - 1, step) in spans[step] for step in (1, 2, 3)), spans

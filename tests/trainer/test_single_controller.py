@@ -19,6 +19,7 @@ from gcore.placement.static import StaticPlacement
 from gcore.rewards.rule import TargetCharReward
 from gcore.single_controller import SingleController, recv_tensors, send_tensors
 from gcore.testing import set_up
+from gcore.tracing import read_samples
 from gcore.types import Prompt, Sample, SamplingParams, collate
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -163,6 +164,10 @@ def test_one_controller_scores_everything_and_every_rank_generates(tmp_path):
     with open(tmp_path / "runs" / "gcore" / version / "metrics.csv") as f:
         metrics = list(csv.DictReader(f))
     assert [m["samples/total"] for m in metrics] == ["10.0", "10.0"]
+    # rollout tracing: rank 0 holds every sample and writes alone (8 of each step's 10, the default bound)
+    assert [p.name for p in (tmp_path / "runs" / "gcore" / version).glob("samples*.jsonl")] == ["samples.jsonl"]
+    traced = read_samples(str(tmp_path / "runs" / "gcore" / version))
+    assert [r["step"] for r in traced] == [0] * 8 + [1] * 8 and {r["rank"] for r in traced} == {0}
     # rank 0 sent the prompts and rows (with their 10 kB features) to rank 1
     assert float(metrics[0]["controller/sent_gb"]) > 4 * 10_000 / 1e9
 
