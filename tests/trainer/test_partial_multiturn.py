@@ -8,9 +8,9 @@ import threading
 
 import pytest
 import torch
-from conftest import Scripted, greedy_with_updates
+from conftest import Scripted, greedy_with_updates, varied_reward
 
-from gcore import DynamicPlacement, StaticPlacement, Trainer, TrainerConfig
+from gcore import CallableReward, DynamicPlacement, StaticPlacement, Trainer, TrainerConfig
 from gcore.data import DataConfig
 from gcore.engines.base import JUDGE
 from gcore.engines.hf import HFEngine
@@ -173,9 +173,12 @@ def test_partial_rollouts_cut_a_turn_of_a_multi_turn_episode(tmp_path, monkeypat
     """K = 1, two-turn episodes of the embedded reveal task on engine workers: the rollout started ahead runs in a
     thread while the step trains, and the weight sync cuts its first turn in flight (held at its 4th token by the test
     hook until the sync comes: certain whatever the machine's speed) instead of waiting for the rollout; the turn goes
-    on with the new weights, the next turn is of the new version, and the samples span both."""
+    on with the new weights, the next turn is of the new version, and the samples span both; the correction weighs
+    their old tokens."""
     monkeypatch.setenv(HOLD_ENV, "4")
-    history = _fit(tmp_path, placement(), env=RevealEnvironment()).history
+    varied_reward(tmp_path)  # a reward that differs within groups (added to the episodes'), so that no step all ties
+    reward = CallableReward(f"{tmp_path / 'varied.py'}:score")
+    history = _fit(tmp_path, placement(), reward=reward, env=RevealEnvironment()).history
     assert all(m["env/turns_mean"] == 2.0 for m in history)
     _assert_cut(history)
 
