@@ -140,9 +140,9 @@ class StaticPlacement(PlacementPolicy):
         ``ahead``: started ahead of its step (a weight sync comes during it)."""
         if job.multi_turn:
             return self._episode_rollout(job, base, ahead)
-        return self._send_generate(job, base)()
+        return self._send_generate(job, base, ahead)()
 
-    def _send_generate(self, job: RolloutJob, base: int | None = None) -> InFlight:
+    def _send_generate(self, job: RolloutJob, base: int | None = None, ahead: bool = False) -> InFlight:
         """Send the generation requests (one per worker); returns what collects and judges them."""
         assert self.pool is not None  # set by launch
         pool = self.pool
@@ -151,7 +151,8 @@ class StaticPlacement(PlacementPolicy):
         started = time.perf_counter()
         requests = pool.submit_generate(POLICY, [p.token_ids for p in job.prompts], job.sampling,
                                         list(range(pool.size)), job.visual(), seed=job.seed,
-                                        base=pool.version if base is None else base)
+                                        base=pool.version if base is None else base,
+                                        hold=True if ahead and pool.partial_rollouts else None)
         return InFlight(lambda: self._finish_rollout(job, requests, started),
                         generations=lambda: pool.collect_generate(requests))
 

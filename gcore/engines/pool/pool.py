@@ -404,12 +404,12 @@ class WorkerPool:
 
     def submit_generate(self, role: Role, prompts: Sequence[Sequence[int]], params: SamplingParams,
                         workers: Sequence[int], visual: Sequence[VisualInputs | None] | None = None,
-                        seed: int | None = None, base: int | None = None) -> list[Job]:
+                        seed: int | None = None, base: int | None = None, hold: bool | None = None) -> list[Job]:
         """Send ``generate``'s requests and return at once; ``collect_generate`` waits for them. With a ``seed``,
         request ``i`` samples from ``seed + i`` whichever worker serves it (``_WorkerRuntime.generate``): the
         samples depend on the prompts and the seed, not on the worker or on what it ran before. ``visual``: each
-        prompt's images (image prompts)."""
-        return self.submit_split("generate", role, prompts, params, workers, seed, visual, base)
+        prompt's images (image prompts). ``base``, ``hold``: as ``submit_split``'s."""
+        return self.submit_split("generate", role, prompts, params, workers, seed, visual, base, hold)
 
     def collect_generate(self, jobs: list[Job]) -> list[list[Generation]]:
         """Wait for requests of ``submit_generate``; their results in the order of its prompts."""
@@ -424,7 +424,8 @@ class WorkerPool:
         ``visual`` inputs (or ``None``); a ``logprobs`` request its prompts' ``visual`` inputs where there are
         any (text prompts keep the three-item request). Returns at once (``collect`` waits). With partial
         rollouts: ``base``, the weight version the rollout started at (``Job.base``); ``hold``, for a test's
-        ``worker.HOLD_ENV`` only: whether the worker holds this request for an update (``None``: its own rule)."""
+        ``worker.HOLD_ENV`` only: whether the worker holds this request for an update (``None``: its own rule),
+        never once an update came since ``base`` (none would come for it: the next waits for this rollout)."""
         if not prompts:
             return []
         chunk = math.ceil(len(prompts) / len(workers))
@@ -437,8 +438,11 @@ class WorkerPool:
             return (None if seed is None else seed + i, images,
                     partial if not partial or hold is None else ("hold" if hold else "free"))
 
-        return [self.submit(kind, (role, [list(p) for p in prompts[s : s + chunk]], option, *extra(i, s)), workers,
-                            role, base) for i, s in enumerate(range(0, len(prompts), chunk))]
+        with self._lock:  # the version read and the requests sent with no sync between them
+            if hold and base is not None and self.version != base:
+                hold = False
+            return [self.submit(kind, (role, [list(p) for p in prompts[s : s + chunk]], option, *extra(i, s)),
+                                workers, role, base) for i, s in enumerate(range(0, len(prompts), chunk))]
 
     def collect(self, jobs: list[Job]) -> list[object]:
         """Wait for requests of ``submit_split``; their results (one per prompt) in the order of its prompts."""
