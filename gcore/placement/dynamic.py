@@ -273,6 +273,8 @@ class DynamicPlacement(PlacementPolicy):
             raise RuntimeError("DynamicPlacement.rollout called before launch")
         if self._pipelined(job):
             base = self.pool.version  # the weights the job is started with (its ``policy_version``)
+            if job.multi_turn:  # its turns say whether the test hook holds them (``turns``)
+                self.pool.expect_rollout()
             return self._background.start(job, lambda own: self._send(own, streamed=True, base=base, ahead=True)())
         return self._send(job, streamed=not self.pool.queue_syncs)
 

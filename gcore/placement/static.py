@@ -112,6 +112,7 @@ class StaticPlacement(PlacementPolicy):
             return super().start_rollout(job)
         if self._pipelined(job):
             base = self.pool.version  # the weights the job is started with (its ``policy_version``)
+            self.pool.expect_rollout()
             return self._background.start(job, lambda own: self._rollout_now(own, base, ahead=True))
         if job.multi_turn:
             return InFlight(lambda: self._episode_rollout(job))

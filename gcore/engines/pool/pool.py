@@ -25,7 +25,7 @@ from gcore.engines.pool.environment import clean_environment, describe_exit
 from gcore.engines.pool.jobs import Job, JobKind, Peers, Reply, RoleSpec
 from gcore.engines.pool.transport import Address, connect
 from gcore.engines.pool.weights import SharedWeights, create_shared, remove
-from gcore.engines.pool.worker import worker_main
+from gcore.engines.pool.worker import HOLD_ENV, HOLD_GUARD_S, worker_main
 from gcore.environ import children_import_this_gcore
 from gcore.errors import GcoreError
 from gcore.threads import spawning, worker_threads
@@ -153,6 +153,11 @@ class WorkerPool:
         self.version = 0
         self._holds = [0] * size
         self._readers: list[Job] = []  # role changes that load the shared weights (``sync_weights`` waits for them)
+        #: test only (``worker.HOLD_ENV``): set once the rollout started ahead in a thread has sent its first
+        #: generation (``expect_rollout``); a weight sync waits for it, so that the held request is there to be cut
+        self._rollout_out = threading.Event()
+        self._rollout_out.set()
+        self._hold_test = bool(int(os.environ.get(HOLD_ENV, "0") or 0))
         self.busy: dict[str, float] = {}
         self.retried = 0
         self.respawned = 0
@@ -439,10 +444,18 @@ class WorkerPool:
                     partial if not partial or hold is None else ("hold" if hold else "free"))
 
         with self._lock:  # the version read and the requests sent with no sync between them
+            if hold is not None:
+                self._rollout_out.set()
             if hold and base is not None and self.version != base:
                 hold = False
             return [self.submit(kind, (role, [list(p) for p in prompts[s : s + chunk]], option, *extra(i, s)),
                                 workers, role, base) for i, s in enumerate(range(0, len(prompts), chunk))]
+
+    def expect_rollout(self) -> None:
+        """Test only (``worker.HOLD_ENV``): a rollout started ahead in a thread will send a generation that says
+        whether it is held (``submit_split``'s ``hold``); the next weight sync waits until it has gone out."""
+        if self._hold_test and self.partial_rollouts:
+            self._rollout_out.clear()
 
     def collect(self, jobs: list[Job]) -> list[object]:
         """Wait for requests of ``submit_split``; their results (one per prompt) in the order of its prompts."""
@@ -482,6 +495,9 @@ class WorkerPool:
             self.peers.barrier()
             return {"bytes": 0.0, "shm_bytes": 0.0, "copy_s": 0.0, "load_s": 0.0, "s": time.perf_counter() - started}
         named = [(name, tensor.detach()) for name, tensor in named]
+        if self._hold_test and not self._rollout_out.wait(HOLD_GUARD_S):
+            log.warning("weight sync: the rollout started ahead sent no generation within %.0f s (%s)",
+                        HOLD_GUARD_S, HOLD_ENV)
         self.wait(self._syncs)
         while True:  # no role change that reads the shared weights may be under way (another thread's ``assign``)
             with self._lock:
