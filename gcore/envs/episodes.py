@@ -68,6 +68,10 @@ class Episode:
     ids: list[int] = field(default_factory=list)  # after the prompt: model and observation tokens
     logprobs: list[float] = field(default_factory=list)  # the engine's, 0 at observation tokens
     mask: list[int] = field(default_factory=list)  # 1: the model's token, 0: an observation's
+    #: partial rollouts: the weight updates the engine had loaded since the rollout started when it sampled each
+    #: token (``Generation.versions``, counted from the rollout's start); an observation's tokens take the version
+    #: of the turn before them (they are context, mask 0)
+    versions: list[int] = field(default_factory=list)
     turns: int = 0
     reward: float = 0.0
     last_text: str = ""
@@ -83,9 +87,12 @@ class Episode:
         return where(self.prompt, self.number, self.of)
 
     def sample(self, policy_version: int) -> Sample:
+        # partial rollouts: a token sampled after the engine loaded k updates is k versions newer, across turns
+        newer = any(self.versions)
         return Sample(prompt=self.prompt, group=self.group, response_ids=self.ids, response_logprobs=self.logprobs,
                       response_text=self.last_text, finished=self.done, policy_version=policy_version,
-                      response_mask=self.mask, turns=self.turns, env_reward=self.reward, env_metrics=dict(self.metrics))
+                      response_mask=self.mask, turns=self.turns, env_reward=self.reward, env_metrics=dict(self.metrics),
+                      token_versions=[policy_version + v for v in self.versions] if newer else None)
 
 
 @dataclass
@@ -217,6 +224,7 @@ def _take_turn(episode: Episode, generation: Generation, tokenizer: Tokenizer) -
     episode.ids += generation.token_ids
     episode.logprobs += generation.logprobs
     episode.mask += [1] * len(generation.token_ids)
+    episode.versions += generation.versions or [0] * len(generation.token_ids)  # None: the rollout's first version
     episode.turns += 1
     episode.cut = not generation.finished  # at the budget: the loop's engines finish a turn or run to its budget
     episode.last_text = str(tokenizer.decode(generation.token_ids, skip_special_tokens=True))
@@ -356,6 +364,7 @@ def _observe(env: Environment, episode: Episode, future: Future[tuple[Any, float
     episode.ids += closing + ids
     episode.logprobs += [0.0] * (len(closing) + len(ids))
     episode.mask += [0] * (len(closing) + len(ids))
+    episode.versions += [episode.versions[-1] if episode.versions else 0] * (len(closing) + len(ids))
     episode.observed += len(ids)
     return True
 

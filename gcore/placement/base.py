@@ -6,18 +6,23 @@ import functools
 import time
 import types
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from gcore.engines.base import Engine, generate_prompts
+from gcore.engines.base import POLICY, Engine, generate_prompts
 from gcore.errors import ConfigError
 from gcore.model import ModelSource
 from gcore.rewards.base import RewardModel
 from gcore.rollout import RolloutJob, StageTimer
-from gcore.types import Generation, Sample
+from gcore.types import Generation, Sample, SamplingParams
+
+if TYPE_CHECKING:
+    from gcore.engines.pool import WorkerPool
+    from gcore.envs.episodes import Generate
 
 
 @dataclass
@@ -225,15 +230,33 @@ class PlacementPolicy(ABC):
         seen a different number of devices)."""
 
 
+def turns(pool: WorkerPool, workers: Callable[[], list[int]], base: int, ahead: bool) -> Generate:
+    """The episode loop's ``generate`` on the policy workers of ``pool`` (``workers()`` when each turn batch goes
+    out). With partial rollouts each turn's tokens carry their versions counted from ``base``, the pool's weight
+    version the rollout started with (``WorkerPool._rebase``): a turn cut by a weight sync continues with the new
+    weights and the later turns are of the new version, which the episode loop keeps token by token
+    (``Sample.token_versions``). ``ahead``: the rollout was started ahead of its step, so that a weight sync comes
+    during it; only a test's ``worker.HOLD_ENV`` reads it (its first turn batch is held for that sync, the others
+    not: the sync after them waits for this rollout)."""
+    first = [ahead]
+
+    def generate(prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+        hold, first[0] = first[0], False
+        return pool.generate(POLICY, prompts, params, workers(), base=base, hold=hold)
+
+    return generate
+
+
 class Background:
     """Rollouts that run in a thread while the controller trains (``--trainer.max_staleness``): with
     multi-turn episodes (the episode loop calls the engine once per turn, so it cannot be sent ahead
     as one request) and with a generative judge (its requests go out as the generation requests
     finish, so someone must take the results and send them while the controller trains). The
-    rollouts run one after another, in the order they were started. The engine-worker pool is not
-    thread-safe: a policy ``join``s before it uses the pool from the controller's thread again
-    (``join_rollouts``, ``before_sync``), so the weight update waits for the rollouts in flight, and
-    every sample of them is sampled by the weights they were started with."""
+    rollouts run one after another, in the order they were started. Without partial rollouts a policy
+    ``join``s them before the weight sync (``join_rollouts``, ``before_sync``), so the update waits for
+    the rollouts in flight and every sample of them is sampled by the weights they were started with.
+    With partial rollouts it does not: the pool takes requests from both threads (``WorkerPool._lock``),
+    and the sync reaches the generation in flight, which continues with the new weights."""
 
     def __init__(self) -> None:
         self._executor: ThreadPoolExecutor | None = None

@@ -15,7 +15,7 @@ import torch
 from gcore.engines.base import JUDGE, POLICY, REWARD, Engine, Role
 from gcore.errors import ConfigError
 from gcore.model import ModelSource
-from gcore.placement.base import Background, InFlight, PlacementPolicy, Telemetry
+from gcore.placement.base import Background, InFlight, PlacementPolicy, Telemetry, turns
 from gcore.rewards.base import RewardModel
 from gcore.rollout import RolloutJob, StageTimer
 from gcore.threads import usable_cores, worker_threads
@@ -272,10 +272,18 @@ class DynamicPlacement(PlacementPolicy):
         if self.pool is None:
             raise RuntimeError("DynamicPlacement.rollout called before launch")
         if self._pipelined(job):
-            return self._background.start(job, lambda own: self._send(own, streamed=True)())
+            base = self.pool.version  # the weights the job is started with (its ``policy_version``)
+            if job.multi_turn:  # its turns say whether the test hook holds them (``turns``)
+                self.pool.expect_rollout()
+            return self._background.start(job, lambda own: self._send(own, streamed=True, base=base, ahead=True)())
         return self._send(job, streamed=not self.pool.queue_syncs)
 
-    def _send(self, job: RolloutJob, streamed: bool) -> InFlight:
+    def _partial(self) -> bool:
+        """Partial rollouts: a rollout in the ``Background`` thread is not joined before a weight sync (as
+        ``StaticPlacement._partial``)."""
+        return self.pool is not None and self.pool.partial_rollouts
+
+    def _send(self, job: RolloutJob, streamed: bool, base: int | None = None, ahead: bool = False) -> InFlight:
         """Swap the workers that changed partition and send the generation requests (``stream_groups``
         prompt groups each when ``streamed``, else one per generation worker); returns what collects and
         scores them (multi-turn: what runs the episode loop)."""
@@ -283,8 +291,9 @@ class DynamicPlacement(PlacementPolicy):
         assert pool is not None  # checked by start_rollout
         generators, scorers = self._partition(job)
         started = time.perf_counter()
+        base = pool.version if base is None else base
         if job.multi_turn:
-            return InFlight(lambda: self._episode_rollout(job, scorers, started))
+            return InFlight(lambda: self._episode_rollout(job, scorers, started, base, ahead))
         size = self.stream_groups
         if not streamed:
             size = max(size, math.ceil(len(prompts) / len(generators)))
@@ -295,7 +304,7 @@ class DynamicPlacement(PlacementPolicy):
                                                     None if job.seed is None else job.seed + start,
                                                     None if visual is None else visual[start : start + size],
                                                     pool.partial_rollouts),
-                                       generators, POLICY) for start, chunk in chunks.items()}
+                                       generators, POLICY, base) for start, chunk in chunks.items()}
 
         def generations() -> list[list[Generation]]:
             pool.wait(list(requests.values()))
@@ -334,14 +343,16 @@ class DynamicPlacement(PlacementPolicy):
 
         return InFlight(finish)
 
-    def _episode_rollout(self, job: RolloutJob, scorers: list[int], started: float) -> list[Sample]:
+    def _episode_rollout(self, job: RolloutJob, scorers: list[int], started: float, base: int,
+                         ahead: bool = False) -> list[Sample]:
         """Multi-turn: the episode loop on the generation partition (each turn batch split over it), then
         the episodes judged on the reward partition. The wait for the environment is timed as ``env``:
         ``update`` does not count it as the generation partition's idle time (no split shortens it)."""
         pool, timer = self.pool, job.timer
         assert pool is not None and self.policy_engine is not None  # set by launch
         # its generation is timed by the partition's telemetry (``_rollout_telemetry``), not as ``generate``
-        samples = job.timed_episodes(self.policy_engine.generate, generate_stage=False)
+        engine = self.policy_engine
+        samples = job.timed_episodes(turns(pool, lambda: engine.workers, base, ahead), generate_stage=False)
         reward = self.reward_pool if scorers and self.reward_pool is not None else None  # None: in the controller
         scored = time.process_time()
         job.score(samples, reward)
@@ -391,10 +402,11 @@ class DynamicPlacement(PlacementPolicy):
             self.pool.close()
 
     def join_rollouts(self) -> float:
-        return self._background.join()
+        return 0.0 if self._partial() else self._background.join()
 
     def before_sync(self, engine: Engine) -> None:
-        self._background.join()
+        if not self._partial():
+            self._background.join()
 
     def state_dict(self) -> dict:
         return {"total": self.total, "judge_devices": self.judge_devices}

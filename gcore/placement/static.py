@@ -13,7 +13,7 @@ import torch
 from gcore.engines.base import JUDGE, POLICY, Engine
 from gcore.errors import ConfigError
 from gcore.model import ModelSource
-from gcore.placement.base import Background, InFlight, PlacementPolicy
+from gcore.placement.base import Background, InFlight, PlacementPolicy, turns
 from gcore.rewards.base import RewardModel
 from gcore.rollout import RolloutJob
 from gcore.types import Generation, Sample
@@ -106,11 +106,14 @@ class StaticPlacement(PlacementPolicy):
         (the judge swap and the scoring) runs when the result is asked for. While rollouts overlap
         training (``allow_overlap``) a rollout with a generative judge or multi-turn episodes runs whole
         in a thread (``Background``): generation, the swap to the judge, the judging and the swap back
-        run while the controller trains, and the weight sync waits for them (``join_rollouts``)."""
+        run while the controller trains, and the weight sync waits for them (``join_rollouts``), unless
+        rollouts are partial: the sync then reaches its generation in flight (``_partial``)."""
         if self.pool is None:
             return super().start_rollout(job)
         if self._pipelined(job):
-            return self._background.start(job, self._rollout_now)
+            base = self.pool.version  # the weights the job is started with (its ``policy_version``)
+            self.pool.expect_rollout()
+            return self._background.start(job, lambda own: self._rollout_now(own, base, ahead=True))
         if job.multi_turn:
             return InFlight(lambda: self._episode_rollout(job))
         return self._send_generate(job)
@@ -126,11 +129,21 @@ class StaticPlacement(PlacementPolicy):
         training, one with a generative judge or multi-turn episodes (someone must drive it meanwhile)."""
         return self.pool is not None and self.pool.queue_syncs and (job.multi_turn or self.judge_engine is not None)
 
-    def _rollout_now(self, job: RolloutJob) -> list[Sample]:
-        """The whole rollout, generation to the last verdict (in the ``Background`` thread)."""
-        return self._episode_rollout(job) if job.multi_turn else self._send_generate(job)()
+    def _partial(self) -> bool:
+        """Partial rollouts (``allow_overlap(partial=True)``): a rollout in the ``Background`` thread is not joined
+        before a weight sync; the sync reaches its generation in flight, from the controller's thread (the pool
+        takes both threads' requests: ``WorkerPool._lock``)."""
+        return self.pool is not None and self.pool.partial_rollouts
 
-    def _send_generate(self, job: RolloutJob) -> InFlight:
+    def _rollout_now(self, job: RolloutJob, base: int | None = None, ahead: bool = False) -> list[Sample]:
+        """The whole rollout, generation to the last verdict (in the ``Background`` thread). ``base``: the pool's
+        weight version the job was started with (partial rollouts count its tokens' versions from it);
+        ``ahead``: started ahead of its step (a weight sync comes during it)."""
+        if job.multi_turn:
+            return self._episode_rollout(job, base, ahead)
+        return self._send_generate(job, base, ahead)()
+
+    def _send_generate(self, job: RolloutJob, base: int | None = None, ahead: bool = False) -> InFlight:
         """Send the generation requests (one per worker); returns what collects and judges them."""
         assert self.pool is not None  # set by launch
         pool = self.pool
@@ -138,17 +151,21 @@ class StaticPlacement(PlacementPolicy):
         pool.busy.clear()
         started = time.perf_counter()
         requests = pool.submit_generate(POLICY, [p.token_ids for p in job.prompts], job.sampling,
-                                        list(range(pool.size)), job.visual(), seed=job.seed)
+                                        list(range(pool.size)), job.visual(), seed=job.seed,
+                                        base=pool.version if base is None else base,
+                                        hold=True if ahead and pool.partial_rollouts else None)
         return InFlight(lambda: self._finish_rollout(job, requests, started),
                         generations=lambda: pool.collect_generate(requests))
 
-    def _episode_rollout(self, job: RolloutJob) -> list[Sample]:
+    def _episode_rollout(self, job: RolloutJob, base: int | None = None, ahead: bool = False) -> list[Sample]:
         """Multi-turn: the episode loop on every worker (each turn batch split over them), then judged."""
         assert self.pool is not None  # set by launch
         self.pool.revive()
         self.pool.busy.clear()
         started = time.perf_counter()
-        samples = job.timed_episodes(job.engine.generate)
+        generate = turns(self.pool, lambda: list(range(self.pool.size)) if self.pool else [],
+                         self.pool.version if base is None else base, ahead)
+        samples = job.timed_episodes(generate)
         return self._judge(job, samples, time.perf_counter() - started)
 
     def _finish_rollout(self, job: RolloutJob, requests: list[Job], started: float) -> list[Sample]:
@@ -193,9 +210,10 @@ class StaticPlacement(PlacementPolicy):
             engine.sleep()
 
     def join_rollouts(self) -> float:
-        return self._background.join()
+        return 0.0 if self._partial() else self._background.join()
 
     def before_sync(self, engine: Engine) -> None:
-        self._background.join()
+        if not self._partial():
+            self._background.join()
         if self._offload:
             engine.wake_up()

@@ -126,4 +126,10 @@ class Job:
     busy_s: float = 0.0
     errors: list[str] = field(default_factory=list)
     failed_on: set[int] = field(default_factory=set)
+    #: the pool's weight version (``WorkerPool.version``): a sync's or role change's, the one it loads; a generate
+    #: request's, the one its worker held when it was sent (``-1``: not known yet)
+    version: int = -1
+    #: a generate request's rollout started at this weight version: with partial rollouts its results' token versions
+    #: are counted from there (``WorkerPool._rebase``); ``None``: from the request's own start
+    base: int | None = None
 

@@ -12,8 +12,10 @@ import logging
 import math
 import os
 import pickle
+import threading
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Literal, SupportsInt, cast
 
 import torch
@@ -23,7 +25,7 @@ from gcore.engines.pool.environment import clean_environment, describe_exit
 from gcore.engines.pool.jobs import Job, JobKind, Peers, Reply, RoleSpec
 from gcore.engines.pool.transport import Address, connect
 from gcore.engines.pool.weights import SharedWeights, create_shared, remove
-from gcore.engines.pool.worker import worker_main
+from gcore.engines.pool.worker import HOLD_ENV, HOLD_GUARD_S, worker_main
 from gcore.environ import children_import_this_gcore
 from gcore.errors import GcoreError
 from gcore.threads import spawning, worker_threads
@@ -142,6 +144,20 @@ class WorkerPool:
         self._syncs: list[Job] = []  # the last queued sync's requests
         self._side: dict[int, Job] = {}  # worker -> the weight sync sent to it during its generation
         self._queued: dict[int, Job] = {}  # worker -> the request sent behind the weight sync it is loading
+        #: the controller's main thread and a rollout's thread (``placement.base.Background``) may use the pool at
+        #: once: every dispatcher operation (``submit``, a ``_pump`` round, a sync's or role change's sending,
+        #: ``revive``) holds this lock, never a wait for a whole request (``wait`` pumps for everyone's requests)
+        self._lock = threading.RLock()
+        #: the weight syncs sent (each ``sync_weights``); each worker's latest sent to it, which it holds once it
+        #: has served what came before (``_dispatch``): a generate request's ``Job.version``
+        self.version = 0
+        self._holds = [0] * size
+        self._readers: list[Job] = []  # role changes that load the shared weights (``sync_weights`` waits for them)
+        #: test only (``worker.HOLD_ENV``): set once the rollout started ahead in a thread has sent its first
+        #: generation (``expect_rollout``); a weight sync waits for it, so that the held request is there to be cut
+        self._rollout_out = threading.Event()
+        self._rollout_out.set()
+        self._hold_test = bool(int(os.environ.get(HOLD_ENV, "0") or 0))
         self.busy: dict[str, float] = {}
         self.retried = 0
         self.respawned = 0
@@ -210,6 +226,7 @@ class WorkerPool:
             startup, writer = self._ctx.Pipe(duplex=False)
             self._startup[i] = startup
             weights = self._latest_weights()
+            self._holds[i] = self.version
             process = self._ctx.Process(
                 target=worker_main, name=f"gcore-engine-worker-{i}", daemon=self._daemon,
                 args=(i, self.threads, self.seed + i, self._specs, self.roles[i], weights, self.release,
@@ -231,6 +248,7 @@ class WorkerPool:
         weights = self.ray.latest()
         for i in indices:
             self._ready[i] = False
+            self._holds[i] = self.version
             self.ray.spawn(i, (i, self.threads, self.seed + i, self._specs, self.roles[i], weights, self.release,
                                self.devices[i], self._authkey, self.liveness_timeout_s), clients,
                            self.startup_timeout_s)
@@ -283,6 +301,10 @@ class WorkerPool:
     def revive(self) -> int:
         """Respawn dead or lost workers (with their roles and the latest weights); returns how many.
         With ``peers`` a collective: every controller of the machine calls it at the same point."""
+        with self._lock:
+            return self._revive()
+
+    def _revive(self) -> int:
         lost = [i for i in range(self.size) if not self.alive(i)]
         if self.peers is not None:  # a worker one controller lost (it timed out there) is restarted for all
             every = cast("list[list[int]]", self.peers.gather(lost))
@@ -344,18 +366,25 @@ class WorkerPool:
             pass
 
     # -- requests ----------------------------------------------------------------------------
-    def submit(self, kind: JobKind, args: tuple, workers: Sequence[int], role: Role | Literal[""] = "") -> Job:
-        """Queue a request for any of ``workers``; it is sent as soon as one of them is free."""
+    def submit(self, kind: JobKind, args: tuple, workers: Sequence[int], role: Role | Literal[""] = "",
+               base: int | None = None) -> Job:
+        """Queue a request for any of ``workers``; it is sent as soon as one of them is free. ``base``: a generate
+        request's rollout started at this weight version (``Job.base``)."""
         if not workers:
             raise GcoreError(f"no engine worker to run a {kind} request for role {role!r}")
-        job = Job(next(self._ids), kind, args, tuple(workers), role)
-        self._jobs[job.id] = job
-        self._pending.append(job)
-        self._dispatch()
-        return job
+        with self._lock:
+            job = Job(next(self._ids), kind, args, tuple(workers), role, base=base)
+            if kind in ("sync", "role"):  # they load the latest weights
+                job.version = self.version
+            self._jobs[job.id] = job
+            self._pending.append(job)
+            self._dispatch()
+            return job
 
     def wait(self, jobs: Iterable[Job], first: bool = False) -> list[Job]:
-        """Wait until every job (or, with ``first``, at least one) is done; returns the done ones."""
+        """Wait until every job (or, with ``first``, at least one) is done; returns the done ones. Another thread
+        may wait at the same time: whichever holds the lock pumps (a round of at most 0.2 s) and handles the replies
+        of every request, the other looks at its jobs again meanwhile."""
         jobs = list(jobs)
         while True:
             done = [j for j in jobs if j.done]
@@ -364,22 +393,28 @@ class WorkerPool:
                     if not j.ok:
                         raise GcoreError(j.errors[-1] if j.errors else f"{j.kind} request failed")
                 return done
-            self._pump(0.2)
+            if self._lock.acquire(timeout=0.05):
+                try:
+                    self._pump(0.2)
+                finally:
+                    self._lock.release()
 
     def generate(self, role: Role, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 workers: Sequence[int], visual: Sequence[VisualInputs | None] | None = None) -> list[list[Generation]]:
+                 workers: Sequence[int], visual: Sequence[VisualInputs | None] | None = None,
+                 base: int | None = None, hold: bool | None = None) -> list[list[Generation]]:
         """``prompts`` split into one request per worker; the results in the order of ``prompts``. ``visual``: each
-        prompt's images (image prompts)."""
-        return self.collect_generate(self.submit_generate(role, prompts, params, workers, visual))
+        prompt's images (image prompts). ``base`` and ``hold``: as ``submit_split``'s."""
+        return self.collect_generate(self.submit_split("generate", role, prompts, params, workers, None, visual,
+                                                       base, hold))
 
     def submit_generate(self, role: Role, prompts: Sequence[Sequence[int]], params: SamplingParams,
                         workers: Sequence[int], visual: Sequence[VisualInputs | None] | None = None,
-                        seed: int | None = None) -> list[Job]:
+                        seed: int | None = None, base: int | None = None, hold: bool | None = None) -> list[Job]:
         """Send ``generate``'s requests and return at once; ``collect_generate`` waits for them. With a ``seed``,
         request ``i`` samples from ``seed + i`` whichever worker serves it (``_WorkerRuntime.generate``): the
         samples depend on the prompts and the seed, not on the worker or on what it ran before. ``visual``: each
-        prompt's images (image prompts)."""
-        return self.submit_split("generate", role, prompts, params, workers, seed, visual)
+        prompt's images (image prompts). ``base``, ``hold``: as ``submit_split``'s."""
+        return self.submit_split("generate", role, prompts, params, workers, seed, visual, base, hold)
 
     def collect_generate(self, jobs: list[Job]) -> list[list[Generation]]:
         """Wait for requests of ``submit_generate``; their results in the order of its prompts."""
@@ -387,11 +422,15 @@ class WorkerPool:
 
     def submit_split(self, kind: Literal["generate", "logprobs"], role: Role, prompts: Sequence[Sequence[int]],
                      option: object, workers: Sequence[int], seed: int | None = None,
-                     visual: Sequence[VisualInputs | None] | None = None) -> list[Job]:
+                     visual: Sequence[VisualInputs | None] | None = None, base: int | None = None,
+                     hold: bool | None = None) -> list[Job]:
         """``prompts`` split into one ``kind`` request per worker, each ``(role, its prompts, option)``; a
         ``generate`` request also carries its seed (``seed + i`` for request ``i``, or ``None``) and its prompts'
         ``visual`` inputs (or ``None``); a ``logprobs`` request its prompts' ``visual`` inputs where there are
-        any (text prompts keep the three-item request). Returns at once (``collect`` waits)."""
+        any (text prompts keep the three-item request). Returns at once (``collect`` waits). With partial
+        rollouts: ``base``, the weight version the rollout started at (``Job.base``); ``hold``, for a test's
+        ``worker.HOLD_ENV`` only: whether the worker holds this request for an update (``None``: its own rule),
+        never once an update came since ``base`` (none would come for it: the next waits for this rollout)."""
         if not prompts:
             return []
         chunk = math.ceil(len(prompts) / len(workers))
@@ -400,10 +439,23 @@ class WorkerPool:
             images = None if visual is None else list(visual[start : start + chunk])
             if kind == "logprobs":
                 return () if images is None else (images,)
-            return (None if seed is None else seed + i, images, self.partial_rollouts and role == POLICY)
+            partial = self.partial_rollouts and role == POLICY
+            return (None if seed is None else seed + i, images,
+                    partial if not partial or hold is None else ("hold" if hold else "free"))
 
-        return [self.submit(kind, (role, [list(p) for p in prompts[s : s + chunk]], option, *extra(i, s)), workers,
-                            role) for i, s in enumerate(range(0, len(prompts), chunk))]
+        with self._lock:  # the version read and the requests sent with no sync between them
+            if hold is not None:
+                self._rollout_out.set()
+            if hold and base is not None and self.version != base:
+                hold = False
+            return [self.submit(kind, (role, [list(p) for p in prompts[s : s + chunk]], option, *extra(i, s)),
+                                workers, role, base) for i, s in enumerate(range(0, len(prompts), chunk))]
+
+    def expect_rollout(self) -> None:
+        """Test only (``worker.HOLD_ENV``): a rollout started ahead in a thread will send a generation that says
+        whether it is held (``submit_split``'s ``hold``); the next weight sync waits until it has gone out."""
+        if self._hold_test and self.partial_rollouts:
+            self._rollout_out.clear()
 
     def collect(self, jobs: list[Job]) -> list[object]:
         """Wait for requests of ``submit_split``; their results (one per prompt) in the order of its prompts."""
@@ -411,14 +463,18 @@ class WorkerPool:
         return [out for job in jobs for out in cast("list[object]", job.result)]
 
     def assign(self, roles: Sequence[Role]) -> float:
-        """Give worker ``i`` the role ``roles[i]`` (a real swap where it changes); returns seconds."""
+        """Give worker ``i`` the role ``roles[i]`` (a real swap where it changes); returns seconds. Each carries the
+        latest weights: a worker swapped back to the policy loads them (a weight sync sent while it held another
+        role went to the policy workers only)."""
         started = time.perf_counter()
-        weights = self._latest_weights()
         jobs = []
-        for i, role in enumerate(roles):
-            if role != self.roles[i]:
-                self.roles[i] = role  # a respawned worker starts in its new role
-                jobs.append(self.submit("role", (role, weights), [i], role))
+        with self._lock:
+            weights = self._latest_weights()
+            for i, role in enumerate(roles):
+                if role != self.roles[i]:
+                    self.roles[i] = role  # a respawned worker starts in its new role
+                    jobs.append(self.submit("role", (role, weights), [i], role))
+            self._readers = [j for j in self._readers if not j.done] + [j for j in jobs if j.role == POLICY]
         self.wait(jobs)
         return time.perf_counter() - started
 
@@ -439,7 +495,39 @@ class WorkerPool:
             self.peers.barrier()
             return {"bytes": 0.0, "shm_bytes": 0.0, "copy_s": 0.0, "load_s": 0.0, "s": time.perf_counter() - started}
         named = [(name, tensor.detach()) for name, tensor in named]
+        if self._hold_test and not self._rollout_out.wait(HOLD_GUARD_S):
+            log.warning("weight sync: the rollout started ahead sent no generation within %.0f s (%s)",
+                        HOLD_GUARD_S, HOLD_ENV)
         self.wait(self._syncs)
+        while True:  # no role change that reads the shared weights may be under way (another thread's ``assign``)
+            with self._lock:
+                readers = self._readers = [j for j in self._readers if not j.done]
+                if not readers:
+                    # the lock is held to the last sync sent: no role change starts meanwhile, and every request
+                    # sent after it finds the worker's sync ahead of it
+                    self._lock.acquire()
+                    break
+            self.wait(readers)
+        try:
+            copied, nbytes, jobs = self._send_syncs(named)
+        finally:
+            self._lock.release()
+        if self.queue_syncs and self.peers is None:
+            self._syncs = jobs
+            loaded = nbytes * len(jobs)
+        else:  # a shared pool waits: another controller's next request must find the new weights
+            self.wait(jobs)
+            # the bytes each worker loaded (none by a lost one: it loads them when started again)
+            loaded = sum(int(cast(SupportsInt, j.result or 0)) for j in jobs)
+            if self.peers is not None:
+                self.peers.barrier()
+        end = time.perf_counter()
+        return {"bytes": float(loaded), "shm_bytes": float(nbytes), "copy_s": copied - started,
+                "load_s": end - copied, "s": end - started}
+
+    def _send_syncs(self, named: list[tuple[str, torch.Tensor]]) -> tuple[float, int, list[Job]]:
+        """The weights into shared memory (or Ray's object store), and a sync to every policy worker (the lock
+        held); returns when the copy ended, the bytes of one copy, and the syncs."""
         if self.ray is not None:  # into Ray's object store, staged on every worker actor
             self.ray.put_weights(named)
             nbytes = self.ray.nbytes
@@ -453,20 +541,9 @@ class WorkerPool:
                 views[name].copy_(tensor)
             self.weights.version += 1
             nbytes = self.weights.nbytes
+        self.version += 1
         copied = time.perf_counter()
-        jobs = [self._send_sync(i) for i in range(self.size) if self.roles[i] == POLICY]
-        if self.queue_syncs and self.peers is None:
-            self._syncs = jobs
-            loaded = nbytes * len(jobs)
-        else:  # a shared pool waits: another controller's next request must find the new weights
-            self.wait(jobs)
-            # the bytes each worker loaded (none by a lost one: it loads them when started again)
-            loaded = sum(int(cast(SupportsInt, j.result or 0)) for j in jobs)
-            if self.peers is not None:
-                self.peers.barrier()
-        end = time.perf_counter()
-        return {"bytes": float(loaded), "shm_bytes": float(nbytes), "copy_s": copied - started,
-                "load_s": end - copied, "s": end - started}
+        return copied, nbytes, [self._send_sync(i) for i in range(self.size) if self.roles[i] == POLICY]
 
     def _latest_weights(self) -> tuple | None:
         """What a worker is told to load the latest policy weights from: the shared-memory file's ``ref()``, or the
@@ -486,9 +563,11 @@ class WorkerPool:
         generating = running is not None and running.kind == "generate" and running.role == POLICY
         if not (self.partial_rollouts and generating and conn is not None and i not in self._side):
             return self.submit("sync", (weights,), [i])
-        job = Job(next(self._ids), "sync", (weights,), (i,), worker=i, sent=time.monotonic(), attempts=1)
+        job = Job(next(self._ids), "sync", (weights,), (i,), worker=i, sent=time.monotonic(), attempts=1,
+                  version=self.version)
         self._jobs[job.id] = job
         self._side[i] = job
+        self._holds[i] = self.version  # its next request starts with these weights
         try:
             conn.send((job.kind, job.id, *job.args))
         except OSError:  # it died: noticed by the next ``_pump``
@@ -516,6 +595,10 @@ class WorkerPool:
             i = min(free, key=lambda w: (w in job.failed_on, self._busy_with[w] is not None,
                                          (w - self._first) % self.size))
             job.worker, job.sent, job.attempts = i, time.monotonic(), job.attempts + 1
+            if job.kind in ("sync", "role"):  # the worker serves them in order: what comes next finds these weights
+                self._holds[i] = max(self._holds[i], job.version)
+            elif job.kind == "generate":
+                job.version = self._holds[i]
             if self._busy_with[i] is None:
                 self._busy_with[i] = job
             else:  # behind the sync it loads; its job timeout counts from when it starts (``_handle``)
@@ -589,6 +672,8 @@ class WorkerPool:
                 queued.sent = time.monotonic()
         if kind == "result":
             job.result, job.busy_s = cast("tuple[object, float]", payload)
+            if job.kind == "generate" and job.base is not None and self.partial_rollouts:
+                job.result = self._rebase(cast("list[list[Generation]]", job.result), job.version - job.base)
             job.done = job.ok = True
             if job.kind in ("generate", "logprobs", "score"):
                 self.busy[job.role] = self.busy.get(job.role, 0.0) + job.busy_s
@@ -599,6 +684,16 @@ class WorkerPool:
             del self._jobs[job.id]
         else:
             self._retry(job, i, f"engine worker {i} raised:\n{payload}")
+
+    @staticmethod
+    def _rebase(outputs: list[list[Generation]], shift: int) -> list[list[Generation]]:
+        """A generate request's results with their token versions counted from its rollout's start instead of the
+        request's: ``shift`` updates came between the two (a later turn of an episode, a request sent after a
+        sync). ``versions`` stays ``None`` where every token is of the rollout's first version."""
+        if not shift:
+            return outputs
+        return [[replace(g, versions=[shift + v for v in (g.versions or [0] * len(g.token_ids))]) for g in row]
+                for row in outputs]
 
     def _fail_worker(self, i: int, why: str) -> None:
         job, self._busy_with[i] = self._busy_with[i], None

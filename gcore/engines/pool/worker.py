@@ -173,8 +173,9 @@ def _serve(runtime: _WorkerRuntime, kind: JobKind, args: tuple, pending: Callabl
     if kind == "generate":  # (role, prompts, params[, seed or None[, each prompt's visual inputs or None[, partial]]])
         role, prompts, params, *extra = args
         seed, visual, partial = (*extra, None, None, False)[:3]
-        if partial:
-            return runtime.generate_partial(role, prompts, params, seed, visual, pending, take_sync)
+        if partial:  # True, or a test's word on holding it (``HOLD_ENV``): "hold" or "free"
+            return runtime.generate_partial(role, prompts, params, seed, visual, pending, take_sync,
+                                            None if partial is True else partial == "hold")
         return runtime.generate(role, prompts, params, seed, visual)
     if kind == "logprobs":  # (role, prompts, candidates[, each prompt's visual inputs or None])
         role, prompts, candidates, *extra = args
@@ -269,18 +270,20 @@ class _WorkerRuntime:
 
     def generate_partial(self, role: Role, prompts: list[list[int]], params: SamplingParams, seed: int | None,
                          visual: list[VisualInputs | None] | None, pending: Callable[..., bool],
-                         take_sync: Callable[[], None]) -> list[list[Generation]]:
+                         take_sync: Callable[[], None], hold: bool | None = None) -> list[list[Generation]]:
         """``generate`` as a partial rollout: when a weight update comes during it (``pending``), the engine stops
         between tokens, the update is loaded (``take_sync``), and every unfinished generation continues from its
         tokens with the new weights (its prompt and tokens prefilled again: the KV cache of the old weights is not
         kept), one more version per update (``Generation.versions``). No token is thrown away. ``pending(timeout)``:
-        whether the update came, waiting up to ``timeout`` seconds for it (only with ``HOLD_ENV``, a test's)."""
+        whether the update came, waiting up to ``timeout`` seconds for it (only with ``HOLD_ENV``, a test's).
+        ``hold``: whether ``HOLD_ENV`` holds this request (the controller says so for an episode's turns, which only it
+        can tell apart); ``None``: every request but the worker's first."""
         self._take(role)
         engine = self._engine(role)
         if not engine.capabilities.interrupt:
             return self.generate(role, prompts, params, seed, visual)
         self.partial_served += 1
-        hold = self.hold if self.partial_served > 1 else 0
+        tokens = self.hold if (self.partial_served > 1 if hold is None else hold) else 0
         asked, updated = 0, False
 
         def interrupt() -> bool:  # asked between two decoding steps
@@ -289,7 +292,7 @@ class _WorkerRuntime:
             if pending():
                 updated = True
                 return True
-            if asked == hold and not updated:  # test only: wait here for the first update (``HOLD_ENV``)
+            if asked == tokens and not updated:  # test only: wait here for the first update (``HOLD_ENV``)
                 if pending(HOLD_GUARD_S):
                     updated = True
                     return True
