@@ -6,7 +6,7 @@ Public API: the five plugin interfaces, the built-in plugins, the configs, and `
 # first, before anything imports torch: sets OpenMP's wait policy, which it reads once (docs/threads.md), and
 # torch's C++ log level, read once too (docs/failure-modes.md)
 from gcore import threads as _threads
-from gcore.algorithms import DAPO, GRPO, PPO, RLOO, Algorithm, LossScale
+from gcore.algorithms import DAPO, GRPO, PPO, RLOO, Algorithm, Distill, LossScale
 from gcore.backends import TorchBackend, TrainingBackend
 from gcore.data import DataConfig
 from gcore.engines import Engine, HFEngine
@@ -34,6 +34,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DataError",
+    "Distill",
     "DynamicPlacement",
     "Engine",
     "Environment",

@@ -316,6 +316,8 @@ class Controller:
             batch.old_logprobs = self.backend.compute_logprobs(batch, "policy")
         if self.algorithm.needs_reference:
             batch.ref_logprobs = self.backend.compute_logprobs(batch, "reference")
+        if self.algorithm.teacher_path is not None:
+            batch.teacher_logprobs = self.backend.compute_logprobs(batch, "teacher")
 
     def _filter_metrics(self, record: StepRecord) -> dict[str, float]:
         """FILTER's counts over every rank: one all-reduce, after the fact, so no controller waits for

@@ -234,7 +234,8 @@ class SingleController(Controller):
 
     def _needs_model(self) -> bool:
         algorithm = self.algorithm
-        return algorithm.needs_critic or algorithm.needs_old_logprobs or algorithm.needs_reference
+        return (algorithm.needs_critic or algorithm.needs_old_logprobs or algorithm.needs_reference
+                or algorithm.teacher_path is not None)
 
     def _prepare_everyone(self, remote: RemoteEngines, batch: RolloutBatch) -> RolloutBatch:
         """Rank 0's part of PREPARE: scatter the rows, gather what the other ranks computed on theirs,
@@ -279,7 +280,8 @@ class SingleController(Controller):
         return own
 
 
-_MODEL_FIELDS = ("values", "old_logprobs", "ref_logprobs")  # what ``Controller._model_outputs`` sets
+#: what ``Controller._model_outputs`` sets
+_MODEL_FIELDS = ("values", "old_logprobs", "ref_logprobs", "teacher_logprobs")
 
 
 def _field_or_empty(batch: RolloutBatch, name: str) -> torch.Tensor:

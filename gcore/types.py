@@ -152,6 +152,7 @@ class RolloutBatch:
     temperature: float = 1.0
     old_logprobs: torch.Tensor | None = None  # [B, L-1] before this step's updates
     ref_logprobs: torch.Tensor | None = None  # [B, L-1] under the reference model
+    teacher_logprobs: torch.Tensor | None = None  # [B, L-1] under the teacher (``Algorithm.teacher_path``)
     values: torch.Tensor | None = None  # [B, L-1] critic values (PPO)
     advantages: torch.Tensor | None = None  # [B] or [B, L-1]
     returns: torch.Tensor | None = None  # [B, L-1] (PPO)

@@ -345,6 +345,12 @@ class Algorithm(ABC):
         return self.kl_coef != 0.0
 
     @property
+    def teacher_path(self) -> str | None:
+        """The checkpoint directory of a frozen teacher whose per-token log-probabilities the backend computes
+        (``RolloutBatch.teacher_logprobs``) before ``advantages``; ``None`` (default): no teacher."""
+        return None
+
+    @property
     def needs_critic(self) -> bool:
         """Whether the backend must build and train a critic (value model)."""
         return False

@@ -36,6 +36,9 @@ class TrainingBackend(ABC):
 
     #: whether this backend builds and trains a critic for algorithms that need one (PPO)
     supports_critic: bool = False
+    #: whether this backend loads a frozen teacher for algorithms that have one (``Algorithm.teacher_path``)
+    #: and computes its log-probabilities (``compute_logprobs(batch, "teacher")``)
+    supports_teacher: bool = False
 
     def strategy(self, world_size: int, device_type: str, timeout: timedelta = default_pg_timeout) -> str | Strategy:
         """The Lightning Fabric strategy this backend trains under; a collective waits at most ``timeout``
@@ -56,6 +59,9 @@ class TrainingBackend(ABC):
         if algorithm.needs_critic and not self.supports_critic:
             raise ConfigError(f"--algorithm {type(algorithm).__name__} needs a critic, which backend "
                               f"{type(self).__name__} does not provide (use --backend torch)")
+        if algorithm.teacher_path is not None and not self.supports_teacher:
+            raise ConfigError(f"--algorithm {type(algorithm).__name__} needs a teacher model (--algorithm.teacher), "
+                              f"which backend {type(self).__name__} does not load (use --backend torch)")
 
     def validate_images(self) -> None:
         """Raise a one-line ``ConfigError`` when this backend (with its options) cannot train on image prompts
@@ -67,10 +73,11 @@ class TrainingBackend(ABC):
     @abstractmethod
     def setup(self, fabric: Fabric, source: ModelSource, algorithm: Algorithm, embedded: bool) -> None:
         """Load the policy from ``source``, the reference model if ``algorithm.needs_reference``, and the critic if
-        ``algorithm.needs_critic``; nothing is built for a role the algorithm does not use."""
+        ``algorithm.needs_critic``, the frozen teacher from ``algorithm.teacher_path`` when set (``supports_teacher``);
+        nothing is built for a role the algorithm does not use."""
 
     @abstractmethod
-    def compute_logprobs(self, batch: RolloutBatch, role: Literal["policy", "reference"]) -> torch.Tensor:
+    def compute_logprobs(self, batch: RolloutBatch, role: Literal["policy", "reference", "teacher"]) -> torch.Tensor:
         """Per-token log-probabilities ``[B, L-1]`` of the batch's tokens under one model."""
 
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:

@@ -204,8 +204,8 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
     # PREPARE ---------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: RolloutBatch, role: Literal["policy", "reference"]) -> torch.Tensor:
-        model = self.policy if role == "policy" else self.reference
+    def compute_logprobs(self, batch: RolloutBatch, role: Literal["policy", "reference", "teacher"]) -> torch.Tensor:
+        model = {"policy": self.policy, "reference": self.reference}.get(role)  # no teacher: supports_teacher False
         if model is None:
             raise RuntimeError(f"no {role} model: it was not set up")
         g = self.groups

@@ -28,6 +28,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from gcore import moe
 from gcore.algorithms.base import Algorithm, is_max_metric
+from gcore.algorithms.distill import check_teacher_vocabulary
 from gcore.backends import lora
 from gcore.backends import sequence_parallel as seqpar
 from gcore.backends.base import TrainingBackend
@@ -140,6 +141,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
     """
 
     supports_critic = True
+    supports_teacher = True
 
     # built by ``setup`` (reading one before is an AttributeError)
     fabric: Fabric
@@ -148,6 +150,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
     optimizer: _FabricOptimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     reference: torch.nn.Module | None  # only for algorithms that need a reference model
+    teacher: torch.nn.Module | None  # only for algorithms with a teacher (on-policy distillation)
     critic: _FabricModule | None  # the Fabric-wrapped ValueModel, only for algorithms with a critic
     critic_optimizer: _FabricOptimizer  # only with a critic
     passes: ForwardPasses  # the forward passes of the models above
@@ -254,6 +257,14 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
             # under FSDP sharded like the policy (ModelParallelStrategy moves no unsharded module to the device)
             self.reference = fabric.setup_module(reference) if self.fsdp else fabric.to_device(reference)
             hf_models.append(reference)
+        self.teacher = None
+        if algorithm.teacher_path is not None:  # on-policy distillation: a second frozen model, the teacher's
+            teacher_source = ModelSource(algorithm.teacher_path, source.dtype, source.trust_remote_code)
+            check_teacher_vocabulary(source, teacher_source)
+            teacher = load_model(causal_lm_class(teacher_source), teacher_source, self.attn_implementation)
+            teacher.eval().requires_grad_(False)
+            self.teacher = fabric.setup_module(teacher) if self.fsdp else fabric.to_device(teacher)
+            hf_models.append(teacher)
         self.critic = None
         if algorithm.needs_critic:
             critic = ValueModel(source, self.attn_implementation)
@@ -341,11 +352,12 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
     # PREPARE ---------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: RolloutBatch, role: Literal["policy", "reference"]) -> torch.Tensor:
-        model = self.policy if role == "policy" else self.reference
+    def compute_logprobs(self, batch: RolloutBatch, role: Literal["policy", "reference", "teacher"]) -> torch.Tensor:
+        model = {"policy": self.policy, "reference": self.reference, "teacher": self.teacher}.get(role)
         if model is None:
             raise RuntimeError(f"no {role} model: it was not set up")
-        tap = self.router_tap if role == "policy" else self.reference_tap
+        # the teacher's routes are its own (no replay of the engine's, which are the student's)
+        tap = {"policy": self.router_tap, "reference": self.reference_tap}.get(role)
 
         def forward(micro: RolloutBatch) -> torch.Tensor:
             with self.routed(tap, micro):
