@@ -419,6 +419,25 @@ def three_turn_trajectory_gap(engine, backend, tokenizer):
     return float(((trainer - batch.engine_logprobs) * batch.response_mask).abs().max()), samples
 
 
+def old_and_new_policies(workdir: str):
+    """A tiny model's checkpoint in ``workdir``, an engine with its weights (old) and one with other weights (new),
+    and those other weights: what the partial-rollout tests cut a generation between."""
+    from gcore.engines.hf import HFEngine
+    from gcore.model import ModelConfig, ModelSource, char_tokenizer, materialize
+
+    path = materialize(ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64), char_tokenizer(),
+                       seed=0, workdir=workdir)
+    old, new = HFEngine(), HFEngine()
+    for engine in (old, new):
+        engine.setup(ModelSource(path), torch.device("cpu"))
+    assert old.model is not None
+    generator = torch.Generator().manual_seed(1)
+    weights = [(name, t + 0.5 * torch.randn(t.shape, generator=generator))
+               for name, t in old.model.state_dict().items()]
+    new.update_weights(weights)
+    return path, old, new, weights
+
+
 def greedy_with_updates(old, new, prompts, params, cuts):
     """Partial rollouts' reference (tests/trainer/test_partial_rollouts.py, tests/engines/test_vllm.py): what greedy
     decoding gives when the weights change after ``cuts[0]`` tokens (and ``cuts[1]``, ...): the old

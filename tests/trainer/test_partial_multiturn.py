@@ -7,8 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
-from conftest import Scripted, greedy_with_updates, varied_reward
+from conftest import Scripted, greedy_with_updates, old_and_new_policies, varied_reward
 
 from gcore import CallableReward, DynamicPlacement, StaticPlacement, Trainer, TrainerConfig
 from gcore.data import DataConfig
@@ -28,16 +27,7 @@ TINY = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64}
 @pytest.fixture(scope="module")
 def two_policies(tmp_path_factory):
     """A tiny model's checkpoint, an engine with its weights (old) and one with other weights (new), and those."""
-    path = materialize(ModelConfig(**TINY), char_tokenizer(), seed=0, workdir=str(tmp_path_factory.mktemp("policy")))
-    old, new = HFEngine(), HFEngine()
-    for engine in (old, new):
-        engine.setup(ModelSource(path), torch.device("cpu"))
-    assert old.model is not None
-    generator = torch.Generator().manual_seed(1)
-    weights = [(name, t + 0.5 * torch.randn(t.shape, generator=generator))
-               for name, t in old.model.state_dict().items()]
-    new.update_weights(weights)
-    return path, old, new, weights
+    return old_and_new_policies(str(tmp_path_factory.mktemp("policy")))
 
 
 def test_an_episodes_tokens_carry_their_turns_versions_and_its_observations_the_turn_before_theirs():

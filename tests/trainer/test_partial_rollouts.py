@@ -11,13 +11,13 @@ import sys
 
 import pytest
 import torch
-from conftest import FAST, greedy_with_updates, injected_updates, varied_reward
+from conftest import FAST, greedy_with_updates, injected_updates, old_and_new_policies, varied_reward
 
 from gcore.algorithms.base import behaviour_weight
 from gcore.engines.hf import HFEngine
 from gcore.engines.pool import POLICY, RoleSpec, WorkerPool, _WorkerRuntime
 from gcore.engines.pool.worker import HOLD_ENV
-from gcore.model import ModelConfig, ModelSource, char_tokenizer, materialize
+from gcore.model import ModelSource
 from gcore.tracing import read_samples
 from gcore.types import SamplingParams
 
@@ -25,17 +25,7 @@ from gcore.types import SamplingParams
 @pytest.fixture(scope="module")
 def two_policies(tmp_path_factory):
     """A tiny model's checkpoint, an engine with its weights (old) and one with other weights (new), and those."""
-    path = materialize(ModelConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64), char_tokenizer(),
-                       seed=0, workdir=str(tmp_path_factory.mktemp("policy")))
-    old, new = HFEngine(), HFEngine()
-    for engine in (old, new):
-        engine.setup(ModelSource(path), torch.device("cpu"))
-    assert old.model is not None
-    generator = torch.Generator().manual_seed(1)
-    weights = [(name, t + 0.5 * torch.randn(t.shape, generator=generator))
-               for name, t in old.model.state_dict().items()]
-    new.update_weights(weights)
-    return path, old, new, weights
+    return old_and_new_policies(str(tmp_path_factory.mktemp("policy")))
 
 
 @pytest.mark.parametrize("cuts", [[4], [3, 7]])
