@@ -69,7 +69,8 @@ class DynamicPlacement(PlacementPolicy):
             rollout phase.
         max_move_fraction: move at most this share of the devices in one step (at least one).
         threads: torch threads of each engine worker (trainer only; 0: the user's ``OMP_NUM_THREADS``, else each
-            worker's share of the controller's cores, or with ``cluster ray`` of the cluster's CPUs; docs/threads.md).
+            worker's share of the controller's cores; with ``cluster ray``, its share of the cluster's CPUs;
+            docs/threads.md).
         stream_groups: prompt groups per generation request: the unit that streams to the judge.
         worker_timeout_s: a worker that does not answer a request in this time is killed and the
             request sent to another worker.

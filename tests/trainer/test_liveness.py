@@ -158,7 +158,7 @@ def test_controller_zero_does_not_lose_itself_with_the_store():
 
 #: the frozen-controller test's --trainer.heartbeat_timeout: 5 s named a live controller frozen once, in a fresh clone's
 #: suite beside a SmolLM2 run (load 9-11 on the 2 cores: "controller 0 sent no heartbeat for 5 s" before any freeze)
-HEARTBEAT_S = 10
+HEARTBEAT_S = 20  # a loaded machine (load 14) starved a store for 10 s once: a false loss
 
 
 @pytest.mark.integration

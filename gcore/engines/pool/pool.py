@@ -60,8 +60,8 @@ class WorkerPool:
         specs: role name -> how to build its engine.
         roles: the awake role of each worker at start.
         threads: ``torch.set_num_threads`` of each worker; 0: the user's ``OMP_NUM_THREADS``, else each worker's
-            share of this process's threads (``gcore.threads.worker_threads``), or on Ray of the cluster's CPUs
-            (``ray_cluster.cluster_threads``).
+            share of this process's threads (``gcore.threads.worker_threads``); on Ray, each worker's share of the
+            cluster's CPUs (``ray_cluster.cluster_threads``).
         seed: workers are seeded ``seed + index`` (what a generation request without a seed of its own samples
             from; one with a seed, ``submit_generate``'s, samples from that alone).
         release: free a sleeping engine's memory (reload it on wake-up) instead of ``Engine.sleep`` only.

@@ -97,11 +97,10 @@ def _probe(address: str) -> None:
 
 def cluster_threads(size: int) -> int:
     """Each of ``size`` CPU workers' share of the connected cluster's CPUs (at least 1): a Ray pool's threads per
-    worker where the user gave no ``--placement.threads`` nor ``OMP_NUM_THREADS``. The controller's own cores, the
-    local pool's default, say nothing about the cluster's nodes."""
-    from gcore.threads import user_threads
-
-    return user_threads() or max(1, int(_ray().cluster_resources().get("CPU", 0)) // size)
+    worker where the user gave no ``--placement.threads``. Neither the controller's cores nor its
+    ``OMP_NUM_THREADS`` (which Lightning Fabric sets to each controller's share of its own machine) say anything
+    about the cluster's nodes."""
+    return max(1, int(_ray().cluster_resources().get("CPU", 0)) // size)
 
 
 def check_resources(size: int, threads: int, gpu: bool, address: str) -> None:
