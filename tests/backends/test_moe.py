@@ -123,7 +123,15 @@ def test_the_load_balancing_loss_and_expert_load_match_transformers():
     counts = tap.expert_counts(mask)
     assert counts.sum(-1).tolist() == [2.0 * mask.sum().item()] * 2
     metrics = load_metrics(counts)
-    assert metrics["moe/layer0/max_over_mean"] >= 1.0 and metrics["moe/cv"] >= 0.0
+    for layer, row in enumerate(counts.tolist()):  # each layer's figures from its counts, by the definitions
+        shares = [c / sum(row) for c in row]
+        mean = sum(shares) / len(shares)
+        std = (sum((x - mean) ** 2 for x in shares) / len(shares)) ** 0.5
+        assert metrics[f"moe/layer{layer}/max_over_mean"] == pytest.approx(max(shares) / mean)
+        assert metrics[f"moe/layer{layer}/cv"] == pytest.approx(std / mean)
+    # by hand: 3 of 4 assignments to expert 0, 1 to expert 1 (shares .75 .25 0 0)
+    hand = load_metrics(torch.tensor([[3.0, 1.0, 0.0, 0.0]]))
+    assert hand["moe/max_over_mean"] == pytest.approx(3.0) and hand["moe/cv"] == pytest.approx(0.09375 ** 0.5 / 0.25)
     assert abs(sum(metrics[f"moe/layer1/expert{e}_load"] for e in range(4)) - 1.0) < 1e-9
     uniform = load_metrics(torch.full((2, 4), 3.0))
     assert uniform["moe/max_over_mean"] == 1.0 and uniform["moe/cv"] == 0.0
