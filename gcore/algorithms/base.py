@@ -428,6 +428,8 @@ class Algorithm(ABC):
             batch.logprob_gaps.append((batch.row_ids, sample_gap(logprobs, batch)))
         per_token, corrections = self.correct_mismatch(per_token, logprobs, batch)
         diagnostics = {**diagnostics, **corrections}
+        # the largest |log ratio| (a max, not a token mean): from the ratio the correction used
+        abs_log_ratio = corrections["mismatch/abs_log_ratio_mean"]
         if self.needs_reference and self.kl_in_loss:
             if batch.ref_logprobs is None:
                 raise RuntimeError("kl_coef is set but the batch has no reference log-probabilities")
@@ -438,8 +440,7 @@ class Algorithm(ABC):
             per_token = per_token - self.entropy_coef * entropy
         loss = aggregate(per_token, mask, scale, self.loss_agg)
         shares = {name: (value.detach() * mask).sum() / max(scale.tokens, 1.0) for name, value in diagnostics.items()}
-        proximal = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
-        shares["mismatch/abs_log_ratio_max"] = abs_log_ratio_max(proximal - self._engine_logprobs(batch), mask)
+        shares["mismatch/abs_log_ratio_max"] = abs_log_ratio_max(abs_log_ratio, mask)
         return loss, shares
 
     @staticmethod
@@ -457,8 +458,8 @@ class Algorithm(ABC):
         ``none`` off-policy samples get ``behaviour_weight`` (truncated at ``behaviour_is_cap``) and on-policy ones
         no weight, as before; any other mode weighs every sample (``gcore/algorithms/mismatch.py``).
         """
-        proximal = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
-        log_ratio = proximal.detach() - self._engine_logprobs(batch).detach()
+        proximal = trainer_logprobs(logprobs, batch)
+        log_ratio = proximal - self._engine_logprobs(batch).detach()
         diagnostics = {"mismatch/abs_log_ratio_mean": log_ratio.abs()}
         if self.mismatch_correction != "none":
             weight, corrected = correction_weight(log_ratio, batch.response_mask, self.mismatch_correction,
@@ -477,11 +478,17 @@ class Algorithm(ABC):
         return per_token, diagnostics
 
 
+def trainer_logprobs(logprobs: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
+    """The trainer's log-probabilities that the engine's are measured against (detached): the step's old ones (the
+    policy before this step's updates, the proximal policy) where the algorithm has them, else this forward's."""
+    return (batch.old_logprobs if batch.old_logprobs is not None else logprobs).detach()
+
+
 def sample_gap(logprobs: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
     """``[B]``: each row's mean |trainer - engine| log-probability over its response tokens (NaN for a row
     without any). The trainer's are the step's old log-probabilities where the algorithm has them (the policy
     before this step's updates), else those of this forward pass."""
-    trainer = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+    trainer = trainer_logprobs(logprobs, batch)
     mask = (batch.response_mask > 0).to(trainer.dtype)
     total = ((trainer - batch.engine_logprobs).abs() * mask).sum(-1)
     return (total / mask.sum(-1)).detach()  # 0 / 0: NaN
