@@ -152,6 +152,7 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
         self.policy: Any = None
         self.reference: Any = None
         self.optimizer: MegatronOptimizer
+        self.dispatcher = "allgather"  # megatron's MoE token dispatcher (``alltoall`` on CUDA; setup)
         self._synced: tuple[int, dict[str, torch.Tensor]] | None = None  # (updates, weights) of the last sync
         #: how long a collective of megatron's own groups waits for a rank (set from the trainer's ``strategy`` call)
         self.collective_timeout: timedelta = default_pg_timeout
