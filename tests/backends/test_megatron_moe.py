@@ -131,6 +131,13 @@ def _train_and_save(fabric, model_dir, root):
         results["moments"] = backend.state_dict()["optim"]
     else:
         backend.state_dict()  # (the gathers are collectives)
+    # a mini-batch with no rows on rank 1: it still joins rank 0's expert exchanges (or rank 0 would hang), and its
+    # experts get the gradient of rank 0's tokens routed to them
+    rows = torch.arange(len(batch)) if rank == 0 else torch.arange(0)
+    metrics = backend.train_mini_batch(batch, rows, set_up(GRPO(kl_coef=0.0), 8))
+    grads = [p.grad for n, p in backend.policy.named_parameters() if "mlp.experts" in n and p.grad is not None]
+    results["no_rows"] = {"loss": metrics["loss"], "expert_grad": max(float(g.abs().max()) for g in grads),
+                          "placeholders": backend.forward.placeholder_forwards}
     torch.save(results, os.path.join(root, f"result.{rank}"))
 
 
@@ -167,6 +174,17 @@ def test_expert_parallel_step_matches_the_torch_backend(ep_run):
             assert sorted(run["weights"]) == sorted(reference["weights"])
             for name, tensor in reference["weights"].items():
                 assert (run["weights"][name] - tensor).abs().max() < WEIGHT_TOL, (rank, ep, name)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_rank_without_rows_joins_the_expert_exchanges(ep_run):
+    _, _, ranks = ep_run
+    # rank 0's 4 rows are 2 micro-batches (of 3 and 1): rank 1 ran 2 pad-token forwards
+    assert ranks[1]["no_rows"]["placeholders"] == ranks[1][2]["placeholders"] + 2
+    assert ranks[0]["no_rows"]["placeholders"] == 0
+    assert ranks[0]["no_rows"]["loss"] == ranks[1]["no_rows"]["loss"]  # the global metric, on both ranks
+    assert ranks[1]["no_rows"]["expert_grad"] > 0  # rank 0's tokens reached rank 1's experts
 
 
 @pytest.mark.integration
