@@ -74,6 +74,10 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
         sequence_parallel_mode: the distributed attention with ``sequence_parallel_size`` > 1: ``ring``
             (any head count) or ``ulysses`` (attention heads per tensor-parallel rank divisible by the size).
         transformer_engine: use the Transformer Engine layer spec (``auto``: on GPU when importable).
+        expert_parallel_size: split every MoE layer's experts over this many ranks (a mixture-of-experts model,
+            Qwen3-MoE: megatron-core's ``MoELayer``; it must divide the number of experts and of ranks; the dense
+            layers stay data parallel over them). Not with tensor, sequence or pipeline parallelism, nor with the
+            distributed optimizer (one line says why; docs/moe.md, "Megatron expert parallelism").
         distributed_optimizer: megatron-core's distributed optimizer (``DistributedOptimizer`` over
             megatron's ``DistributedDataParallel`` grad buffers: gradients reduce-scattered, Adam
             state sharded over the data-parallel ranks, parameters all-gathered after the step);
@@ -91,6 +95,7 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
         sequence_parallel_size: int = 1,
         sequence_parallel_mode: Literal["ring", "ulysses"] = "ring",
         transformer_engine: Literal["auto", "true", "false"] = "auto",
+        expert_parallel_size: int = 1,
         distributed_optimizer: bool | None = None,
         **optimizer: Any,  # noqa: ANN401  OptimizerOptions's arguments, checked there
     ) -> None:
@@ -114,6 +119,22 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
                 f"--backend.sequence_parallel_size {sequence_parallel_size} with --backend.transformer_engine true: "
                 "context parallelism uses gcore's attention in megatron-core's local layer spec, not Transformer "
                 "Engine's; use --backend.transformer_engine auto or false")
+        if expert_parallel_size < 1:
+            raise ConfigError(f"--backend.expert_parallel_size must be >= 1, got {expert_parallel_size}")
+        if expert_parallel_size > 1:
+            for flag, size in (("sequence_parallel_size", sequence_parallel_size),
+                               ("pipeline_parallel_size", pipeline_parallel_size)):
+                if size > 1:
+                    raise ConfigError(
+                        f"--backend.expert_parallel_size {expert_parallel_size} with --backend.{flag} {size}: the "
+                        f"megatron backend's expert parallelism runs without {flag.split('_parallel')[0]} "
+                        "parallelism; set one of them to 1")
+            if distributed_optimizer:
+                raise ConfigError(
+                    f"--backend.expert_parallel_size {expert_parallel_size} with --backend.distributed_optimizer true: "
+                    "the megatron backend's expert parallelism uses torch AdamW (expert gradients summed over the "
+                    "expert-data-parallel ranks); leave --backend.distributed_optimizer unset or false")
+        self.expert_parallel_size = expert_parallel_size
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
         self.sequence_parallel_size = sequence_parallel_size
@@ -131,6 +152,7 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
         self.policy: Any = None
         self.reference: Any = None
         self.optimizer: MegatronOptimizer
+        self.dispatcher = "allgather"  # megatron's MoE token dispatcher (``alltoall`` on CUDA; setup)
         self._synced: tuple[int, dict[str, torch.Tensor]] | None = None  # (updates, weights) of the last sync
         #: how long a collective of megatron's own groups waits for a rank (set from the trainer's ``strategy`` call)
         self.collective_timeout: timedelta = default_pg_timeout
@@ -160,6 +182,9 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
         if world % (tp * pp * cp):  # (cp > 1: pp is 1)
             raise ConfigError(f"--backend.sequence_parallel_size {cp} times --backend.tensor_parallel_size {tp} "
                               f"does not divide the number of ranks ({world})")
+        ep = self.expert_parallel_size
+        if world % ep:
+            raise ConfigError(f"--backend.expert_parallel_size {ep} does not divide the number of ranks ({world})")
 
     # SETUP -----------------------------------------------------------------------------------
 
@@ -172,6 +197,7 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
         self.hf_config = AutoConfig.from_pretrained(source.path, trust_remote_code=source.trust_remote_code)
         self.trust_remote_code = source.trust_remote_code  # save_pretrained rebuilds the model from the config
         self.layout = layout_from_hf(self.hf_config, tp)
+        self._check_experts(self.layout)
         if cp > 1 and self.sequence_parallel_mode == "ulysses" and (self.layout.num_heads // tp) % cp:
             raise ConfigError(
                 f"--backend.sequence_parallel_mode ulysses needs the attention heads per tensor-parallel rank "
@@ -180,26 +206,51 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
         if self.layout.num_layers % pp:
             raise ConfigError(f"--backend.pipeline_parallel_size {pp} does not divide the model's "
                               f"{self.layout.num_layers} layers")
-        self.groups = init_parallel_state(fabric, tp, pp, cp, self.sequence_parallel_mode, self.collective_timeout)
+        self.groups = init_parallel_state(fabric, tp, pp, cp, self.sequence_parallel_mode, self.collective_timeout,
+                                          self.expert_parallel_size)
         self.weights = HFWeights(self.layout, self.groups)
-        self.forward = ForwardPasses(fabric, self.groups, self.layout.vocab_size)
+        self.forward = ForwardPasses(fabric, self.groups, self.layout.vocab_size, moe=self.layout.is_moe)
         hf = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, trust_remote_code=source.trust_remote_code)
         hf_state = hf.state_dict()
         # HF's nn.Embedding(padding_idx=pad): a pad token in the input gives the embedding no gradient
         padding_idx = getattr(hf.get_input_embeddings(), "padding_idx", None)
         del hf
+        # megatron's all-to-all dispatcher makes a CUDA stream when built: on CPU (gloo) the all-gather one
+        self.dispatcher = "alltoall" if self.groups.device.type == "cuda" else "allgather"
         self.policy = build_gpt_model(self.hf_config, self.layout, self.groups, dtype, self.transformer_engine,
-                                      padding_idx)
+                                      padding_idx, self.dispatcher)
         self.weights.load(self.policy, hf_state)
         self.policy.train()
-        distributed = self.distributed_optimizer if self.distributed_optimizer is not None else self.groups.dp_size > 1
+        distributed = self.distributed_optimizer if self.distributed_optimizer is not None else (
+            self.groups.dp_size > 1 and self.expert_parallel_size == 1)  # (EP: torch AdamW, see __init__)
         self.optimizer = MegatronOptimizer(self.policy, self, self.base_lr(embedded), self.groups,
                                            self.layout.tied_embeddings, dtype, distributed)
         if algorithm.needs_reference:
             self.reference = build_gpt_model(self.hf_config, self.layout, self.groups, dtype,
-                                             self.transformer_engine, padding_idx)
+                                             self.transformer_engine, padding_idx, self.dispatcher)
             self.weights.load(self.reference, hf_state)
             self.reference.eval().requires_grad_(False)
+
+    def _check_experts(self, layout: Layout) -> None:
+        """One line for a mixture of experts the megatron backend cannot train here (or EP without one)."""
+        ep, tp = self.expert_parallel_size, self.tensor_parallel_size
+        model_type = getattr(self.hf_config, "model_type", "?")
+        if ep > 1 and not layout.is_moe:
+            raise ConfigError(f"--backend.expert_parallel_size {ep} needs a mixture-of-experts model (Qwen3-MoE, e.g. "
+                              f"--model.architecture qwen3_moe); model_type {model_type!r} has no experts")
+        if layout.is_moe and layout.num_experts % ep:
+            raise ConfigError(f"--backend.expert_parallel_size {ep} does not divide the model's {layout.num_experts} "
+                              "experts")
+        if layout.is_moe and tp > 1:
+            raise ConfigError(
+                f"--backend.tensor_parallel_size {tp} with a mixture-of-experts model: megatron-core "
+                "0.16 trains MoE layers under tensor parallelism only with its sequence parallelism, which the "
+                "megatron backend does not use; use --backend.tensor_parallel_size 1 (and "
+                "--backend.expert_parallel_size to split the experts)")
+        if layout.is_moe and self.context_parallel_size > 1:
+            raise ConfigError(
+                f"--backend.sequence_parallel_size {self.context_parallel_size} with a mixture-of-experts model: the "
+                "megatron backend's context parallelism has no MoE layer spec; use --backend.sequence_parallel_size 1")
 
     # PREPARE ---------------------------------------------------------------------------------
 
@@ -250,12 +301,13 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
             return loss, {key: float(value) for key, value in shares.items()}
 
         local: dict[str, float] = {}
-        if union is not None:
-            micros = [union.select(r) for r in torch.arange(len(union)).split(self.micro_batch_size)]
-            for shares in self.forward.run_micro_batches(self.policy, micros, batch.temperature, loss_fn,
-                                                         forward_only=False):
-                for key, value in shares.items():
-                    local[key] = max(local.get(key, 0.0), value) if is_max_metric(key) else local.get(key, 0.0) + value
+        # (no rows: no micro-batch, but expert-parallel peers still need this rank's forwards, run_micro_batches)
+        splits = torch.arange(len(union)).split(self.micro_batch_size) if union is not None else ()
+        micros = [union.select(r) for r in splits if union is not None]
+        for shares in self.forward.run_micro_batches(self.policy, micros, batch.temperature, loss_fn,
+                                                     forward_only=False):
+            for key, value in shares.items():
+                local[key] = max(local.get(key, 0.0), value) if is_max_metric(key) else local.get(key, 0.0) + value
         # every model-parallel (and context-parallel) peer trained on the same union; the last pipeline
         # stage has its metrics: sum over data-parallel ranks, then take the last stage's (a maximum,
         # ``is_max_metric``, is non-negative: the maximum over them, with zeros on the other stages)
@@ -294,11 +346,11 @@ class MegatronBackend(OptimizerOptions, TrainingBackend):
 
         if self._synced is not None and self._synced[0] == self.optimizer.updates:
             weights = self._synced[1]
-        elif self.groups.mp_size == 1:
+        elif self.groups.mp_size == 1 and self.expert_parallel_size == 1:
             weights = dict(self.named_weights())
         else:
-            raise RuntimeError("save_pretrained with tensor or pipeline parallelism needs a named_weights() call "
-                               "on every rank after the last update")
+            raise RuntimeError("save_pretrained with tensor, pipeline or expert parallelism needs a named_weights() "
+                               "call on every rank after the last update")
         model = AutoModelForCausalLM.from_config(self.hf_config, trust_remote_code=self.trust_remote_code)
         model.load_state_dict({k: v.cpu() for k, v in weights.items()}, strict=False)
         model.save_pretrained(path)

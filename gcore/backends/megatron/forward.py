@@ -4,6 +4,7 @@ pipeline and context parallel size, micro-batches through megatron-core's 1F1B p
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -26,10 +27,15 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, RolloutBatch], tuple[torch.Tensor
 class ForwardPasses:
     """Runs this rank's part of a model on token ids; ``vocab_size`` excludes megatron's vocabulary padding."""
 
-    def __init__(self, fabric: Fabric, groups: ParallelGroups, vocab_size: int) -> None:
+    def __init__(self, fabric: Fabric, groups: ParallelGroups, vocab_size: int, moe: bool = False) -> None:
         self.fabric = fabric
         self.groups = groups
         self.vocab_size = vocab_size
+        #: a mixture of experts: megatron's router moves a CPU weight to ``torch.cuda.current_device()`` in every
+        #: forward, so on a CPU run the forwards go through ``groups.cuda_calls()`` (the CPU stays the device)
+        self.moe = moe
+        #: forwards run on pad tokens to match an expert-parallel peer's micro-batch count (``run_micro_batches``)
+        self.placeholder_forwards = 0
 
     def stage_output(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """This pipeline stage's output: logits ``[B, L, V/tp]`` on the last stage, hidden states before."""
@@ -38,8 +44,14 @@ class ForwardPasses:
         length = input_ids.shape[1]
         positions = torch.arange(length, device=device).unsqueeze(0).expand_as(input_ids)
         causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), diagonal=1)
-        with self.fabric.autocast():  # --trainer.precision bf16-mixed etc., as the torch backend gets from Fabric
+        with self.fabric.autocast(), self.moe_cuda_calls():
+            # (autocast: --trainer.precision bf16-mixed etc., as the torch backend gets from Fabric)
             return model(input_ids, positions, causal.view(1, 1, length, length))
+
+    def moe_cuda_calls(self) -> contextlib.AbstractContextManager:
+        """``groups.cuda_calls()`` for a mixture of experts (megatron's router and its token dispatcher's gathers ask
+        for ``torch.cuda.current_device()`` in the forward and the backward: the CPU on a CPU run)."""
+        return self.groups.cuda_calls() if self.moe else contextlib.nullcontext()
 
     def logprobs_from_logits(self, logits: torch.Tensor, input_ids: torch.Tensor, temperature: float
                              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +94,24 @@ class ForwardPasses:
                                                         self.groups)
         return seqpar.gather_per_token(logprobs, rows), seqpar.gather_per_token(entropy, rows)
 
+    def expert_parallel_shapes(self, micros: list[RolloutBatch]) -> list[tuple[int, int]]:
+        """Per forward, the ``(rows, length)`` every expert-parallel rank runs it at: the largest over the ranks, and
+        as many forwards as the rank with the most micro-batches has (``[]`` without expert parallelism; a collective
+        over the expert-parallel group otherwise). megatron's all-gather token dispatcher (the one that runs on CPU)
+        gathers equal-sized token blocks from the ranks, and every rank must join every MoE layer's exchange."""
+        g = self.groups
+        if g.expert_parallel_size == 1:
+            return []
+        import torch.distributed as dist
+
+        own = [tuple(m.input_ids.shape) for m in micros]
+        everyone: list[list[tuple[int, int]] | None] = [None] * g.expert_parallel_size
+        dist.all_gather_object(everyone, own, group=g.ep_group)
+        shapes = [s for s in everyone if s is not None]
+        count = max(len(s) for s in shapes)
+        return [(max(s[i][0] for s in shapes if len(s) > i), max(s[i][1] for s in shapes if len(s) > i))
+                for i in range(count)]
+
     def run_micro_batches(self, model: torch.nn.Module, micros: list[RolloutBatch], temperature: float,
                           loss_fn: LossFn, forward_only: bool) -> list[Any]:
         """Forward (and backward unless ``forward_only``) every micro-batch; returns ``loss_fn``'s
@@ -90,15 +120,35 @@ class ForwardPasses:
         ``loss_fn(logprobs, entropy, micro)`` returns ``(loss, outputs)``. Without pipeline
         parallelism this is a plain loop; with it, megatron-core's 1F1B schedule, whose sends and
         receives between stages go over the default process group (gloo on CPU).
+
+        With expert parallelism every MoE layer exchanges tokens with the other expert-parallel ranks, which train
+        on other batches: each forward runs at the shape every peer agrees on (``expert_parallel_shapes``), and a
+        rank with fewer micro-batches than a peer runs forwards (and zero backwards) on pad tokens until both have
+        run as many, or the peer would wait forever.
         """
         results: list[Any] = []
         if self.groups.pipeline_parallel_size == 1:
-            for micro in micros:
-                logprobs, entropy = self.logprobs(model, micro.input_ids, temperature, micro.attention_mask)
+            shapes = self.expert_parallel_shapes(micros)
+            padded: list[tuple[int, int] | None] = list(shapes[: len(micros)]) if shapes else [None] * len(micros)
+            for micro, shape in zip(micros, padded, strict=True):
+                if shape is None:
+                    logprobs, entropy = self.logprobs(model, micro.input_ids, temperature, micro.attention_mask)
+                else:  # right-padded to the peers' shape (causal: the row's own tokens see the same), cut back
+                    rows, length = micro.input_ids.shape
+                    ids = torch.nn.functional.pad(micro.input_ids, (0, shape[1] - length, 0, shape[0] - rows))
+                    logprobs, entropy = self.logprobs(model, ids, temperature)
+                    logprobs, entropy = logprobs[:rows, : length - 1], entropy[:rows, : length - 1]
                 loss, outputs = loss_fn(logprobs, entropy, micro)
                 if not forward_only:
-                    loss.backward()
+                    with self.moe_cuda_calls():
+                        loss.backward()
                 results.append(outputs)
+            for shape in shapes[len(micros):]:  # a peer has more micro-batches: join its exchanges on pad tokens
+                logprobs, _entropy = self.logprobs(model, torch.zeros(shape, dtype=torch.long), temperature)
+                if not forward_only:
+                    with self.moe_cuda_calls():
+                        (logprobs.sum() * 0.0).backward()  # (no gradient; the peers' backward exchanges need this one)
+                self.placeholder_forwards += 1
             return results
         from megatron.core.pipeline_parallel import get_forward_backward_func
 

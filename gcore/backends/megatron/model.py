@@ -2,7 +2,9 @@
 
 The model is built empty (``perform_initialization=False``): every weight comes from the HF
 checkpoint (``weights.HFWeights.load``). Llama/Qwen2 families: RMSNorm, SwiGLU, RoPE (default or
-Llama-3 scaling), optional QKV bias, tied or untied embeddings.
+Llama-3 scaling), optional QKV bias, tied or untied embeddings. Qwen3-MoE: query/key RMSNorm and, in every
+layer, megatron's ``MoELayer`` (its ``TopKRouter`` and ``SequentialMLP`` experts, split over expert-parallel
+ranks; docs/moe.md, "Megatron expert parallelism").
 """
 
 from __future__ import annotations
@@ -21,8 +23,35 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
+def moe_settings(layout: Layout, groups: ParallelGroups, dispatcher: str) -> dict:
+    """The ``TransformerConfig`` fields of a mixture of experts (``{}`` for a dense model): HF Qwen3-MoE's routing.
+
+    HF takes a float32 softmax over all experts' logits, keeps the top k and, with ``norm_topk_prob``, divides them
+    by their sum. megatron's ``TopKRouter`` with the softmax score function takes the top k logits and a softmax over
+    them (the same weights as renormalising), or with ``moe_router_pre_softmax`` the softmax over all first (HF
+    without renormalising); ``moe_router_dtype="fp32"`` as HF. No load-balancing loss (gcore's RL default), no token
+    dropping (capacity ``None``). ``dispatcher``: megatron's token dispatcher (``alltoall`` or ``allgather``)."""
+    if not layout.is_moe:
+        return {"moe_token_dispatcher_type": "alltoall"}  # (no experts; megatron's check of variable_seq_lengths)
+    return {
+        "num_moe_experts": layout.num_experts,
+        "moe_ffn_hidden_size": layout.moe_ffn_size,
+        "moe_router_topk": layout.moe_top_k,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not layout.norm_topk_prob,
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": dispatcher,
+        "moe_grouped_gemm": False,  # SequentialMLP: one linear_fc1/linear_fc2 per expert (no Transformer Engine)
+        "expert_model_parallel_size": groups.expert_parallel_size,
+        "expert_tensor_parallel_size": 1,
+        "qk_layernorm": layout.qk_norm,
+    }
+
+
 def build_gpt_model(hf_config: PretrainedConfig, layout: Layout, groups: ParallelGroups, dtype: torch.dtype,
-                    transformer_engine: str, padding_idx: int | None) -> GPTModel:
+                    transformer_engine: str, padding_idx: int | None, dispatcher: str = "alltoall") -> GPTModel:
     """This pipeline stage's tensor-parallel shard of the model, on the rank's device.
 
     ``transformer_engine``: ``auto``, ``true`` or ``false`` (the layer spec; context parallelism uses
@@ -72,13 +101,18 @@ def build_gpt_model(hf_config: PretrainedConfig, layout: Layout, groups: Paralle
         calculate_per_token_loss=True,  # LossScale normalises the loss: no averaging by megatron
         pipeline_dtype=dtype if pipelined else None,
         variable_seq_lengths=pipelined,  # micro-batches differ in size: send shapes before tensors
-        moe_token_dispatcher_type="alltoall",  # (no experts; megatron's check of variable_seq_lengths)
         batch_p2p_sync=not on_cpu,  # (a torch.cuda.synchronize after pipeline sends)
+        **moe_settings(lay, groups, dispatcher),
     )
+    if lay.is_moe:
+        _router_gemm_without_transformer_engine()
     if groups.context_parallel_size > 1:  # gcore's ring/Ulysses attention: context_parallel.py
         from gcore.backends.megatron.context_parallel import context_parallel_layer_spec
 
         spec = context_parallel_layer_spec()
+    elif lay.is_moe:  # megatron's local MoE layer (SequentialMLP experts; no Transformer Engine grouped GEMM)
+        spec = get_gpt_layer_local_spec(num_experts=lay.num_experts, moe_grouped_gemm=False, qk_layernorm=lay.qk_norm,
+                                        normalization="RMSNorm")
     elif use_transformer_engine(transformer_engine, groups.device):
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:
@@ -107,6 +141,17 @@ def build_gpt_model(hf_config: PretrainedConfig, layout: Layout, groups: Paralle
     if groups.first_stage and padding_idx is not None:
         _no_gradient_through_padding(model.embedding.word_embeddings, padding_idx)
     return model.to(groups.device)
+
+
+def _router_gemm_without_transformer_engine() -> None:
+    """megatron-core 0.16.1's router linear (``moe_utils.RouterGatingLinearFunction``) tests
+    ``te_general_gemm is not None`` to choose its plain torch path, but the module defines the name only when
+    Transformer Engine imports: without it the router's forward fails with a ``NameError``. Define it as ``None``
+    (the torch path megatron means) where the import did not."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def use_transformer_engine(choice: str, device: torch.device) -> bool:

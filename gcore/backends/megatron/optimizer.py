@@ -1,7 +1,8 @@
 """The policy's optimizer: torch AdamW over each rank's shards, or megatron-core's distributed optimizer;
 gradient reduction and clipping; the Adam moments as full tensors for checkpoints.
 
-Gradients are summed over the data-parallel (x context-parallel) group only: by megatron's
+Gradients are summed over the data-parallel (x context-parallel) group only (an expert's, with expert
+parallelism, over the ranks that hold the same experts, the expert-data-parallel group): by megatron's
 distributed optimizer (its ``DistributedDataParallel`` grad buffers, reduce-scattered; Adam state
 sharded over the data-parallel ranks; parameters all-gathered after the step), or by an all-reduce
 before torch AdamW. Both clip by the same global norm and give the same update (tested).
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from gcore.backends.common import OptimizerOptions
-from gcore.backends.megatron.convert import is_tensor_parallel
+from gcore.backends.megatron.convert import is_expert, is_tensor_parallel
 from gcore.backends.megatron.parallel import ParallelGroups
 
 if TYPE_CHECKING:
@@ -127,13 +128,18 @@ class MegatronOptimizer:
         named = [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        if g_.dp_cp_size > 1:  # each context-parallel rank holds its tokens' share of the gradient
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=g_.dp_cp_group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset: offset + g.numel()].view_as(g))
-                offset += g.numel()
+        experts = [is_expert(n) for n, _ in named]
+        dense_grads = [g for g, e in zip(grads, experts, strict=True) if not e]
+        expert_grads = [g for g, e in zip(grads, experts, strict=True) if e]
+        for part, size, group in ((dense_grads, g_.dp_cp_size, g_.dp_cp_group),
+                                  (expert_grads, g_.expert_dp_size, g_.expert_dp_group)):
+            if size > 1 and part:  # each context-parallel rank holds its tokens' share of the gradient
+                flat = torch.cat([g.reshape(-1) for g in part])
+                dist.all_reduce(flat, group=group)
+                offset = 0
+                for g in part:
+                    g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                    offset += g.numel()
         for p, g in zip(params, grads, strict=False):
             p.grad = g
         tied = self._tied_across_stages()
@@ -143,9 +149,15 @@ class MegatronOptimizer:
             dist.all_reduce(tied.grad, group=parallel_state.get_embedding_group())
         # squares of tensor-parallel shards and of pipeline stages add up; replicated tensors count once
         square = torch.zeros((), dtype=torch.float64, device=g_.device)
-        for (name, param), g in zip(named, grads, strict=False):
-            if (is_tensor_parallel(name) or g_.tp_rank == 0) and not getattr(param, "shared", False):
+        expert_square = torch.zeros((), dtype=torch.float64, device=g_.device)
+        for (name, param), g, expert in zip(named, grads, experts, strict=True):
+            if expert:  # each expert-parallel rank's experts are its own
+                expert_square += g.double().pow(2).sum()
+            elif (is_tensor_parallel(name) or g_.tp_rank == 0) and not getattr(param, "shared", False):
                 square += g.double().pow(2).sum()
+        if g_.expert_parallel_size > 1:
+            expert_square = g_.all_reduce(expert_square.unsqueeze(0), group=g_.ep_group)[0].to(g_.device)
+        square = square + expert_square
         norm = float(g_.all_reduce(square.unsqueeze(0), group=g_.mp_group)[0].sqrt())
         max_norm = self.options.max_grad_norm
         if max_norm and math.isfinite(norm):

@@ -59,6 +59,12 @@ class ParallelGroups:
     data_size: int
     data_rank: int
     cp: SequenceParallelGroup | None  # gcore's group over megatron's context-parallel group, None without CP
+    # expert parallelism (MoE): the ranks that split a layer's experts, and the ranks holding the same experts
+    expert_parallel_size: int = 1
+    ep_group: Any = None
+    ep_rank: int = 0
+    expert_dp_group: Any = None  # expert gradients are summed over this group (dense ones over dp_cp_group)
+    expert_dp_size: int = 1
 
     def cuda_calls(self) -> contextlib.AbstractContextManager:
         """Context for megatron's CUDA-assuming code (distributed optimizer, pipeline sends): CPU on a CPU run."""
@@ -97,7 +103,7 @@ class ParallelGroups:
 
 def init_parallel_state(fabric: Fabric, tensor_parallel_size: int, pipeline_parallel_size: int,
                         context_parallel_size: int, sequence_parallel_mode: SequenceParallelMode,
-                        timeout: timedelta = default_pg_timeout) -> ParallelGroups:
+                        timeout: timedelta = default_pg_timeout, expert_parallel_size: int = 1) -> ParallelGroups:
     """Initialise megatron-core's parallel state over Fabric's processes (a process group of one when
     there is none) and seed megatron's random-number trackers; returns this rank's groups. A collective
     of megatron's groups fails after ``timeout`` (the trainer's ``--trainer.collective_timeout``)."""
@@ -121,6 +127,8 @@ def init_parallel_state(fabric: Fabric, tensor_parallel_size: int, pipeline_para
         tensor_model_parallel_size=tensor_parallel_size,
         pipeline_model_parallel_size=pipeline_parallel_size,
         context_parallel_size=context_parallel_size,
+        expert_model_parallel_size=expert_parallel_size,
+        expert_tensor_parallel_size=1,  # experts whole on each rank (split over expert-parallel ranks instead)
         create_gloo_process_groups=False,
         distributed_timeout_minutes=collective_timeout_s / 60,  # (a timedelta(minutes=...) inside)
     )
@@ -158,6 +166,11 @@ def init_parallel_state(fabric: Fabric, tensor_parallel_size: int, pipeline_para
         data_size=dist.get_world_size(data_group),
         data_rank=dist.get_rank(data_group),
         cp=cp,
+        expert_parallel_size=expert_parallel_size,
+        ep_group=parallel_state.get_expert_model_parallel_group(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        expert_dp_group=parallel_state.get_expert_data_parallel_group(),
+        expert_dp_size=parallel_state.get_expert_data_parallel_world_size(),
     )
     if device.type == "cpu":
         from gcore.backends.megatron.cpu import install_cpu_adaptations

@@ -2,7 +2,8 @@
 HF-named tensors and back, over the tensor-parallel group and the pipeline stages.
 
 The tensor conversions themselves are in ``convert.py`` (no megatron-core, no process groups);
-this module adds the ranks: which layers a stage holds and the gathers that make full tensors.
+this module adds the ranks: which layers a stage holds, which experts an expert-parallel rank holds, and the
+gathers that make full tensors.
 The same gathers serve the weights (engine sync, ``save_pretrained``, checkpoints) and the Adam
 moments (checkpoints), so a checkpoint is HF-layout and loads at any parallel layout.
 """
@@ -17,12 +18,15 @@ import torch.distributed as dist
 from gcore.backends.megatron.convert import (
     Layout,
     hf_state_to_megatron,
+    is_expert,
     is_tensor_parallel,
     megatron_shards_to_hf,
+    stack_experts,
 )
 from gcore.backends.megatron.parallel import ParallelGroups
 
 _LAYER_INDEX = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 
 
 class HFWeights:
@@ -33,13 +37,21 @@ class HFWeights:
         self.groups = groups
         # a pipeline stage numbers its layers from 0: add this to get the whole model's index
         self.layer_offset = groups.pp_rank * (layout.num_layers // groups.pipeline_parallel_size)
+        # an expert-parallel rank numbers its experts from 0: expert-parallel rank r holds experts r*E/EP ...
+        self.experts_per_rank = layout.num_experts // groups.expert_parallel_size if layout.is_moe else 0
 
-    def global_name(self, name: str) -> str:
-        """The whole model's name of this pipeline stage's parameter (its layers are numbered from 0)."""
+    def global_name(self, name: str, ep_rank: int | None = None) -> str:
+        """The whole model's name of this rank's parameter (a pipeline stage numbers its layers from 0, an
+        expert-parallel rank its experts: ``ep_rank`` names another expert-parallel rank's, default this one's)."""
         match = _LAYER_INDEX.match(name)
-        if not match or self.layer_offset == 0:
+        if not match:
             return name
-        return f"decoder.layers.{int(match.group(1)) + self.layer_offset}.{match.group(2)}"
+        layer, rest = int(match.group(1)) + self.layer_offset, match.group(2)
+        expert = _LOCAL_EXPERT.match(rest)
+        if expert:
+            rank = self.groups.ep_rank if ep_rank is None else ep_rank
+            rest = f"mlp.experts.local_experts.{int(expert.group(1)) + rank * self.experts_per_rank}.{expert.group(2)}"
+        return f"decoder.layers.{layer}.{rest}"
 
     def local_shards(self, hf_state: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
         """This rank's (stage's, tensor-parallel shard's) tensors of megatron parameters ``names`` from HF tensors."""
@@ -77,10 +89,17 @@ class HFWeights:
         gathered over the tensor-parallel group and the pipeline stages (a collective)."""
         out: dict[str, torch.Tensor] = {}
         for name, tensor in per_param.items():
+            if is_expert(name) and self.groups.expert_parallel_size > 1:  # every expert-parallel rank's experts
+                held = [torch.empty_like(tensor) for _ in range(self.groups.expert_parallel_size)]
+                dist.all_gather(held, tensor.detach().contiguous(), group=self.groups.ep_group)
+                for rank, expert in enumerate(held):
+                    out.update(megatron_shards_to_hf(self.global_name(name, rank), [expert], self.layout))
+                continue
             shards = self.gather_shards(name, tensor)
             if name == "output_layer.weight" and self.layout.tied_embeddings:
                 continue  # the last stage's copy of the first stage's embedding
             out.update(megatron_shards_to_hf(self.global_name(name), shards, self.layout))
+        out = stack_experts(out, self.layout)
         stages_count = self.groups.pipeline_parallel_size
         if stages_count > 1:
             stages: list[dict | None] = [None] * stages_count
