@@ -563,13 +563,15 @@ def assert_partial_rollouts_cut(rows: list[dict[str, str]]) -> None:
     started ahead after its first tokens until the weight update comes): step 0 generates its own rollout, every later
     step trains samples cut by an update (``async/partial_samples`` > 0) whose tokens span two versions (mean token
     staleness strictly between 0 and 1), trained with the old tokens' behaviour log-probabilities (the importance
-    ratio is not 1: ``async/behaviour_ratio_dev`` far above on-policy float noise, 1e-7), none more than one version
-    old."""
+    ratio is not 1: ``async/behaviour_ratio_dev`` at least 100 times step 0's, the on-policy float noise, about 1e-7;
+    measured: 1e-4 and up with the hf engine, 7e-5 to 2e-4 with SGLang cutting 4 of 128 samples, 1e-2 with vLLM),
+    none more than one version old."""
     seen = [{k: r[k] for k in ("step", "async/partial_samples", "async/token_staleness_mean",
                                "async/behaviour_ratio_dev", "async/staleness_max")} for r in rows]
     assert float(rows[0]["async/partial_samples"]) == 0.0, seen
+    noise = max(float(rows[0]["async/behaviour_ratio_dev"]), 1e-8)
     for row in rows[1:]:
         assert float(row["async/partial_samples"]) > 0, seen
         assert 0.0 < float(row["async/token_staleness_mean"]) < 1.0, seen
         assert float(row["async/staleness_max"]) <= 1.0, seen
-        assert float(row["async/behaviour_ratio_dev"]) > 1e-4, seen
+        assert float(row["async/behaviour_ratio_dev"]) > 100 * noise, seen
