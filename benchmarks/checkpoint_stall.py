@@ -15,7 +15,7 @@ import tempfile
 import time
 
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.checkpoint import CheckpointManager

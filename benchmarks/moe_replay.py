@@ -66,7 +66,7 @@ def run(args: argparse.Namespace, dtype: str, engine_dtype: str, mini_batches: i
 
 def cost(args: argparse.Namespace) -> None:
     import torch
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
 
     from gcore.model import ModelSource, char_tokenizer, materialize
     from gcore.types import Prompt, Sample, collate

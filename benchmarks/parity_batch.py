@@ -81,7 +81,7 @@ def sample_batch(args: argparse.Namespace):
 
 def gcore_grads(args: argparse.Namespace, samples: list, tokenizer) -> tuple[dict, object, object]:
     import torch
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
 
     from gcore import GRPO, TorchBackend
     from gcore.model import ModelSource

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     import torch
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
 
 
 class Stateful(Protocol):

@@ -26,7 +26,7 @@ from gcore.rollout import LOCAL_STAGES, STAGES, RolloutJob, StageTimer
 from gcore.types import Prompt, RolloutBatch, Sample, SamplingParams, collate
 
 if TYPE_CHECKING:
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)

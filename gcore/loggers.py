@@ -10,7 +10,7 @@ import os
 import warnings
 from typing import Literal
 
-from lightning.fabric.loggers import CSVLogger, Logger, TensorBoardLogger
+from lightning_fabric.loggers import CSVLogger, Logger, TensorBoardLogger
 
 from gcore.errors import ConfigError
 
@@ -27,9 +27,11 @@ def make_logger(name: str, root: str, run_name: str, version: int | None = None)
     if name == "tensorboard":
         return TensorBoardLogger(root, name=run_name, version=version, default_hp_metric=False)
     if name in ("wandb", "mlflow"):
-        if importlib.util.find_spec(name) is None:
-            raise ConfigError(f"--trainer.logger {name} needs the {name} package: pip install {name}")
-        from lightning.pytorch import loggers
+        missing = [pkg for pkg, mod in ((name, name), ("pytorch-lightning", "pytorch_lightning"))
+                   if importlib.util.find_spec(mod) is None]
+        if missing:  # Fabric has no W&B or MLflow logger: PyTorch Lightning's work with it
+            raise ConfigError(f"--trainer.logger {name} needs {' and '.join(missing)}: pip install 'gcore[{name}]'")
+        from pytorch_lightning import loggers
 
         if name == "wandb":
             return loggers.WandbLogger(name=run_name, save_dir=root)
@@ -66,5 +68,5 @@ def quiet_dependencies() -> None:
     warnings.filterwarnings("ignore", message=r"torch.distributed is disabled")  # DCP, single process
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    for name in ("lightning.fabric", "lightning_fabric"):
+    for name in ("lightning_fabric", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)

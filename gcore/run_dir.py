@@ -9,14 +9,14 @@ import tempfile
 from typing import TYPE_CHECKING
 
 import yaml
-from lightning.fabric.loggers import CSVLogger
+from lightning_fabric.loggers import CSVLogger
 
 from gcore.checkpointer import Checkpointer, version_number
 from gcore.errors import ConfigError
 from gcore.loggers import continue_metrics
 
 if TYPE_CHECKING:
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
 
 
 def open_run_dir(fabric: Fabric, start_step: int, checkpointer: Checkpointer, hyperparameters: dict) -> str | None:

@@ -30,7 +30,7 @@ from gcore.types import Prompt
 from gcore.user_code import ending_as
 
 if TYPE_CHECKING:
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
     from tqdm import tqdm
     from transformers import PreTrainedTokenizerBase
 

@@ -43,8 +43,8 @@ from gcore.types import Prompt, SamplingParams
 from gcore.user_code import culprit, describe, ending_as
 
 if TYPE_CHECKING:
-    from lightning.fabric import Fabric
-    from lightning.fabric.loggers import Logger
+    from lightning_fabric import Fabric
+    from lightning_fabric.loggers import Logger
     from transformers import PreTrainedTokenizerBase
 
 #: the run directory's folder of a ``.gguf`` judge's conversion (``GenerativeReward.prepare``), removed at the end
@@ -378,7 +378,7 @@ def _make_fabric(c: TrainerConfig, backend: TrainingBackend, world_size: int, lo
     backend's strategy; the device type, ``cpu`` or ``cuda``; the loggers."""
     from datetime import timedelta
 
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
 
     accelerator = c.accelerator
     if accelerator == "auto":

@@ -1,5 +1,6 @@
 import functools
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -25,7 +26,24 @@ FAST = [
 ]
 
 
+#: seconds each test file took in a whole-suite run (scripts/test_durations.py makes it from a ``--durations`` listing)
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_configure(config):
+    # pytest-xdist's ``--dist loadfile`` hands whole files to the test processes in the order of the collection, once
+    # its own reordering (most tests first, which put the slow one-test learning files last) is off: the order
+    # ``pytest_collection_modifyitems`` makes below
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
+    # the slowest files first (longest processing time first): the two test processes then end within about the
+    # shortest files' time of each other, instead of one waiting for the other's last learning test
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    rank = {name: i for i, name in enumerate(sorted(known, key=known.get, reverse=True))}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -75,18 +93,21 @@ def varied_reward(folder) -> list[str]:
     return ["--reward", "python", "--reward.function", f"{path}:score"]
 
 
-def fit_rows(folder, *options: str, timeout: float) -> list[dict[str, str]]:
+def fit_rows(folder, *options: str, timeout: float, env: dict[str, str] | None = None) -> list[dict[str, str]]:
     """``gcore fit`` as a user types it in a subprocess (4 steps of 64 new tokens, csv metrics in ``folder``,
-    ``varied_reward``) with ``options``: each step's metrics row, once it exited 0."""
+    ``varied_reward``) with ``options`` (and ``env`` added to the environment): each step's metrics row, once it
+    exited 0."""
     import csv
+    import os
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "gcore", "fit", "--trainer.default_root_dir", str(folder), "--trainer.logger", "csv",
            "--trainer.enable_progress_bar", "false", "--trainer.save_final", "false", "--trainer.max_steps", "4",
            *options, "--sampling.max_new_tokens", "64", *varied_reward(folder)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "no weight update came" not in run.stderr, run.stderr[-3000:]  # a partial-rollout hold that timed out
     (metrics,) = Path(folder).glob("gcore/version_*/metrics.csv")
     return [r for r in csv.DictReader(metrics.open()) if r.get("reward/mean")]
 
@@ -286,7 +307,7 @@ def _run_then_leave(fabric, fn, *args):
 
 def spawn(devices, fn, *args, accelerator="cpu"):
     """``Fabric(strategy="ddp_spawn").launch(fn, *args)`` on ``devices`` ranks, each leaving cleanly."""
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
 
     return Fabric(accelerator=accelerator, devices=devices, strategy="ddp_spawn").launch(_run_then_leave, fn, *args)
 
@@ -535,3 +556,22 @@ def processes_with(marker: str) -> list:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return found
+
+
+def assert_partial_rollouts_cut(rows: list[dict[str, str]]) -> None:
+    """The metrics of a K = 1 partial-rollout run made under ``GCORE_TEST_PARTIAL_HOLD`` (the worker holds a rollout
+    started ahead after its first tokens until the weight update comes): step 0 generates its own rollout, every later
+    step trains samples cut by an update (``async/partial_samples`` > 0) whose tokens span two versions (mean token
+    staleness strictly between 0 and 1), trained with the old tokens' behaviour log-probabilities (the importance
+    ratio is not 1: ``async/behaviour_ratio_dev`` at least 100 times step 0's, the on-policy float noise, about 1e-7;
+    measured: 1e-4 and up with the hf engine, 7e-5 to 2e-4 with SGLang cutting 4 of 128 samples, 1e-2 with vLLM),
+    none more than one version old."""
+    seen = [{k: r[k] for k in ("step", "async/partial_samples", "async/token_staleness_mean",
+                               "async/behaviour_ratio_dev", "async/staleness_max")} for r in rows]
+    assert float(rows[0]["async/partial_samples"]) == 0.0, seen
+    noise = max(float(rows[0]["async/behaviour_ratio_dev"]), 1e-8)
+    for row in rows[1:]:
+        assert float(row["async/partial_samples"]) > 0, seen
+        assert 0.0 < float(row["async/token_staleness_mean"]) < 1.0, seen
+        assert float(row["async/staleness_max"]) <= 1.0, seen
+        assert float(row["async/behaviour_ratio_dev"]) > 100 * noise, seen

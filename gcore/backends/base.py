@@ -17,8 +17,8 @@ from gcore.model import ModelSource
 from gcore.types import RolloutBatch
 
 if TYPE_CHECKING:
-    from lightning.fabric import Fabric
-    from lightning.fabric.strategies import Strategy
+    from lightning_fabric import Fabric
+    from lightning_fabric.strategies import Strategy
 
 
 class TrainingBackend(ABC):
@@ -45,7 +45,7 @@ class TrainingBackend(ABC):
         for the other ranks (the trainer passes ``--trainer.collective_timeout``). Default: DDP."""
         if world_size == 1:
             return "auto"
-        from lightning.fabric.strategies import DDPStrategy
+        from lightning_fabric.strategies import DDPStrategy
 
         return DDPStrategy(timeout=timeout)
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 from transformers import AutoModelForCausalLM
 
 from gcore import Distill, TorchBackend, Trainer

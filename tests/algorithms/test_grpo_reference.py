@@ -147,7 +147,7 @@ def test_grpo_update_equals_the_reference_token_by_token(tiny):
 
     # the trainer's own update (shared prompts, packed replies, the tied group skipped): the same parameter gradient
     backend = TorchBackend(lr=1e-3, micro_batch_size=4)
-    backend.setup(__import__("lightning").fabric.Fabric(accelerator="cpu", devices=1), ModelSource(model_dir),
+    backend.setup(__import__("lightning_fabric").Fabric(accelerator="cpu", devices=1), ModelSource(model_dir),
                   algorithm, embedded=True)
     backend.train_mini_batch(batch, torch.arange(len(batch)), algorithm)
     ours = {name: p.grad for name, p in backend.hf_model.named_parameters() if p.grad is not None}

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from gcore import GRPO, PPO, TorchBackend
 from gcore.algorithms.base import LossScale

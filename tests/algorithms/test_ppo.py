@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from gcore import GRPO, PPO, ModelConfig, TorchBackend, Trainer
 from gcore.backends.base import TrainingBackend

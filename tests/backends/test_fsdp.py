@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.errors import ConfigError
@@ -23,7 +23,7 @@ from gcore.testing import make_batch, set_up
 
 
 def test_fsdp_is_model_parallel_strategy_on_cpu_and_ddp_the_default():
-    from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
+    from lightning_fabric.strategies import DDPStrategy, ModelParallelStrategy
 
     timeout = timedelta(seconds=7)  # --trainer.collective_timeout, given to the strategy the backend builds
     fsdp = TorchBackend(strategy="fsdp").strategy(2, "cpu", timeout)

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import free_port
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from gcore import GRPO, PPO, ModelConfig, TorchBackend
 from gcore.model import ModelSource, char_tokenizer, materialize

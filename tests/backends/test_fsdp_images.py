@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import free_port, image_prompts
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from gcore import PPO, HFEngine, ModelConfig, SamplingParams, TorchBackend
 from gcore.model import load_tokenizer, materialize

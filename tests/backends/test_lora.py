@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from conftest import FAST, engine_logprob_gap, varied_reward
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from gcore import GRPO, HFEngine, ModelConfig, SamplingParams, TorchBackend
 from gcore.algorithms.base import group_normalize

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from conftest import assert_rewards_rise, spawn
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.backends.megatron.convert import (
@@ -449,7 +449,7 @@ def test_checkpoint_gather_without_a_peer_fails_within_the_timeout(tmp_path):
     _megatron()
     from datetime import timedelta
 
-    from lightning.fabric.strategies import DDPStrategy
+    from lightning_fabric.strategies import DDPStrategy
 
     model_dir = _model_dir(str(tmp_path))
     out = str(tmp_path / "result")

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 from conftest import padded_batch, spawn
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.errors import ConfigError

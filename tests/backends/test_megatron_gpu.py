@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 from conftest import spawn
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.model import ModelSource, char_tokenizer, materialize

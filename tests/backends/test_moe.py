@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from gcore import GRPO, PPO, HFEngine, ModelConfig, SamplingParams, TorchBackend
 from gcore.data import DataConfig

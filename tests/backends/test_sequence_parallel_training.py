@@ -9,7 +9,7 @@ loss, entropy and gradient norm within rel 1e-4.
 import pytest
 import torch
 from conftest import padded_batch, spawn
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from gcore import GRPO, PPO, ModelConfig, TorchBackend
 from gcore.model import ModelSource, char_tokenizer, materialize

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.checkpoint import CheckpointError, CheckpointManager, latest_checkpoint, resolve_resume, verify

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import spawn
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.checkpoint import CheckpointManager, latest_checkpoint

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 from conftest import FAST
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from gcore import GRPO, PPO, DataConfig, ModelConfig, SamplingParams, TorchBackend, Trainer, TrainerConfig
 from gcore.checkpoint import CheckpointError, CheckpointManager, latest_checkpoint, pick_checkpoint, rng_state, verify

@@ -4,7 +4,7 @@ with are the trainer's, recomputed over prompt and response with the same visual
 import pytest
 import torch
 from conftest import COLOURS, image_prompts, image_samples
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 from PIL import Image
 
 from gcore import GRPO, PPO, HFEngine, ModelConfig, SamplingParams, TorchBackend

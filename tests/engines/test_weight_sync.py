@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from gcore import GRPO, HFEngine, ModelConfig, Prompt, Sample, SamplingParams, TorchBackend
 from gcore.algorithms.base import group_normalize

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 from conftest import Recording, Scripted, three_turn_trajectory_gap, tiny_hf_engine
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from gcore import GRPO, Prompt, SamplingParams, TorchBackend
 from gcore.envs import Environment, Turn

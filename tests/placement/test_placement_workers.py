@@ -226,8 +226,8 @@ def test_two_controllers_share_one_pool_of_workers(models, tmp_path):
     owner syncs reach the other controller's requests, and a lost worker is restarted for both."""
     from datetime import timedelta
 
-    from lightning.fabric import Fabric
-    from lightning.fabric.strategies import DDPStrategy
+    from lightning_fabric import Fabric
+    from lightning_fabric.strategies import DDPStrategy
 
     policy_path, judge_path = models
     out = str(tmp_path / "rank%d.pt")

@@ -181,4 +181,5 @@ def test_wandb_logger_without_wandb_says_what_to_install(gcore_here):
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here")
     result = gcore_here("--trainer.logger", "wandb")
-    assert result.returncode == 2 and "--trainer.logger wandb needs the wandb package" in result.stderr
+    assert result.returncode == 2 and "--trainer.logger wandb needs wandb" in result.stderr
+    assert "pip install 'gcore[wandb]'" in result.stderr

@@ -111,7 +111,7 @@ def test_three_turn_trajectories_on_the_gpu_are_the_engines_tokens_and_the_train
     """The multi-turn token rule on CUDA: the trained ids, masks and behaviour log-probabilities are exactly
     the engine's, and the trainer's log-probabilities of the model tokens match them (as on the CPU)."""
     from conftest import three_turn_trajectory_gap
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
 
     from gcore import GRPO, TorchBackend
 

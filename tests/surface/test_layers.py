@@ -103,3 +103,19 @@ def test_the_checks_catch_the_placement_controller_circle():
     graph["gcore.placement.base"] = graph["gcore.placement.base"] | {"gcore.controller"}
     assert find_circle(graph) is not None
     assert upward_imports(graph) == ["gcore.placement.base (layer 4) imports gcore.controller (layer 6)"]
+
+
+def test_no_module_imports_the_lightning_package():
+    """gcore uses Lightning Fabric as the ``lightning_fabric`` package: ``import lightning.fabric`` runs the
+    ``lightning`` package's ``__init__``, which imports PyTorch Lightning and torchmetrics (with scipy and
+    transformers' BERT) into every controller, engine worker and environment process, about 4 s of each start on a
+    2-core CPU. PyTorch Lightning's W&B and MLflow loggers are the one exception, imported as ``pytorch_lightning``
+    when such a logger is chosen."""
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            offenders += [f"{path.relative_to(ROOT.parent)}:{node.lineno} imports {n}" for n in names
+                          if n.split(".")[0] == "lightning"]
+    assert not offenders, "; ".join(offenders)

@@ -47,7 +47,7 @@ def test_gguf_converts_to_a_plain_llama_checkpoint(smollm2):
 def _trainer_side(path: str, lr: float = 1e-5):
     """The trainer half of a parity test on SmolLM2: a float32 torch backend, 2 arithmetic prompts in the chat
     template, and sampling settings that stop at EOS."""
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
 
     from gcore import GRPO, ModelConfig, SamplingParams, TorchBackend
     from gcore.data import DataConfig, load_prompts

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from conftest import FAST, RECORDING_REWARD, free_port, spawn
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from gcore import GRPO, ModelConfig, TorchBackend
 from gcore.model import ModelSource, char_tokenizer, materialize

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from conftest import FAST, RECORDING_REWARD, spawn
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from gcore import GRPO, PPO, ModelConfig, TorchBackend
 from gcore.controller import StageTimer, StepRecord

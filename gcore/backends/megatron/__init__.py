@@ -44,8 +44,8 @@ from gcore.model import ModelSource
 from gcore.types import RolloutBatch
 
 if TYPE_CHECKING:
-    from lightning.fabric import Fabric
-    from lightning.fabric.strategies import Strategy
+    from lightning_fabric import Fabric
+    from lightning_fabric.strategies import Strategy
 
 INSTALL_HINT = "--backend megatron needs megatron-core: pip install 'gcore[megatron]'"
 

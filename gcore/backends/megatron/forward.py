@@ -16,7 +16,7 @@ from gcore.backends.megatron.parallel import ParallelGroups
 from gcore.types import RolloutBatch
 
 if TYPE_CHECKING:
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
 
     from gcore.backends.sequence_parallel import SequenceParallelGroup
 

@@ -23,7 +23,7 @@ from gcore.backends.common import concat_batches
 from gcore.types import RolloutBatch
 
 if TYPE_CHECKING:
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
 
     from gcore.backends.sequence_parallel import SequenceParallelGroup, SequenceParallelMode
 

@@ -53,9 +53,9 @@ from gcore.model import ModelSource, causal_lm_class, check_compiler, image_text
 from gcore.types import RolloutBatch
 
 if TYPE_CHECKING:
-    from lightning.fabric import Fabric
-    from lightning.fabric.strategies import Strategy
-    from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
+    from lightning_fabric import Fabric
+    from lightning_fabric.strategies import Strategy
+    from lightning_fabric.wrappers import _FabricModule, _FabricOptimizer
     from transformers import PreTrainedModel
 
 __all__ = ["SHARE_PROMPTS_MIN_SAVING", "ForwardPasses", "TorchBackend", "ValueModel", "compile_blocks",
@@ -208,7 +208,7 @@ class TorchBackend(OptimizerOptions, TrainingBackend):
     def strategy(self, world_size: int, device_type: str, timeout: timedelta = default_pg_timeout) -> str | Strategy:
         if not self.fsdp:
             return super().strategy(world_size, device_type, timeout)
-        from lightning.fabric.strategies import ModelParallelStrategy
+        from lightning_fabric.strategies import ModelParallelStrategy
 
         # FSDP2 over one data-parallel mesh dimension of all the ranks (no tensor parallelism); unlike
         # Fabric's FSDPStrategy (FSDP1), ModelParallelStrategy runs on the CPU accelerator too (gloo)

@@ -26,7 +26,7 @@ from gcore.types import RolloutBatch, concat_visual
 from gcore.vision import multimodal_positions
 
 if TYPE_CHECKING:
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
 
 #: ``share_prompts=None`` shares a micro-batch's prompts when that saves at least this share of its tokens
 SHARE_PROMPTS_MIN_SAVING = 0.2

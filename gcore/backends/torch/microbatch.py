@@ -17,7 +17,7 @@ from gcore.balance import micro_batches_by_length, micro_batches_sharing_prompts
 from gcore.types import RolloutBatch
 
 if TYPE_CHECKING:
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
 
 
 def cut(batch: RolloutBatch, rows: torch.Tensor, micro_batch_size: int, sharing: bool,

@@ -13,7 +13,7 @@ from gcore.moe import RouterTap, load_metrics
 from gcore.types import RolloutBatch
 
 if TYPE_CHECKING:
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
 
 
 class MiniBatchRouting:
