@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
 
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
 
     from gcore import ModelConfig
     from gcore.model import char_tokenizer, materialize

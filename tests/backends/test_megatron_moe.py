@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 from conftest import spawn
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 from test_megatron import LOGPROB_TOL, LOSS_TOL, WEIGHT_TOL, _checkpoint_manager, _rank_batch
 
 from gcore import GRPO, ModelConfig, TorchBackend
