@@ -8,6 +8,6 @@ if getattr(sys.modules.get("gcore"), "__file__", None) is None:
     sys.modules.pop("gcore", None)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
-from gcore.cli import main
+from gcore.cli import entry
 
-sys.exit(main())
+sys.exit(entry())
