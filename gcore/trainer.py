@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 from gcore import threads
 from gcore.algorithms.base import Algorithm
-from gcore.algorithms.distill import TeacherScoring, check_teacher_vocabulary
 from gcore.backends.base import TrainingBackend
 from gcore.checkpointer import Checkpointer
 from gcore.controller import Controller
@@ -178,7 +177,7 @@ class Trainer:
 
     def _users_reward(self) -> RewardModel:
         """The run's reward as configured: without the distillation teacher's scoring (``TeacherScoring``)."""
-        return self.reward.reward if isinstance(self.reward, TeacherScoring) else self.reward
+        return getattr(self.reward, "users_reward", self.reward)
 
     def _world_size(self) -> int:
         return self.config.devices * self.config.num_nodes
@@ -297,8 +296,11 @@ class Trainer:
         if rank == 0 and self.placement.describe():
             print(self.placement.describe(), flush=True)
         self.placement.heartbeat_timeout = c.heartbeat_timeout  # engine workers' liveness deadline too
-        if isinstance(self.reward, TeacherScoring):  # it scores the student's token ids: the same vocabulary
-            check_teacher_vocabulary(source, self.reward.source)
+        teacher = getattr(self.reward, "teacher_source", None)  # ``TeacherScoring``'s
+        if teacher is not None:  # the teacher engine scores the student's token ids: the same vocabulary
+            from gcore.algorithms.distill import check_teacher_vocabulary
+
+            check_teacher_vocabulary(source, teacher)
         self.rollout_engine = self.placement.launch(self.engine, self.reward, source, fabric.device,
                                                     seed=c.seed + 1000 * rank)
         balancer = (CostBalancer(prompts, self.sampling.n, self.sampling.max_new_tokens)

@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from gcore import Distill, TorchBackend, Trainer
 from gcore.algorithms.base import group_normalize
-from gcore.algorithms.distill import TeacherScoring, check_teacher_vocabulary
+from gcore.algorithms.distill import check_teacher_vocabulary
+from gcore.algorithms.teacher_engine import TeacherScoring
 from gcore.backends.megatron import MegatronBackend
 from gcore.data import DataConfig
 from gcore.engines.base import Engine
@@ -235,13 +236,46 @@ def test_the_teacher_engine_gives_the_trainers_teacher_logprobs_and_the_same_upd
         assert torch.allclose(mine, theirs, atol=1e-6), name
 
 
+@pytest.mark.integration
 def test_the_teacher_engine_on_an_engine_worker_under_dynamic_placement(tmp_path):
     """``--placement dynamic``: the teacher's engine is placed as a judge's is, on the judge partition (one of two
-    workers: ``placement/judge_devices``), and scores every sample of every step there."""
+    workers: ``placement/judge_devices``), and scores every sample there (one step: the workers' start is most of
+    its cost)."""
     teacher = _teacher(tmp_path / "teacher", seed=0)
     placement = DynamicPlacement(workers=2)
-    result = tiny_fit(steps=2, algorithm=Distill(teacher=teacher, teacher_engine=HFEngine()), placement=placement)
+    result = tiny_fit(steps=1, algorithm=Distill(teacher=teacher, teacher_engine=HFEngine()), placement=placement)
     history = result.history
-    assert [m["placement/judge_devices"] for m in history] == [1.0, 1.0]
+    assert [m["placement/judge_devices"] for m in history] == [1.0]
     assert all(m["distill/reverse_kl"] > 0.2 and math.isfinite(m["distill/reverse_kl"]) for m in history), history
-    assert all(m["time/reward"] > 0 for m in history)
+    assert placement.pool is not None and placement.pool.busy.get("judge", 0.0) > 0  # served on the judge worker
+
+
+class _GeneratesOnly(Engine):
+    """An engine that generates but does not score given tokens (no ``token_logprobs``)."""
+
+    def setup(self, source, device):
+        pass
+
+    def generate(self, prompts, params, visual=None):
+        return []
+
+    def update_weights(self, weights):
+        return 0
+
+
+def test_teacher_engine_refusals_are_one_line(tmp_path):
+    from gcore.cli import resolve_argv
+
+    assert resolve_argv(["--algorithm.teacher_engine", "hf"]) == ["--algorithm.teacher_engine",
+                                                                  "gcore.engines.hf.HFEngine"]
+    with pytest.raises(ConfigError, match=r"^--algorithm.teacher_engine _GeneratesOnly: this engine does not score "
+                                          r"given tokens \(Engine.token_logprobs\), which the teacher needs; valid "
+                                          r"choices: hf, or no teacher_engine \(the trainer's teacher\)$"):
+        Distill(teacher=_checkpoint_dir(tmp_path), teacher_engine=_GeneratesOnly())
+    # a teacher with another vocabulary: refused before any engine starts, as the trainer's teacher is
+    teacher = materialize(TINY, char_tokenizer(), 1, str(tmp_path / "teacher"))
+    vl_tokenizer().save_pretrained(teacher)
+    message = (rf"^--algorithm.teacher {teacher}: its tokenizer's vocabulary \(104 tokens\) is not the student's "
+               r"\(100 tokens, \d+ differ\); on-policy distillation needs a teacher with the student's tokenizer$")
+    with pytest.raises(ConfigError, match=message):
+        tiny_fit(steps=1, algorithm=Distill(teacher=teacher, teacher_engine=HFEngine()))
