@@ -49,14 +49,23 @@ def _resolve_value(family: str, value: object) -> object:
     return value
 
 
+#: options of a plugin that take another family's plugin by name (``--algorithm.teacher_engine hf``)
+NESTED_PLUGINS = {"--algorithm.teacher_engine": "engine"}
+
+
 def resolve_argv(argv: Sequence[str]) -> list[str]:
-    """Rewrite ``--family NAME``/``--family=NAME``/``--family.help NAME`` to class paths."""
+    """Rewrite ``--family NAME``/``--family=NAME``/``--family.help NAME`` (and ``NESTED_PLUGINS``'s) to class paths."""
     out, args = [], list(argv)
     i = 0
     while i < len(args):
         arg = args[i]
-        for family in registry.GROUPS:
-            for flag in (f"--{family}", f"--{family}.help", f"--{family}.class_path"):
+        for family in (*registry.GROUPS, *NESTED_PLUGINS):
+            flags: tuple[str, ...]
+            if family in NESTED_PLUGINS:
+                flags, family = (family,), NESTED_PLUGINS[family]
+            else:
+                flags = (f"--{family}", f"--{family}.help", f"--{family}.class_path")
+            for flag in flags:
                 if arg == flag and i + 1 < len(args) and not args[i + 1].startswith("-"):
                     out.extend([arg, str(_resolve_value(family, args[i + 1]))])
                     i += 2

@@ -85,6 +85,11 @@ class Trainer:
         self.engine = engine or HFEngine()
         self.reward = reward or TargetCharReward(length=self.sampling.max_new_tokens)
         self.algorithm = algorithm or GRPO()
+        # on-policy distillation with the teacher on an engine of its own: it scores the samples after the reward,
+        # and a placement policy places it as a generative judge (``TeacherScoring``)
+        teacher_scoring = getattr(self.algorithm, "teacher_scoring", None)
+        if teacher_scoring is not None:
+            self.reward = teacher_scoring(self.reward, self.sampling.temperature)
         self.placement = placement or StaticPlacement()
         self.backend = backend or TorchBackend()
         self.env = env or SingleTurn()
@@ -169,6 +174,10 @@ class Trainer:
             return None
         return PluginExit(f"{where} raised {describe(cause)}; a plugin's code must raise an exception, not end "
                           "the process")
+
+    def _users_reward(self) -> RewardModel:
+        """The run's reward as configured: without the distillation teacher's scoring (``TeacherScoring``)."""
+        return getattr(self.reward, "users_reward", self.reward)
 
     def _world_size(self) -> int:
         return self.config.devices * self.config.num_nodes
@@ -287,6 +296,11 @@ class Trainer:
         if rank == 0 and self.placement.describe():
             print(self.placement.describe(), flush=True)
         self.placement.heartbeat_timeout = c.heartbeat_timeout  # engine workers' liveness deadline too
+        teacher = getattr(self.reward, "teacher_source", None)  # ``TeacherScoring``'s
+        if teacher is not None:  # the teacher engine scores the student's token ids: the same vocabulary
+            from gcore.algorithms.distill import check_teacher_vocabulary
+
+            check_teacher_vocabulary(source, teacher)
         self.rollout_engine = self.placement.launch(self.engine, self.reward, source, fabric.device,
                                                     seed=c.seed + 1000 * rank)
         balancer = (CostBalancer(prompts, self.sampling.n, self.sampling.max_new_tokens)
@@ -328,7 +342,8 @@ class Trainer:
         def evaluate() -> dict[str, float]:
             from gcore.evaluation import evaluate
 
-            return evaluate(self.rollout_engine, self.reward, tokenizer, eval_prompts, self.sampling, fabric, self.env)
+            return evaluate(self.rollout_engine, self._users_reward(), tokenizer, eval_prompts, self.sampling, fabric,
+                            self.env)
 
         return ControllerRun(fabric, tokenizer, controller, rollouts, balancer, checkpointer, start_step, run_dir,
                              eval_prompts, central, c, self.data_config.prompts_per_step, evaluate, self._plugin_exit,
@@ -364,7 +379,7 @@ class Trainer:
             "data": asdict(self.data_config),
             "sampling": asdict(self.sampling),
             "engine": plugin(self.engine),
-            "reward": plugin(self.reward),
+            "reward": plugin(self._users_reward()),
             "algorithm": plugin(self.algorithm),
             "placement": plugin(self.placement),
             "backend": plugin(self.backend),

@@ -132,6 +132,10 @@ class Sample:
     routed_experts: torch.Tensor | None = None
     #: an episode's environment counts summed over its turns (``Turn.metrics``: ``tool_calls``, ``tool_errors``, ...)
     env_metrics: dict[str, float] = field(default_factory=dict)
+    #: on-policy distillation with the teacher on an engine of its own (``--algorithm.teacher_engine``): the
+    #: teacher's log-probability of each response token (at the sampling temperature), as the engine scored it;
+    #: ``None``: not scored there (the backend's teacher computes them, or there is no teacher)
+    teacher_logprobs: list[float] | None = None
 
 
 @dataclass
@@ -220,6 +224,11 @@ def collate(samples: list[Sample], pad_id: int, temperature: float) -> RolloutBa
     attention_mask = torch.zeros((batch, length), dtype=torch.long)
     response_mask = torch.zeros((batch, length - 1))
     engine_logprobs = torch.zeros((batch, length - 1))
+    scored = [s.teacher_logprobs is not None for s in samples]
+    if any(scored) and not all(scored):
+        raise ValueError(f"{scored.count(False)} of {len(samples)} samples carry no teacher log-probabilities "
+                         "(the teacher engine scores every sample of a step)")
+    teacher_logprobs = torch.zeros((batch, length - 1)) if all(scored) else None
     for row, s in enumerate(samples):
         p, r = len(s.prompt.token_ids), len(s.response_ids)
         input_ids[row, : p + r] = torch.tensor(s.prompt.token_ids + s.response_ids, dtype=torch.long)
@@ -229,6 +238,11 @@ def collate(samples: list[Sample], pad_id: int, temperature: float) -> RolloutBa
         else:  # a multi-turn episode: the observations' tokens are context, not trained
             response_mask[row, p - 1 : p + r - 1] = torch.tensor(s.response_mask, dtype=torch.float)
         engine_logprobs[row, p - 1 : p + r - 1] = torch.tensor(s.response_logprobs, dtype=torch.float)
+        if teacher_logprobs is not None and s.teacher_logprobs is not None:
+            if len(s.teacher_logprobs) != r:
+                raise ValueError(f"a sample has {len(s.teacher_logprobs)} teacher log-probabilities for {r} "
+                                 "response tokens")
+            teacher_logprobs[row, p - 1 : p + r - 1] = torch.tensor(s.teacher_logprobs, dtype=torch.float)
     return RolloutBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -237,6 +251,7 @@ def collate(samples: list[Sample], pad_id: int, temperature: float) -> RolloutBa
         group_ids=torch.tensor([s.group for s in samples], dtype=torch.long),
         engine_logprobs=engine_logprobs,
         temperature=temperature,
+        teacher_logprobs=teacher_logprobs,
         truncated=torch.tensor([not s.finished for s in samples], dtype=torch.bool),
         features=_stack_features(samples),
         prompt_lengths=torch.tensor([len(s.prompt.token_ids) for s in samples], dtype=torch.long),

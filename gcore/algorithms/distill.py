@@ -7,7 +7,9 @@ estimate of the reverse KL ``KL(student || teacher)`` at that token, trained wit
 added to a reward's group-normalised advantage with weights (``reward_weight``, ``teacher_weight``).
 
 The teacher's log-probabilities are computed by the training backend as a second frozen model, like the reference
-model, loaded from ``--algorithm.teacher`` (docs/algorithms.md, "On-policy distillation").
+model, loaded from ``--algorithm.teacher``; or, with ``--algorithm.teacher_engine hf``, by an engine of its own that
+the placement policy places like a generative judge (``TeacherScoring``), and they travel with the samples
+(``Sample.teacher_logprobs``) to the loss (docs/algorithms.md, "On-policy distillation").
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import torch
 
 from gcore.algorithms.base import KLEstimator, LossAggregation, check, group_normalize
 from gcore.algorithms.grpo import GRPO
+from gcore.engines.base import Engine, scores_tokens
 from gcore.errors import ConfigError
 from gcore.model import ModelSource
+from gcore.rewards.base import RewardModel
 from gcore.types import RolloutBatch
 
 
@@ -43,6 +47,11 @@ class Distill(GRPO):
 
     Args:
         teacher: the teacher, a local HF checkpoint directory whose tokenizer is the student's (required).
+        teacher_engine: the engine that runs the teacher (``hf``), as a judge's engine runs: in the controller's
+            process with ``--placement static``, on the engine workers (swapped in after generation) with
+            ``--placement.workers``, on the judge partition with ``--placement dynamic``. Its per-token
+            log-probabilities of each sample travel with the sample to the loss. Unset (default): the training
+            backend loads the teacher as a second frozen model and computes them in PREPARE.
         teacher_weight: weight of the teacher's per-token advantage (> 0).
         reward_weight: weight of the reward's group-normalised advantage; 0 (default): distillation alone.
         clip_eps: clip range of the probability ratio (GRPO's).
@@ -58,6 +67,7 @@ class Distill(GRPO):
         self,
         *,
         teacher: str | None = None,
+        teacher_engine: Engine | None = None,
         teacher_weight: float = 1.0,
         reward_weight: float = 0.0,
         clip_eps: float = 0.2,
@@ -77,18 +87,34 @@ class Distill(GRPO):
               "directory with the student's tokenizer")
         check(teacher_weight > 0, f"--algorithm.teacher_weight must be > 0, got {teacher_weight}")
         check(reward_weight >= 0, f"--algorithm.reward_weight must be >= 0, got {reward_weight}")
+        if teacher_engine is not None and not scores_tokens(teacher_engine):
+            raise ConfigError(f"--algorithm.teacher_engine {type(teacher_engine).__name__}: this engine does not "
+                              "score given tokens (Engine.token_logprobs), which the teacher needs; valid choices: "
+                              f"{', '.join(scoring_engines())}, or no teacher_engine (the trainer's teacher)")
         self.teacher = teacher
+        self.teacher_engine = teacher_engine
         self.teacher_weight = teacher_weight
         self.reward_weight = reward_weight
 
     @property
     def teacher_path(self) -> str | None:
-        return self.teacher
+        """The teacher the backend loads; ``None`` with ``teacher_engine`` (an engine scores the samples)."""
+        return self.teacher if self.teacher_engine is None else None
+
+    def teacher_scoring(self, reward: RewardModel, temperature: float) -> RewardModel:
+        """``reward`` with the teacher engine's scoring added (``TeacherScoring``); ``reward`` itself without one."""
+        if self.teacher_engine is None:
+            return reward
+        from gcore.algorithms.teacher_engine import TeacherScoring  # not imported before: no --reward choice
+
+        assert self.teacher is not None  # required (checked in __init__)
+        return TeacherScoring(reward, self.teacher_engine, ModelSource(self.teacher, torch.float32), temperature)
 
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
         if batch.teacher_logprobs is None:
             raise RuntimeError("--algorithm distill: the batch has no teacher log-probabilities (the backend computes "
-                               "them when the algorithm's teacher_path is set)")
+                               "them when the algorithm's teacher_path is set; the teacher engine with the samples "
+                               "where the run's reward is TeacherScoring)")
         student = batch.old_logprobs if batch.old_logprobs is not None else self._engine_logprobs(batch)
         mask = batch.response_mask
         advantages = self.teacher_weight * reverse_kl_advantages(student, batch.teacher_logprobs, mask)
@@ -124,3 +150,16 @@ def check_teacher_vocabulary(student: ModelSource, teacher: ModelSource) -> None
         raise ConfigError(f"--algorithm.teacher {teacher.path}: its tokenizer's vocabulary ({len(theirs)} tokens) is "
                           f"not the student's ({len(mine)} tokens, {differ} differ); on-policy distillation needs "
                           "a teacher with the student's tokenizer")
+
+
+def scoring_engines() -> list[str]:
+    """The registered ``--engine`` names whose engine scores given tokens (``Engine.token_logprobs``)."""
+    from gcore import registry
+
+    found = []
+    for name in registry.names("engine"):
+        cls = registry.load("engine", name)
+        if isinstance(cls, type) and issubclass(cls, Engine) and cls.token_logprobs is not Engine.token_logprobs:
+            found.append(name)
+    return found or ["hf"]
+

@@ -106,6 +106,14 @@ class Engine(ABC):
         raises ``NotImplementedError``."""
         raise NotImplementedError(f"the {type(self).__name__} engine does not give next-token log-probabilities")
 
+    def token_logprobs(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
+                       temperature: float = 1.0) -> list[list[float]]:
+        """For each sequence (token ids), the log-probability of each of its tokens from ``starts[i]`` on given the
+        tokens before it, at ``temperature`` (the logits divided by it, as the trainer does): scoring given tokens,
+        what an on-policy distillation teacher on an engine of its own gives (``--algorithm.teacher_engine``).
+        ``starts[i]`` >= 1. An engine without it raises ``NotImplementedError``."""
+        raise NotImplementedError(f"the {type(self).__name__} engine does not score given tokens (token_logprobs)")
+
     def refuse_images(self, visual: Visual | None) -> None:
         """Raise a one-line ``ConfigError`` naming this engine when ``visual`` carries images and its
         capabilities do not say ``images``; what an engine's ``generate`` calls first where it takes none."""
@@ -191,3 +199,8 @@ def checkpoint_generation_config(path: str) -> object | None:
     # read as JSON, never as code: from_pretrained would also look for the file on the model hub
     file = Path(path) / "generation_config.json"
     return GenerationConfig.from_dict(json.loads(file.read_text())) if file.is_file() else None
+
+
+def scores_tokens(engine: Engine) -> bool:
+    """Whether ``engine``'s class implements ``token_logprobs`` (the base one raises)."""
+    return type(engine).token_logprobs is not Engine.token_logprobs

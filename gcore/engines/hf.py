@@ -225,6 +225,40 @@ class HFEngine(Engine):
             rows.extend(torch.log_softmax(logits.float(), dim=-1)[:, picked].tolist())
         return rows
 
+    @torch.inference_mode()
+    def token_logprobs(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
+                       temperature: float = 1.0) -> list[list[float]]:
+        """One forward over the right-padded sequences (chunks of ``max_batch_size``), as the trainer's
+        (``gcore/backends/torch/forward.py``): the float32 log-softmax of the logits divided by ``temperature``, at
+        each token from ``starts[i]`` on."""
+        model = self.model
+        if model is None:
+            raise RuntimeError("HFEngine.token_logprobs called before setup")
+        if len(starts) != len(sequences):
+            raise ValueError(f"token_logprobs: {len(starts)} starts for {len(sequences)} sequences")
+        if any(not 1 <= start <= len(seq) for seq, start in zip(sequences, starts, strict=True)):
+            raise ValueError("token_logprobs: each start must be >= 1 and within its sequence")
+        chunk = self.max_batch_size or len(sequences) or 1
+        rows: list[list[float]] = []
+        for first in range(0, len(sequences), chunk):
+            part = [list(seq) for seq in sequences[first : first + chunk]]
+            width = max(max(len(seq) for seq in part), 2)
+            input_ids = torch.full((len(part), width), self.pad_id, dtype=torch.long)
+            attention_mask = torch.zeros_like(input_ids)
+            for row, seq in enumerate(part):
+                input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+                attention_mask[row, : len(seq)] = 1
+            input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+            logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], use_cache=False).logits
+            logits = logits.float()
+            if temperature not in (0.0, 1.0):
+                logits = logits / temperature
+            chosen = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1).cpu()
+            for row, seq in enumerate(part):
+                start = starts[first + row]
+                rows.append(chosen[row, start - 1 : len(seq) - 1].tolist())
+        return rows
+
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)

@@ -11,11 +11,16 @@ from transformers import AutoModelForCausalLM
 from gcore import Distill, TorchBackend, Trainer
 from gcore.algorithms.base import group_normalize
 from gcore.algorithms.distill import check_teacher_vocabulary
+from gcore.algorithms.teacher_engine import TeacherScoring
 from gcore.backends.megatron import MegatronBackend
 from gcore.data import DataConfig
+from gcore.engines.base import Engine
+from gcore.engines.hf import HFEngine
 from gcore.errors import ConfigError
 from gcore.model import ModelConfig, ModelSource, char_tokenizer, materialize, vl_tokenizer
-from gcore.testing import make_batch, set_up
+from gcore.placement.dynamic import DynamicPlacement
+from gcore.rewards.base import RuleReward
+from gcore.testing import make_batch, set_up, tiny_fit
 from gcore.trainer import TrainerConfig
 from gcore.types import Prompt, Sample, SamplingParams, collate
 
@@ -75,8 +80,12 @@ def _backend(student, teacher, lr=1e-2):
     return backend, set_up(algorithm, 6)
 
 
-def _batch(backend, seed=0):
+def _batch(backend, seed=0, temperature=1.0):
     """Eight of the student's own samples (drawn from its distribution), with its log-probabilities as the engine's."""
+    return _batch_and_samples(backend, seed, temperature)[0]
+
+
+def _batch_and_samples(backend, seed=0, temperature=1.0):
     tokenizer, generator = char_tokenizer(), torch.Generator().manual_seed(seed)
     model = backend.hf_model
     samples = []
@@ -89,10 +98,10 @@ def _batch(backend, seed=0):
                 ids.append(int(torch.multinomial(probs, 1, generator=generator)))
         response = ids[3:]
         samples.append(Sample(Prompt(row, "p", prompt), row, response, [0.0] * len(response), "r", True, 0.0))
-    batch = collate(samples, tokenizer.pad_token_id, 1.0)
+    batch = collate(samples, tokenizer.pad_token_id, temperature)
     batch.engine_logprobs = backend.compute_logprobs(batch, "policy") * batch.response_mask
     batch.teacher_logprobs = backend.compute_logprobs(batch, "teacher")
-    return batch
+    return batch, samples
 
 
 def test_a_teacher_equal_to_the_student_gives_no_signal(tmp_path):
@@ -181,3 +190,92 @@ def test_a_teacher_with_another_vocabulary_is_refused(tmp_path):
                r"\(100 tokens, \d+ differ\); on-policy distillation needs a teacher with the student's tokenizer$")
     with pytest.raises(ConfigError, match=message):
         _backend(student, teacher)
+
+
+class _Sevens(RuleReward):
+    """The count of the teacher-preferred token in a reply."""
+
+    def score_one(self, sample):
+        return float(sample.response_ids.count(char_tokenizer().convert_tokens_to_ids(PREFERRED)) + 1)
+
+
+def test_the_teacher_engine_gives_the_trainers_teacher_logprobs_and_the_same_update(tmp_path):
+    """``--algorithm.teacher_engine hf``: the teacher's log-probabilities scored by an engine (``TeacherScoring``, as
+    a placement runs it in the controller's process) travel with the samples into the batch and equal the trainer's
+    teacher's, at the sampling temperature; the update from them equals the update of the trainer's teacher."""
+    student = materialize(TINY, char_tokenizer(), 0, str(tmp_path / "student"))
+    teacher = _teacher(tmp_path / "teacher", seed=0)
+    in_backend, algorithm = _backend(student, teacher)
+    batch, samples = _batch_and_samples(in_backend, temperature=0.7)
+    on_engine = Distill(teacher=teacher, teacher_engine=HFEngine())
+    assert on_engine.teacher_path is None  # the trainer loads no teacher
+    engine_backend = TorchBackend(lr=1e-2)
+    engine_backend.setup(Fabric(accelerator="cpu", devices=1), ModelSource(student), on_engine, embedded=True)
+    set_up(on_engine, 6)
+    assert engine_backend.teacher is None
+    scoring = on_engine.teacher_scoring(_Sevens(), temperature=0.7)
+    assert isinstance(scoring, TeacherScoring) and [j.source.path for j in scoring.judges()] == [teacher]
+    scoring.setup(None)
+    rewards = scoring.score(samples)
+    assert rewards == _Sevens().score(samples) and sum(rewards) > 0  # the run's reward, unchanged
+    assert scoring.last_teacher_tokens == int(batch.response_mask.sum()) == 40
+    scored = collate(samples, char_tokenizer().pad_token_id, 0.7)
+    assert scored.teacher_logprobs is not None
+    mask = batch.response_mask > 0
+    assert torch.allclose(scored.teacher_logprobs[mask], batch.teacher_logprobs[mask], atol=1e-5)
+    assert not torch.allclose(batch.teacher_logprobs[mask], batch.engine_logprobs[mask], atol=1e-2)  # a real signal
+    scored.engine_logprobs = batch.engine_logprobs
+    batch.advantages, scored.advantages = algorithm.advantages(batch), on_engine.advantages(scored)
+    assert torch.allclose(batch.advantages, scored.advantages, atol=1e-5)
+    metrics = in_backend.train(batch, algorithm)
+    engine_metrics = engine_backend.train(scored, on_engine)
+    assert metrics["grad_norm"] > 0
+    assert math.isclose(metrics["distill/reverse_kl"], engine_metrics["distill/reverse_kl"], abs_tol=1e-5)
+    assert math.isclose(metrics["grad_norm"], engine_metrics["grad_norm"], rel_tol=1e-4)
+    for (name, mine), (_, theirs) in zip(in_backend.named_weights(), engine_backend.named_weights(), strict=True):
+        assert torch.allclose(mine, theirs, atol=1e-6), name
+
+
+@pytest.mark.integration
+def test_the_teacher_engine_on_an_engine_worker_under_dynamic_placement(tmp_path):
+    """``--placement dynamic``: the teacher's engine is placed as a judge's is, on the judge partition (one of two
+    workers: ``placement/judge_devices``), and scores every sample there (one step: the workers' start is most of
+    its cost)."""
+    teacher = _teacher(tmp_path / "teacher", seed=0)
+    placement = DynamicPlacement(workers=2)
+    result = tiny_fit(steps=1, algorithm=Distill(teacher=teacher, teacher_engine=HFEngine()), placement=placement)
+    history = result.history
+    assert [m["placement/judge_devices"] for m in history] == [1.0]
+    assert all(m["distill/reverse_kl"] > 0.2 and math.isfinite(m["distill/reverse_kl"]) for m in history), history
+    assert placement.pool is not None and placement.pool.busy.get("judge", 0.0) > 0  # served on the judge worker
+
+
+class _GeneratesOnly(Engine):
+    """An engine that generates but does not score given tokens (no ``token_logprobs``)."""
+
+    def setup(self, source, device):
+        pass
+
+    def generate(self, prompts, params, visual=None):
+        return []
+
+    def update_weights(self, weights):
+        return 0
+
+
+def test_teacher_engine_refusals_are_one_line(tmp_path):
+    from gcore.cli import resolve_argv
+
+    assert resolve_argv(["--algorithm.teacher_engine", "hf"]) == ["--algorithm.teacher_engine",
+                                                                  "gcore.engines.hf.HFEngine"]
+    with pytest.raises(ConfigError, match=r"^--algorithm.teacher_engine _GeneratesOnly: this engine does not score "
+                                          r"given tokens \(Engine.token_logprobs\), which the teacher needs; valid "
+                                          r"choices: hf, or no teacher_engine \(the trainer's teacher\)$"):
+        Distill(teacher=_checkpoint_dir(tmp_path), teacher_engine=_GeneratesOnly())
+    # a teacher with another vocabulary: refused before any engine starts, as the trainer's teacher is
+    teacher = materialize(TINY, char_tokenizer(), 1, str(tmp_path / "teacher"))
+    vl_tokenizer().save_pretrained(teacher)
+    message = (rf"^--algorithm.teacher {teacher}: its tokenizer's vocabulary \(104 tokens\) is not the student's "
+               r"\(100 tokens, \d+ differ\); on-policy distillation needs a teacher with the student's tokenizer$")
+    with pytest.raises(ConfigError, match=message):
+        tiny_fit(steps=1, algorithm=Distill(teacher=teacher, teacher_engine=HFEngine()))

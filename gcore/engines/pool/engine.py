@@ -46,6 +46,15 @@ class PoolEngine(Engine):
         jobs = self.pool.submit_split("logprobs", self.role, prompts, list(candidates), self.workers, visual=visual)
         return cast("list[list[float]]", self.pool.collect(jobs))
 
+    def token_logprobs(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
+                       temperature: float = 1.0) -> list[list[float]]:
+        """Split over the role's workers like ``generate``; each sequence's log-probabilities from its start on, in
+        the order of ``sequences`` (an engine there without ``token_logprobs`` fails the request: the distillation
+        teacher refuses that before, on the configured engine)."""
+        jobs = self.pool.submit_split("token_logprobs", self.role, sequences, temperature, self.workers,
+                                      starts=starts)
+        return cast("list[list[float]]", self.pool.collect(jobs))
+
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         if self.role != POLICY:
             raise GcoreError(f"weight sync goes to the policy engine, not the {self.role} engine")

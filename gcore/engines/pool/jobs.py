@@ -19,7 +19,7 @@ from gcore.types import Sample
 
 #: what a request asks of a worker (``worker.worker_main``): sample with its engine, read next-token log-probabilities
 #: from it, score with its reward, take a role, load the shared weights; ``stop`` (no ``Job``) ends the worker
-JobKind: TypeAlias = Literal["generate", "logprobs", "score", "role", "sync"]
+JobKind: TypeAlias = Literal["generate", "logprobs", "token_logprobs", "score", "role", "sync"]
 #: what a worker answers: it started, it could not start, a request's result, a request's error
 ReplyKind: TypeAlias = Literal["ready", "fatal", "result", "error"]
 #: a worker's answer: (kind, worker index, job id or ``None``, payload: (result, busy seconds) or a traceback)

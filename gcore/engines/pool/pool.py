@@ -420,14 +420,15 @@ class WorkerPool:
         """Wait for requests of ``submit_generate``; their results in the order of its prompts."""
         return cast("list[list[Generation]]", self.collect(jobs))
 
-    def submit_split(self, kind: Literal["generate", "logprobs"], role: Role, prompts: Sequence[Sequence[int]],
-                     option: object, workers: Sequence[int], seed: int | None = None,
+    def submit_split(self, kind: Literal["generate", "logprobs", "token_logprobs"], role: Role,
+                     prompts: Sequence[Sequence[int]], option: object, workers: Sequence[int], seed: int | None = None,
                      visual: Sequence[VisualInputs | None] | None = None, base: int | None = None,
-                     hold: bool | None = None) -> list[Job]:
+                     hold: bool | None = None, starts: Sequence[int] | None = None) -> list[Job]:
         """``prompts`` split into one ``kind`` request per worker, each ``(role, its prompts, option)``; a
         ``generate`` request also carries its seed (``seed + i`` for request ``i``, or ``None``) and its prompts'
         ``visual`` inputs (or ``None``); a ``logprobs`` request its prompts' ``visual`` inputs where there are
-        any (text prompts keep the three-item request). Returns at once (``collect`` waits). With partial
+        any (text prompts keep the three-item request); a ``token_logprobs`` request its sequences' ``starts``.
+        Returns at once (``collect`` waits). With partial
         rollouts: ``base``, the weight version the rollout started at (``Job.base``); ``hold``, for a test's
         ``worker.HOLD_ENV`` only: whether the worker holds this request for an update (``None``: its own rule),
         never once an update came since ``base`` (none would come for it: the next waits for this rollout)."""
@@ -439,6 +440,9 @@ class WorkerPool:
             images = None if visual is None else list(visual[start : start + chunk])
             if kind == "logprobs":
                 return () if images is None else (images,)
+            if kind == "token_logprobs":
+                assert starts is not None  # ``PoolEngine.token_logprobs`` gives them
+                return (list(starts[start : start + chunk]),)
             partial = self.partial_rollouts and role == POLICY
             return (None if seed is None else seed + i, images,
                     partial if not partial or hold is None else ("hold" if hold else "free"))
@@ -675,7 +679,7 @@ class WorkerPool:
             if job.kind == "generate" and job.base is not None and self.partial_rollouts:
                 job.result = self._rebase(cast("list[list[Generation]]", job.result), job.version - job.base)
             job.done = job.ok = True
-            if job.kind in ("generate", "logprobs", "score"):
+            if job.kind in ("generate", "logprobs", "token_logprobs", "score"):
                 self.busy[job.role] = self.busy.get(job.role, 0.0) + job.busy_s
                 self.served[self.nodes[i]] = self.served.get(self.nodes[i], 0) + 1
             elif job.kind == "role":
@@ -712,7 +716,8 @@ class WorkerPool:
         job.errors.append(error)
         job.failed_on.add(worker)
         job.worker = None
-        if job.kind not in ("generate", "logprobs", "score"):  # a role change or sync of a dead worker: respawned later
+        if job.kind not in ("generate", "logprobs", "token_logprobs", "score"):  # a role change or sync of a dead
+            # worker: respawned later
             job.done, job.ok = True, True
             del self._jobs[job.id]
             return

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: the first item of every request a worker takes
-REQUESTS = frozenset({"generate", "logprobs", "score", "role", "sync", "stop"})
+REQUESTS = frozenset({"generate", "logprobs", "token_logprobs", "score", "role", "sync", "stop"})
 
 #: test only (tests/trainer/test_partial_rollouts.py): a count of tokens N. A partial rollout's generation that has
 #: sampled N tokens with no weight update yet waits there for the update (at most ``HOLD_GUARD_S``), so that a test's
@@ -183,6 +183,9 @@ def _serve(runtime: _WorkerRuntime, kind: JobKind, args: tuple, pending: Callabl
         role, prompts, candidates, *extra = args
         visual = extra[0] if extra else None
         return runtime.next_token_logprobs(role, prompts, candidates, visual)
+    if kind == "token_logprobs":  # (role, sequences, temperature, each sequence's start)
+        role, sequences, temperature, starts = args
+        return runtime.token_logprobs(role, sequences, starts, temperature)
     if kind == "score":
         return runtime.score(*args)
     if kind == "role":
@@ -337,6 +340,13 @@ class _WorkerRuntime:
         if visual is None:
             return self._engine(role).next_token_logprobs(prompts, candidates)
         return self._engine(role).next_token_logprobs(prompts, candidates, visual=visual)
+
+    def token_logprobs(self, role: Role, sequences: list[list[int]], starts: list[int],
+                       temperature: float) -> list[list[float]]:
+        """The ``role`` engine's log-probabilities of the given tokens of each sequence from its start on (an
+        on-policy distillation teacher's, ``Engine.token_logprobs``)."""
+        self._take(role)
+        return self._engine(role).token_logprobs(sequences, starts, temperature)
 
     def score(self, role: Role, samples: list[Sample]) -> tuple[list[float], int]:
         """The reward of each sample, and how many failed (``Scorer.last_errors``)."""
