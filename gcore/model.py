@@ -429,6 +429,10 @@ def materialize(config: ModelConfig, tokenizer, seed: int, workdir: str, vision:
     # not model.save_pretrained: under torch.distributed it writes on global rank 0 only, and every
     # rank needs its own copy here (no shared file system). Tied weights are stored under the
     # embedding's name, as save_pretrained does: vLLM's loader skips lm_head.weight when tied.
+    if config.architecture != "qwen2" and not vision:
+        # save_pretrained would name the class: vLLM picks its model from ``architectures`` and, without them, loads
+        # a Qwen3-MoE config as an embedding model (Qwen3MoeModel)
+        model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(workdir)
     model.generation_config.save_pretrained(workdir)
     state = model.state_dict()

@@ -121,16 +121,11 @@ class Trainer:
     def _validate_routing_replay(self) -> None:
         """``--backend.routing_replay`` (docs/moe.md): refuse, in one line naming the option, where the engine's routes
         cannot reach the trainer; else turn on the engine's recording (``--engine.record_routes``)."""
-        from gcore.engines.vllm import VLLMEngine
-
         flag, engine = "--backend.routing_replay true", self.engine
         name = type(engine).__name__
-        if isinstance(engine, VLLMEngine):
-            raise ConfigError(f"{flag}: the vllm engine does not hand gcore its routed experts (gcore reads no routing "
-                              "from vLLM yet); use --engine hf, or --backend.routing_replay false")
         if not engine.capabilities.routes:
             raise ConfigError(f"{flag}: --engine {name} does not record the experts it routes to; use --engine hf "
-                              "(its own loop, --engine.use_generate false)")
+                              "(its own loop, --engine.use_generate false) or vllm")
         workers = getattr(self.placement, "workers", 0)
         if type(self.placement).__name__ != "StaticPlacement" or workers:
             raise ConfigError(f"{flag}: the routes are recorded by an engine in the trainer's process only; "

