@@ -189,6 +189,11 @@ class VLLMEngine(Engine):
             max_model_len=self.max_model_len,
         )
         warn_ignored_generation_values(log, source.path, checkpoint_generation_config(source.path), "vllm")
+        if device.type == "cpu" and _experts(source.path):
+            raise ConfigError(
+                f"{source.path}: a mixture-of-experts policy on --engine vllm on CPU: vLLM {vllm.__version__}'s CPU "
+                "MoE layers keep sampling from part of the old weights after a weight sync (engine-vs-trainer log-prob "
+                "gap 0.068 after one sync, 1e-6 for a dense model; docs/moe.md); use --engine hf")
         self.vision = image_text_to_text(source.path, source.trust_remote_code)
         if self.vision and importlib.util.find_spec("torchvision") is None:
             raise ConfigError(f"{source.path}: vLLM's image-text-to-text models import torchvision (transformers' "
@@ -425,6 +430,20 @@ class VLLMEngine(Engine):
         if self.llm is not None and self.separate_process:
             self.llm.llm_engine.engine_core.shutdown()  # the child process
         self.llm = None
+
+
+def _experts(path: str) -> int:
+    """The number of experts ``path``'s ``config.json`` names (``num_experts``, or Mixtral's ``num_local_experts``;
+    read as JSON, never as code); 0 for a dense model or a path without one."""
+    import json
+
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        return 0
+    with open(file) as handle:
+        config = json.load(handle)
+    text = config.get("text_config", config)
+    return int(text.get("num_experts") or text.get("num_local_experts") or 0)
 
 
 def _architecture_override(path: str, trust_remote_code: bool) -> dict[str, Any]:

