@@ -346,6 +346,11 @@ def eval_main(argv: Sequence[str]) -> int:
                                     source.context_length(), processor)
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in sampling.stop_token_ids:
             sampling.stop_token_ids = (*sampling.stop_token_ids, tokenizer.eos_token_id)
+        if not model_config.embedded:  # Gemma 3: <end_of_turn> ends a reply; float16 refused
+            from gcore.model import family_checks
+
+            extra = family_checks(source, getattr(engine, "dtype", None))
+            sampling.stop_token_ids += tuple(t for t in extra if t not in sampling.stop_token_ids)
         torch.manual_seed(init["trainer"].seed)
         engine.setup(source, device)
         prepare_judges(reward, os.path.join(workdir, "judge"))  # a .gguf judge, converted into the eval's folder

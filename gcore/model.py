@@ -448,6 +448,17 @@ def materialize(config: ModelConfig, tokenizer, seed: int, workdir: str, vision:
     return workdir
 
 
+def _gguf_architecture(gguf_path: str) -> str | None:
+    """The ``general.architecture`` of a GGUF file (its header, memory-mapped), or ``None`` where it cannot be read."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(gguf_path).fields.get("general.architecture")
+        return bytes(field.parts[field.data[0]]).decode() if field is not None else None
+    except (OSError, ValueError, KeyError, IndexError, UnicodeDecodeError):  # transformers then fails, saying why
+        return None
+
+
 def import_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float32) -> str:
     """Convert a GGUF file into an HF checkpoint directory (model, tokenizer, chat template).
 
@@ -462,6 +473,9 @@ def import_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float32
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _check_path(gguf_path)
+    if dtype == torch.float16 and _gguf_architecture(gguf_path) == "gemma3":  # before the (long) dequantisation
+        raise ConfigError(f"{gguf_path}: --dtype float16: a Gemma 3 model's activations overflow float16; choose "
+                          "bfloat16 or float32")
     folder, name = os.path.dirname(os.path.abspath(gguf_path)), os.path.basename(gguf_path)
     try:
         # a GGUF file holds weights and metadata only: no code of its own to trust
@@ -476,11 +490,69 @@ def import_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float32
     model.load_state_dict(loaded.state_dict(), strict=True)
     model.generation_config = loaded.generation_config
     del loaded
+    with_turn_template(config, tokenizer, model.generation_config, gguf_path)
     os.makedirs(out_dir, exist_ok=True)
     # not model.save_pretrained under torch.distributed: see ``materialize``; this runs before launch
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+#: Gemma 3's chat template (the one google/gemma-3-* tokenizers ship), for a Gemma 3 GGUF file that holds none (the
+#: 270M pretrained model's): a system message goes before the first user turn, the assistant's role is ``model``
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+
+
+def with_turn_template(config, tokenizer, generation, source: str) -> None:  # noqa: ANN001
+    """Gemma 3 (``model_type`` ``gemma3_text``/``gemma3``): the turn-end token ``<end_of_turn>`` ends a generation
+    besides ``<eos>`` (``generation.eos_token_id`` becomes both, as Google's checkpoints have it: the ``hf`` engine,
+    vLLM and SGLang stop there), and a tokenizer without a chat template gets Gemma 3's (``GEMMA3_CHAT_TEMPLATE``).
+    Other models are left as they are. A Gemma 3 vocabulary without ``<end_of_turn>`` is refused (``source`` named)."""
+    if getattr(config, "model_type", None) not in ("gemma3_text", "gemma3"):
+        return
+    turn_end = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    if not isinstance(turn_end, int) or turn_end == tokenizer.unk_token_id:
+        raise ConfigError(f"{source}: a Gemma 3 model whose vocabulary has no <end_of_turn> token: its chat turns "
+                          "could not end")
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
+    eos = list(eos) if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
+    generation.eos_token_id = [*eos, turn_end] if turn_end not in eos else eos
+
+
+def family_checks(source: ModelSource, engine_dtype: str | None = None) -> tuple[int, ...]:
+    """What a model family needs at the start of a run; returns the extra token ids that end a generation.
+
+    Gemma 3 (``gemma3_text``/``gemma3``): ``<end_of_turn>`` ends a chat reply besides ``<eos>`` (returned, so that
+    every engine stops there, not only those that read the checkpoint's generation config), and float16 is refused:
+    Gemma's activations exceed float16's range (use bfloat16 or float32). Other models: nothing, ``()``.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(source.path, trust_remote_code=source.trust_remote_code)
+    if getattr(config, "model_type", None) not in ("gemma3_text", "gemma3"):
+        return ()
+    for flag, dtype in (("--model.dtype", source.dtype), ("--engine.dtype", engine_dtype)):
+        if dtype in (torch.float16, "float16"):
+            raise ConfigError(f"{flag} float16: {source.path} is a Gemma 3 model, whose activations overflow "
+                              "float16; choose bfloat16 or float32")
+    tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=source.trust_remote_code)
+    turn_end = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    return (turn_end,) if isinstance(turn_end, int) and turn_end != tokenizer.unk_token_id else ()
 
 
 #: the file a finished ``converted_gguf`` folder holds: what it was converted from

@@ -31,7 +31,15 @@ from gcore.errors import ConfigError, PluginExit
 from gcore.inflight import InFlightRollouts, check_options
 from gcore.liveness import SIGNALS, ControllerWatch, report_rank_failure
 from gcore.loggers import make_logger, quiet_dependencies
-from gcore.model import ModelConfig, ModelSource, image_text_to_text, load_tokenizer, make_workdir, materialize
+from gcore.model import (
+    ModelConfig,
+    ModelSource,
+    family_checks,
+    image_text_to_text,
+    load_tokenizer,
+    make_workdir,
+    materialize,
+)
 from gcore.placement.base import PlacementPolicy
 from gcore.rendezvous import loopback_store
 from gcore.rewards.base import RewardModel, prepare_judges
@@ -283,6 +291,9 @@ class Trainer:
                                processor)
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.sampling.stop_token_ids:
             self.sampling.stop_token_ids = (*self.sampling.stop_token_ids, tokenizer.eos_token_id)
+        if not self.model_config.embedded:  # Gemma 3: <end_of_turn> ends a reply; float16 refused
+            stops = family_checks(source, getattr(self.engine, "dtype", None))
+            self.sampling.stop_token_ids += tuple(t for t in stops if t not in self.sampling.stop_token_ids)
         fabric.seed_everything(c.seed + rank, verbose=False)  # different samples per controller
 
         central = self._single_controller()

