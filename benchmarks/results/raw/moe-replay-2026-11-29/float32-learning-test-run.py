@@ -1,6 +1,10 @@
-import sys, time
-from gcore import GRPO, HFEngine, Trainer, TrainerConfig, TorchBackend
+"""The MoE learning test's spread in float32: python float32-learning-test-run.py SEED STEPS (one thread)."""
+import sys
+import time
+
+from gcore import GRPO, HFEngine, TorchBackend, Trainer, TrainerConfig
 from gcore.model import ModelConfig
+
 seed = int(sys.argv[1]); steps = int(sys.argv[2])
 t = time.time()
 h = Trainer(trainer=TrainerConfig(max_steps=steps, seed=seed, default_root_dir=f"/tmp/moe-f32/{seed}", enable_progress_bar=False, save_final=False),
