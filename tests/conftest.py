@@ -283,6 +283,23 @@ def assert_rewards_rise(histories, min_ratio: float, min_mean_gain: float) -> No
         summary
 
 
+def gap_after_a_step_and_a_sync(engine, backend, tokenizer, params, prompts) -> tuple[float, float]:
+    """One GRPO step on the engine's samples of ``prompts`` (rewards 0, 1, 2 by row), then a weight sync: the largest
+    engine-vs-trainer log-probability gap before the sync (stale weights) and after it."""
+    from gcore.algorithms import GRPO
+    from gcore.algorithms.base import group_normalize
+    from gcore.testing import set_up
+
+    _, batch = engine_logprob_gap(engine, backend, tokenizer, params, prompts)
+    batch.rewards = torch.arange(len(batch), dtype=torch.float) % 3
+    batch.advantages = group_normalize(batch.rewards, batch.group_ids, scale=True)
+    backend.train(batch, set_up(GRPO(kl_coef=0.0), params.max_new_tokens))
+    stale, _ = engine_logprob_gap(engine, backend, tokenizer, params, prompts)
+    engine.update_weights(backend.named_weights())
+    synced, _ = engine_logprob_gap(engine, backend, tokenizer, params, prompts)
+    return stale, synced
+
+
 def engine_logprob_gap(engine, backend, tokenizer, params, prompts=None):
     """Largest |engine logprob - trainer logprob| over the engine's samples for ``prompts`` (default:
     the embedded task's ``0=`` .. ``3=``), and the batch of those samples (engine parity tests)."""
