@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 #: seconds a closing runner waits for an idle child to leave on its own before killing it
 _CLOSE_GRACE_S = 1.0
+_START_TIMEOUT_S = 300.0  # a child's start: the forkserver's first use and the environment's unpickling
+_READY = b"ready"
 
 
 class CallTimeout(Exception):
@@ -216,7 +218,19 @@ class ProcessRunner:
             process.start()
         there.close()
         self.started += 1
-        return _Child(process, parent)
+        child = _Child(process, parent)
+        # a call's --env.timeout_s starts once the child has built the environment: its start (the forkserver's first
+        # use, unpickling the environment, importing its module) is not the environment's call, and takes seconds on
+        # a busy machine
+        try:
+            if not parent.poll(_START_TIMEOUT_S):
+                self._kill(child)
+                raise CallFailed(f"its process (pid {process.pid}) did not start within {_START_TIMEOUT_S:.0f} s")
+            parent.recv_bytes()  # ``_READY``
+        except (OSError, EOFError) as err:
+            self._discard(child)
+            raise CallFailed(f"its process ended while it started ({child.ended(err)})") from None
+        return child
 
     def _give_back(self, child: _Child) -> None:
         with self._lock:
@@ -280,6 +294,7 @@ def _child_main(conn: Connection, payload: bytes) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the controller decides
     _die_with_parent()
     env = pickle.loads(payload)  # the controller's own pickle of the environment it built
+    conn.send_bytes(_READY)  # built: the controller starts the call's timeout now
     while True:
         try:
             message = conn.recv_bytes()

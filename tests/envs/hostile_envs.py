@@ -30,6 +30,19 @@ class Hangs(_Marking):
         time.sleep(10**6)
 
 
+class SlowToStart(_Marking):
+    """Its process takes 3 s to build it (unpickling sleeps), longer than the ``--env.timeout_s`` of 2 s that its
+    calls are given, which answer at once."""
+
+    def __setstate__(self, state):
+        time.sleep(3)
+        self.__dict__.update(state)
+
+    def step(self, state, response):
+        self._mark()
+        return Turn(done=True)
+
+
 class HangsInReset(_Marking):
     def reset(self, prompt):
         self._mark()

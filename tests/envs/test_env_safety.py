@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import tiny_hf_engine
-from hostile_envs import BadIds, Broken, Exits, Hangs, HangsInReset, Huge, ManyIds, NanReward
+from hostile_envs import BadIds, Broken, Exits, Hangs, HangsInReset, Huge, ManyIds, NanReward, SlowToStart
 
 from gcore import ModelConfig, Prompt, SamplingParams
 from gcore.envs.episodes import EpisodeStats, close_runner, env_runner, run_episodes
@@ -115,6 +115,18 @@ def test_a_step_that_never_returns_is_killed_with_its_process(tiny, tmp_path):
     pids = {pid for pid, _ in _marks(marks)}
     assert len(pids) >= 1 and os.getpid() not in pids  # it ran in other processes, all of them gone
     assert not [pid for pid in pids if _alive(pid)]
+
+
+def test_a_slow_process_start_is_not_a_call_timeout(tiny, tmp_path):
+    """``--env.timeout_s`` times the environment's calls, not its process's start: a child that takes 3 s to build the
+    environment (a busy machine, a slow import) answers calls given 2 s each (before: every episode's first call
+    timed out, its process killed)."""
+    marks = tmp_path / "marks"
+    env = SlowToStart(marks=str(marks), timeout_s=2.0, workers=1)
+    stats = EpisodeStats()
+    samples = _run(tiny, env, stats=stats)
+    assert not stats.counts.get("errors") and not stats.counts.get("timeouts"), stats.first_error
+    assert all(s.finished for s in samples) and len(_marks(marks)) == 4
 
 
 def test_a_reset_that_never_returns_ends_its_episode(tiny, tmp_path):
