@@ -212,7 +212,7 @@ class HFEngine(Engine):
         chunk = self.max_batch_size or len(prompts)
         rows: list[list[float]] = []
         for start in range(0, len(prompts), chunk):
-            input_ids, attention_mask = self._left_pad([list(p) for p in prompts[start : start + chunk]])
+            input_ids, attention_mask = self._pad([list(p) for p in prompts[start : start + chunk]])
             input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
             position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as each prompt alone
             images = list(visual[start : start + chunk]) if visual is not None else []
@@ -242,12 +242,7 @@ class HFEngine(Engine):
         rows: list[list[float]] = []
         for first in range(0, len(sequences), chunk):
             part = [list(seq) for seq in sequences[first : first + chunk]]
-            width = max(max(len(seq) for seq in part), 2)
-            input_ids = torch.full((len(part), width), self.pad_id, dtype=torch.long)
-            attention_mask = torch.zeros_like(input_ids)
-            for row, seq in enumerate(part):
-                input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-                attention_mask[row, : len(seq)] = 1
+            input_ids, attention_mask = self._pad(part, right=True, min_width=2)
             input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
             logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], use_cache=False).logits
             logits = logits.float()
@@ -259,13 +254,16 @@ class HFEngine(Engine):
                 rows.append(chosen[row, start - 1 : len(seq) - 1].tolist())
         return rows
 
-    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+    def _pad(self, rows: list[list[int]], right: bool = False, min_width: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows`` padded to one width (at least ``min_width``) with the pad id, on the left (prompts to continue) or
+        on the ``right`` (sequences to score); and the attention mask of their tokens."""
+        width = max(max(len(r) for r in rows), min_width)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
-        for row, p in enumerate(prompts):
-            input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            attention_mask[row, width - len(p) :] = 1
+        for i, r in enumerate(rows):
+            where = slice(0, len(r)) if right else slice(width - len(r), width)
+            input_ids[i, where] = torch.tensor(r, dtype=torch.long)
+            attention_mask[i, where] = 1
         return input_ids, attention_mask
 
     def _static_decoder(self, model: PreTrainedModel) -> StaticCacheDecoder | None:
@@ -347,7 +345,7 @@ class HFEngine(Engine):
         if any(length for length, _ in hits):  # the cached prefixes' KV, then each prompt's new tokens after it
             input_ids, attention_mask, position_ids, cache = self._after_prefixes(model, texts, hits)
         else:
-            input_ids, attention_mask = self._left_pad(texts)
+            input_ids, attention_mask = self._pad(texts)
             input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
             # positions count real tokens only, so a left-padded row sees the positions it would see alone
             position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -383,7 +381,7 @@ class HFEngine(Engine):
         device = self.device
         past = max(length for length, _ in hits)
         suffixes = [p[length:] for p, (length, _) in zip(prompts, hits, strict=True)]
-        input_ids, suffix_mask = self._left_pad(suffixes)
+        input_ids, suffix_mask = self._pad(suffixes)
         attention_mask = torch.cat((torch.zeros((len(prompts), past), dtype=torch.long), suffix_mask), dim=1)
         for row, (length, _) in enumerate(hits):
             attention_mask[row, past - length : past] = 1
@@ -535,7 +533,7 @@ class HFEngine(Engine):
         ]
 
     def _generate(self, model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        input_ids, attention_mask = self._left_pad(prompts)
+        input_ids, attention_mask = self._pad(prompts)
         width = input_ids.shape[1]
         stop_ids = tuple(dict.fromkeys(self.eos_ids + tuple(params.stop_token_ids)))
         greedy = params.temperature == 0

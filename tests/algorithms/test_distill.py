@@ -219,6 +219,7 @@ def test_the_teacher_engine_gives_the_trainers_teacher_logprobs_and_the_same_upd
     rewards = scoring.score(samples)
     assert rewards == _Sevens().score(samples) and sum(rewards) > 0  # the run's reward, unchanged
     assert scoring.last_teacher_tokens == int(batch.response_mask.sum()) == 40
+    assert all(s.teacher_logprobs is not None and len(s.teacher_logprobs) == len(s.response_ids) for s in samples)
     scored = collate(samples, char_tokenizer().pad_token_id, 0.7)
     assert scored.teacher_logprobs is not None
     mask = batch.response_mask > 0
